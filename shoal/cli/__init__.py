@@ -1,0 +1,1 @@
+"""Command-line tools: `shoal run`, `shoal bench`."""

@@ -1,0 +1,283 @@
+"""A set of workers and the collectives among them.
+
+:class:`Group` wraps a ``torch.distributed`` ProcessGroup (gloo on CPU, NCCL
+on CUDA). Every collective is asynchronous and returns a :class:`Handle`; every
+collective is counted by the group's :class:`~shoal.comm.meter.Meter` under a
+tag. Nothing here knows about gradients or models: algorithms live above.
+
+Example (inside a process started by ``shoal run`` or ``torchrun``)::
+
+    import shoal, torch
+    group = shoal.init()                       # the world, metered
+    t = torch.ones(4)
+    group.all_reduce(t, op="avg", tag="demo").wait()
+    print(group.meter.counters("demo").bytes_sent)
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shoal.comm.meter import Meter
+from shoal.errors import CommTimeoutError, ConfigError, ShoalError
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
+
+
+class Handle:
+    """An in-flight collective; :meth:`wait` returns its result.
+
+    ``result`` is what the collective produces (the reduced tensor, the list
+    of gathered tensors, ...). ``post`` runs once on completion before the
+    result is returned (e.g. division for an average on gloo).
+    """
+
+    def __init__(
+        self,
+        work: Any,
+        result: Any,
+        meter: Meter,
+        tag: str,
+        timeout: float | None,
+        post: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self._work = work
+        self._result = result
+        self._meter = meter
+        self._tag = tag
+        self._timeout = timeout
+        self._post = post
+        self._done = work is None
+        if self._done and post is not None:
+            self._result = post(result)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done (at most ``timeout`` seconds, else the group's op timeout).
+
+        Raises :class:`~shoal.errors.CommTimeoutError` when the deadline passes.
+        """
+        if not self._done:
+            limit = self._timeout if timeout is None else timeout
+            t0 = time.perf_counter()
+            try:
+                if limit is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(datetime.timedelta(seconds=limit))
+            except RuntimeError as e:
+                if _is_timeout(e):
+                    raise CommTimeoutError(
+                        f"collective tagged {self._tag!r} did not finish within {limit} s; "
+                        "a peer is slow, hung or gone (raise the op timeout if the network is just slow)"
+                    ) from e
+                raise
+            finally:
+                self._meter.add_wait(self._tag, time.perf_counter() - t0)
+            self._done = True
+            if self._post is not None:
+                self._result = self._post(self._result)
+        return self._result
+
+    def future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` completed with the result (for comm hooks)."""
+        if self._work is None:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(self._result)
+            return fut
+        post, result = self._post, self._result
+        return self._work.get_future().then(lambda _f: post(result) if post is not None else result)
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._work.is_completed())
+
+
+class Group:
+    """Workers over one ProcessGroup, with metered asynchronous collectives.
+
+    Args:
+        process_group: a ``torch.distributed`` ProcessGroup; ``None`` means the
+            default (world) group, which must be initialised
+            (:func:`shoal.init`).
+        timeout: per-operation timeout in seconds used by :meth:`Handle.wait`
+            (``None``: the process group's own timeout).
+        meter: where bytes are counted; a fresh one by default.
+
+    Example::
+
+        group = Group()                            # default group
+        h = group.all_reduce(torch.ones(3), op="avg", tag="x")
+        out = h.wait()
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float | None = None,
+        meter: Meter | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ShoalError(
+                "torch.distributed is not initialised: call shoal.init() (or "
+                "torch.distributed.init_process_group) in every worker first, "
+                "e.g. under `shoal run -n 2 script.py` or `torchrun --nproc-per-node 2 script.py`"
+            )
+        if timeout is not None and timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 seconds or None, got {timeout}")
+        self.pg = process_group if process_group is not None else dist.group.WORLD
+        self.timeout = timeout
+        self.meter = meter if meter is not None else Meter()
+        self.rank = dist.get_rank(self.pg)
+        self.size = dist.get_world_size(self.pg)
+        self.backend = str(dist.get_backend(self.pg)).lower()
+        self._global_ranks = [dist.get_global_rank(self.pg, r) for r in range(self.size)] if self.pg is not dist.group.WORLD else list(range(self.size))
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensors handed to this group's collectives must live."""
+        if "nccl" in self.backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def global_rank(self, group_rank: int) -> int:
+        return self._global_ranks[group_rank]
+
+    # --- collectives -----------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
+        """Reduce ``tensor`` in place over the group; ``op`` in sum/avg/max/min/product."""
+        self.meter.record(tag, "all_reduce", _nbytes(tensor), self.size, self.rank)
+        if self.size == 1:
+            return Handle(None, tensor, self.meter, tag, self.timeout)
+        post: Callable[[Any], Any] | None = None
+        if op == "avg":
+            if "nccl" in self.backend:
+                reduce_op = dist.ReduceOp.AVG
+            else:  # gloo has no AVG: sum, then divide once done
+                reduce_op = dist.ReduceOp.SUM
+                size = self.size
+                post = lambda t: t.div_(size)  # noqa: E731
+        elif op in _REDUCE_OPS:
+            reduce_op = _REDUCE_OPS[op]
+        else:
+            raise ConfigError(f"unknown reduce op {op!r}; expected avg or one of {sorted(_REDUCE_OPS)}")
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.pg, async_op=True)
+        return Handle(work, tensor, self.meter, tag, self.timeout, post)
+
+    def all_gather(self, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        """Gather equally shaped ``tensor`` from every rank; result: list by group rank."""
+        self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
+        if self.size == 1:
+            return Handle(None, [tensor], self.meter, tag, self.timeout)
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        work = dist.all_gather(out, tensor.contiguous(), group=self.pg, async_op=True)
+        return Handle(work, out, self.meter, tag, self.timeout)
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        """Gather into one flat ``output`` of ``size * tensor.numel()`` elements."""
+        if output.numel() != self.size * tensor.numel():
+            raise ValueError(f"output has {output.numel()} elements, expected {self.size} x {tensor.numel()}")
+        self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
+        if self.size == 1:
+            output.view(-1).copy_(tensor.view(-1))
+            return Handle(None, output, self.meter, tag, self.timeout)
+        work = dist.all_gather_into_tensor(output, tensor.contiguous(), group=self.pg, async_op=True)
+        return Handle(work, output, self.meter, tag, self.timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "misc") -> Handle:
+        """Overwrite ``tensor`` on every rank with group rank ``src``'s."""
+        self._check_rank(src, "src")
+        self.meter.record(tag, "broadcast", _nbytes(tensor), self.size, self.rank, src)
+        if self.size == 1:
+            return Handle(None, tensor, self.meter, tag, self.timeout)
+        work = dist.broadcast(tensor, src=self.global_rank(src), group=self.pg, async_op=True)
+        return Handle(work, tensor, self.meter, tag, self.timeout)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
+        """Sum ``tensor`` (``size`` equal chunks) over ranks; chunk ``rank`` lands in ``output``."""
+        if tensor.numel() != self.size * output.numel():
+            raise ValueError(f"input has {tensor.numel()} elements, expected {self.size} x {output.numel()}")
+        if op not in ("sum", "avg"):
+            raise ConfigError(f"reduce_scatter supports sum and avg, got {op!r}")
+        self.meter.record(tag, "reduce_scatter", _nbytes(tensor), self.size, self.rank)
+        size = self.size
+        post = (lambda t: t.div_(size)) if op == "avg" else None  # noqa: E731
+        if self.size == 1:
+            output.view(-1).copy_(tensor.view(-1))
+            return Handle(None, output, self.meter, tag, self.timeout, post)
+        if self.backend == "gloo":
+            # gloo has no reduce_scatter: an all-reduce of the whole input
+            # costs the same bytes as reduce-scatter plus all-gather.
+            buf = tensor.clone()
+            self.meter.record(tag, "all_gather", _nbytes(output), self.size, self.rank)
+            work = dist.all_reduce(buf, group=self.pg, async_op=True)
+            chunk = buf.view(-1).narrow(0, self.rank * output.numel(), output.numel())
+
+            def take(_out: torch.Tensor) -> torch.Tensor:
+                _out.view(-1).copy_(chunk)
+                return post(_out) if post is not None else _out
+
+            return Handle(work, output, self.meter, tag, self.timeout, take)
+        work = dist.reduce_scatter_tensor(output, tensor.contiguous(), group=self.pg, async_op=True)
+        return Handle(work, output, self.meter, tag, self.timeout, post)
+
+    def barrier(self, tag: str = "control") -> None:
+        self.meter.record(tag, "barrier", 0, self.size, self.rank)
+        if self.size > 1:
+            dist.barrier(group=self.pg)
+
+    def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
+        """Blocking gather of a picklable object from every rank (for checks, not hot paths)."""
+        self.meter.record(tag, "all_gather", len(pickle.dumps(obj)), self.size, self.rank)
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    # --- structure ---------------------------------------------------------
+    def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
+        """Form subgroups (lists of this group's ranks); every rank must call it.
+
+        Returns this rank's subgroup, sharing this group's meter and timeout,
+        or ``None`` if this rank is in none of them.
+        """
+        seen: set[int] = set()
+        for ranks in ranks_per_subgroup:
+            for r in ranks:
+                self._check_rank(r, "subgroup rank")
+                if r in seen:
+                    raise ConfigError(f"rank {r} appears in more than one subgroup")
+                seen.add(r)
+        mine: Group | None = None
+        for ranks in ranks_per_subgroup:
+            pg = dist.new_group([self.global_rank(r) for r in ranks])
+            if self.rank in ranks:
+                mine = Group(pg, timeout=self.timeout, meter=self.meter)
+        return mine
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not 0 <= r < self.size:
+            raise ConfigError(f"{what} {r} is outside this group of {self.size} ranks")
+
+    def __repr__(self) -> str:
+        return f"Group(rank={self.rank}, size={self.size}, backend={self.backend!r})"

@@ -1,0 +1,5 @@
+"""Helpers for testing distributed training code (shipped for users' tests too)."""
+
+from shoal.testing.procs import WorkerError, free_port, run_workers
+
+__all__ = ["run_workers", "free_port", "WorkerError"]

@@ -1,0 +1,152 @@
+"""Run a function on N local worker processes joined by a gloo group.
+
+Example::
+
+    def work(rank, world):
+        t = torch.ones(1) * rank
+        torch.distributed.all_reduce(t)
+        return t.item()
+
+    assert run_workers(work, 2) == [1.0, 1.0]
+
+``fn`` must be importable by the children (defined at module level). Each
+child sets ``torch.set_num_threads(1)``, joins a gloo group on loopback with a
+fresh port, runs ``fn(rank, world_size, *args)`` and sends back its result
+(anything ``torch.save`` can write). An exception in any child, or the
+``timeout`` passing, kills every child and raises :class:`WorkerError` with
+each failed rank's traceback: a test never hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+class WorkerError(RuntimeError):
+    """One or more worker processes failed or timed out."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    out_dir: str,
+    env: dict[str, str],
+    init_group: bool,
+    op_timeout: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"{rank}.pt")
+    try:
+        if init_group:
+            torch.distributed.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=op_timeout)
+            )
+        result = fn(rank, world_size, *args)
+        torch.save(result, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    except BaseException:  # report everything, including SystemExit from user code
+        with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        if init_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    op_timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    init_group: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    Args:
+        timeout: hard limit in seconds for the whole run.
+        op_timeout: the gloo group's timeout, so a lost peer fails a
+            collective instead of blocking it forever.
+        env: extra environment variables for the children.
+        init_group: set False when ``fn`` builds its own group.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="shoal-workers-") as out_dir:
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world_size, port, args, out_dir, dict(env or {}), init_group, op_timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed_early = False
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            # A rank that died or failed makes the others wait on it: stop early.
+            if any(p.exitcode not in (None, 0) for p in procs) or any(
+                os.path.exists(os.path.join(out_dir, f"{r}.err")) for r in range(world_size)
+            ):
+                failed_early = True
+                time.sleep(1.0)  # let the others write their own errors
+                break
+            time.sleep(0.02)
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+        results: list[Any] = []
+        errors: list[str] = []
+        for r, p in enumerate(procs):
+            path = os.path.join(out_dir, f"{r}.pt")
+            err_path = os.path.join(out_dir, f"{r}.err")
+            if os.path.exists(err_path):
+                with open(err_path) as f:
+                    errors.append(f"--- rank {r} raised:\n{f.read()}")
+            elif os.path.exists(path):
+                results.append(torch.load(path, weights_only=False))
+                continue
+            elif r in alive and not failed_early:
+                errors.append(f"--- rank {r} still running after {timeout:.0f} s (killed)")
+            else:
+                errors.append(f"--- rank {r} exited with code {p.exitcode} and no result")
+            results.append(None)
+        if errors:
+            raise WorkerError("\n".join(errors))
+        return results
+
