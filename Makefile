@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+demo: $(STAMP)
+	$(BIN)/python -m shoal.bench.overhead --workers 2 --steps 10 --rounds 2
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 

@@ -66,11 +66,11 @@ class GradBucket:
     """
 
     def __init__(self, index: int, buffer: torch.Tensor, grads: list[torch.Tensor],
-                 params: list[torch.Tensor], names: list[str], last: bool) -> None:
+                 params: Sequence[torch.Tensor], names: list[str], last: bool) -> None:
         self._index = index
         self._buffer = buffer
         self._grads = grads
-        self._params = params
+        self._params = list(params)
         self._names = names
         self._last = last
 

@@ -1,0 +1,1 @@
+"""Benchmarks: tasks, network profiles, runner, report and plot."""
