@@ -23,6 +23,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.comm.group import Group
+from shoal.codecs.base import Codec
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
 from shoal.reducer import CommHook, Reducer
@@ -90,6 +91,10 @@ class DistributedDataParallel(nn.Module):
             traversal per step, so leave it off when every parameter is used.
         gradient_as_bucket_view: leave ``.grad`` as views into the bucket
             buffers (saves a copy and memory; ``.grad`` then aliases them).
+        codec: a :class:`shoal.codecs.Codec` that averages each bucket's
+            gradients (e.g. ``shoal.codecs.PowerSGD(rank=4)``), run on a
+            communication thread so it overlaps backward. ``None``: exact
+            all-reduce. Its state is in ``model.codec.state_dict()``.
 
     Example::
 
@@ -109,12 +114,15 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        codec: Codec | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
         if dim != 0:
             raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
         device = _single_device(module)
@@ -133,6 +141,9 @@ class DistributedDataParallel(nn.Module):
         self._broadcast_state()
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
                                find_unused_parameters, gradient_as_bucket_view)
+        self.codec = codec
+        if codec is not None:
+            self.reducer.set_codec(codec)
         self._steps = StepMeter(self.group.meter, "ddp")
         self.reducer.on_step_done = self._steps.mark_step
 
@@ -226,6 +237,11 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError(f"hook must be callable, got {type(hook).__name__}")
         if self.reducer.comm_hook is not None:
             raise ShoalError("a communication hook is already registered; register_comm_hook may be called once")
+        if self.codec is not None:
+            raise ShoalError(
+                f"this model already averages through codec {type(self.codec).__name__}; "
+                "use either codec= or register_comm_hook, not both"
+            )
         self.reducer.comm_hook = hook
         self.reducer.hook_state = state
 

@@ -14,13 +14,18 @@ flight is waited for and the averaged gradients are written to ``.grad``.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from shoal.comm.group import Group, Handle
 from shoal.errors import ShoalError
+
+if TYPE_CHECKING:
+    from shoal.codecs.base import Codec
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -116,7 +121,7 @@ class _Bucket:
             self.views.append(self.buffer.narrow(0, offset, p.numel()).view(p.shape))
             offset += p.numel()
         self.pending = len(members)
-        self.work: Handle | torch.futures.Future | None = None
+        self.work: Handle | torch.futures.Future | ThreadFuture | None = None
 
     def grad_bucket(self) -> GradBucket:
         return GradBucket(self.index, self.buffer, self.views, self.params, self.names, self.last)
@@ -152,6 +157,8 @@ class Reducer:
                 self._where[i] = (b, slot)
         self.comm_hook: CommHook | None = None
         self.hook_state: Any = None
+        self.codec: Codec | None = None
+        self._comm_thread: ThreadPoolExecutor | None = None
         self.on_step_done: Callable[[], None] | None = None
         self._armed = False        # a synchronised backward is expected
         self._started = False      # its first hook has fired
@@ -210,8 +217,8 @@ class Reducer:
             view.zero_()
         elif grad.is_sparse:
             raise ShoalError(f"parameter {self.names[i]!r} has a sparse gradient; shoal's DDP needs dense gradients")
-        elif self.comm_hook is not None:
-            if grad.data_ptr() != view.data_ptr():
+        elif self.comm_hook is not None or self.codec is not None:
+            if grad.data_ptr() != view.data_ptr():  # the hook or codec averages itself
                 view.copy_(grad)
         elif grad.data_ptr() == view.data_ptr():
             view.div_(self.group.size)
@@ -226,7 +233,9 @@ class Reducer:
         # In index order only: a collective must be issued in the same order on every rank.
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             b = self.buckets[self._next_bucket]
-            if self.comm_hook is None:
+            if self.codec is not None:
+                b.work = self._run_codec(b, self.codec)
+            elif self.comm_hook is None:
                 b.work = self.group.all_reduce(b.buffer, op="sum", tag=GRAD_TAG)
             else:
                 b.work = self.comm_hook(self.hook_state, b.grad_bucket())
@@ -236,6 +245,25 @@ class Reducer:
                         "torch.futures.Future whose value is the bucket's reduced tensor"
                     )
             self._next_bucket += 1
+
+    def set_codec(self, codec: Codec) -> None:
+        """Average buckets through ``codec`` on a dedicated communication thread.
+
+        One thread, fed in bucket order, keeps every rank's collectives in the
+        same order while the codec's rounds overlap the rest of backward.
+        """
+        self.codec = codec
+
+    def _run_codec(self, b: _Bucket, codec: Codec) -> ThreadFuture:
+        if self._comm_thread is None:
+            self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-comm")
+        group, tag = self.group, f"{GRAD_TAG}/{type(codec).__name__.lower()}"
+
+        def reduce() -> torch.Tensor:
+            codec.mean(b.views, b.names, group, tag)
+            return b.buffer
+
+        return self._comm_thread.submit(reduce)
 
     def _finalize(self) -> None:
         """End of backward: wait for in-flight reductions, write ``.grad``."""
@@ -247,11 +275,13 @@ class Reducer:
                 "their gradients cannot be averaged. If the forward does not use every parameter, "
                 "pass find_unused_parameters=True; if they should not train, set requires_grad=False"
             )
-        globally_used = self._global_usage() if self.find_unused else None
         for b in self.buckets:
             result = self._wait(b)
             if result is not b.buffer:
                 b.buffer.copy_(result.view(-1))
+        # Only after every bucket is done: no collective may race the comm thread's.
+        globally_used = self._global_usage() if self.find_unused else None
+        for b in self.buckets:
             self._write_grads(b, globally_used)
         self._used.zero_()
         if self.on_step_done is not None:
@@ -261,7 +291,7 @@ class Reducer:
         if isinstance(b.work, Handle):
             return b.work.wait()
         t0 = time.perf_counter()
-        value = b.work.wait()  # type: ignore[union-attr]
+        value = b.work.result() if isinstance(b.work, ThreadFuture) else b.work.wait()  # type: ignore[union-attr]
         self.group.meter.add_wait(GRAD_TAG, time.perf_counter() - t0)
         if isinstance(value, list):  # a raw Work future yields a list of tensors
             value = value[0]
@@ -300,6 +330,8 @@ class Reducer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._comm_thread is not None:
+            self._comm_thread.shutdown(wait=False)
 
 
 def _params_in_graph(outputs: Any) -> set[int]:
