@@ -82,6 +82,7 @@ class Int8Blockwise(LossyCodec):
         # Rounded up to 4 bytes so every rank's fp32 scales stay aligned in the gathered buffer.
         return -(-nblocks * (4 + self.block_size) // 4) * 4
 
+    @torch.no_grad()
     def mean_with_residual(
         self,
         tensors: Sequence[torch.Tensor],
