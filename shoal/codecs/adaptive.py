@@ -33,6 +33,7 @@ class SizeAdaptive(LossyCodec):
         self.lossy = small.lossy or large.lossy
         self.error_feedback = bool(getattr(small, "error_feedback", False) or getattr(large, "error_feedback", False))
 
+    @torch.no_grad()
     def mean_with_residual(
         self,
         tensors: Sequence[torch.Tensor],

@@ -47,6 +47,7 @@ class Cast(LossyCodec):
     def _suffix(self) -> str:
         return "fp16" if self.dtype == torch.float16 else "bf16"
 
+    @torch.no_grad()
     def mean_with_residual(
         self,
         tensors: Sequence[torch.Tensor],
@@ -82,7 +83,7 @@ class Cast(LossyCodec):
                 out.copy_(wire)
                 return
             except RuntimeError as e:
-                if "type" not in str(e).lower():
+                if "unsupported" not in str(e).lower():  # not a dtype refusal: a real failure
                     raise
                 _NO_NATIVE_REDUCE.add(key)
         gathered = self._pool.get("gathered", wire.numel() * group.size, self.dtype, wire.device)

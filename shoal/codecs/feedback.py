@@ -62,6 +62,7 @@ class ErrorFeedback(Codec):
         self.nonfinite_steps = 0
         self._pool = BufferPool()
 
+    @torch.no_grad()
     def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str) -> None:
         check_inputs(tensors, names, "ErrorFeedback")
         if not tensors:

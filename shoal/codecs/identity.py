@@ -28,6 +28,7 @@ class Identity(Codec):
         super().__init__()
         self._pool = BufferPool()
 
+    @torch.no_grad()
     def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str) -> None:
         check_inputs(tensors, names, "Identity")
         if not tensors:

@@ -52,10 +52,12 @@ class Int8Blockwise(LossyCodec):
     ``scale / 254`` of each contribution, hence within ``mean(scale_r) / 127``
     of the true mean.
 
-    Why all-gather rather than quantized reduce-scatter + all-gather: see
-    docs/codecs.md (measured); in short, at 2-4 ranks it sends equal or a
-    little more bytes, quantizes once instead of twice (half the error),
-    takes one network round instead of two, and needs no all-to-all.
+    Why all-gather rather than quantized reduce-scatter + all-gather
+    (measured by scripts/measure_int8.py, see docs/codecs.md): at 2 ranks both
+    send the same bytes and all-gather has 1.4x lower RMS error (one
+    quantization instead of two) in one network round instead of two; at 3+
+    ranks reduce-scatter sends fewer bytes (2(N-1)/N vs N-1 times the codes)
+    but needs an all-to-all, which :class:`~shoal.comm.Group` does not offer yet.
 
     Bytes handed to the collective: ``ceil(numel / B) * (B + 4)`` (rounded up to 4), i.e.
     ``4B / (B + 4)`` times fewer than fp32 (3.94x for the default B = 256).
@@ -80,6 +82,7 @@ class Int8Blockwise(LossyCodec):
         # Rounded up to 4 bytes so every rank's fp32 scales stay aligned in the gathered buffer.
         return -(-nblocks * (4 + self.block_size) // 4) * 4
 
+    @torch.no_grad()
     def mean_with_residual(
         self,
         tensors: Sequence[torch.Tensor],

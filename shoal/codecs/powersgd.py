@@ -132,6 +132,7 @@ class PowerSGD(LossyCodec):
         }
 
     # --- the step ------------------------------------------------------------
+    @torch.no_grad()
     def mean_with_residual(
         self,
         tensors: Sequence[torch.Tensor],

@@ -43,6 +43,7 @@ class TopK(LossyCodec):
         """How many elements a call with ``numel`` elements sends."""
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 
+    @torch.no_grad()
     def mean_with_residual(
         self,
         tensors: Sequence[torch.Tensor],

@@ -345,3 +345,12 @@ def test_size_adaptive_routes_by_numel(group):
     assert torch.equal(ts[1], ref[1]) and torch.equal(ts[2], ref[2])  # 32 and 432 elements: exact
     assert (ts[0] == 0).sum() > 0 and (ts[3] == 0).sum() > 0
     assert codec.stats()["large"]["numel_in"] == 64 * 32 + 1000
+
+
+@pytest.mark.parametrize("make", [Identity, lambda: ErrorFeedback(Int8Blockwise(16)), lambda: PowerSGD(2)])
+def test_parameters_can_be_averaged_in_place(group, make):
+    lin = torch.nn.Linear(20, 30)
+    ref = lin.weight.detach().clone()
+    make().mean([lin.weight, lin.bias], ["weight", "bias"], group, "params")
+    assert lin.weight.requires_grad and lin.weight.grad_fn is None
+    assert torch.allclose(lin.weight, ref, atol=0.5)
