@@ -1,0 +1,1 @@
+"""Benchmarks: real tasks and collectives on chosen (emulated) networks."""
