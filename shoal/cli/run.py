@@ -62,6 +62,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_VALUE_OPTS = {"-n", "--nproc-per-node", "--nprocs", "--hosts", "--procs-per-host", "--bandwidth", "--kill", "--grace"}
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """``(launcher options, module, program argv)``: everything after the script
+    (or ``-m MODULE``) belongs to the program, even if it looks like our options."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return argv[:i], None, argv[i + 1:]
+        if a == "-m":
+            if i + 1 >= len(argv):
+                raise ShoalError("-m needs a module name")
+            return argv[:i], argv[i + 1], argv[i + 2:]
+        if a.startswith("-m") and not a.startswith("--"):
+            return argv[:i], a[2:], argv[i + 1:]
+        if not a.startswith("-"):
+            return argv[:i], None, argv[i:]
+        i += 2 if a in _VALUE_OPTS else 1
+    return argv, None, []
+
+
 def _parse_kill(item: str) -> tuple[int, float]:
     rank, sep, at = item.partition("@")
     try:
@@ -101,16 +124,21 @@ def _report_bytes(res: LaunchResult, spec: ClusterSpec) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point of `shoal run`; returns the exit code (see --help)."""
-    ns = _parser().parse_args(argv)
+    try:
+        own, module, program = _split_argv(argv)
+    except ShoalError as e:
+        print(f"shoal run: error: {e}", file=sys.stderr)
+        return 2
+    ns = _parser().parse_args(own)
     try:
         if ns.cleanup:
             removed = cleanup_stale()
             print(f"removed {len(removed)} namespace(s){': ' + ', '.join(removed) if removed else ''}")
             return 0
-        if ns.module is not None:
-            cmd = [sys.executable, "-m", ns.module] + ([ns.script] if ns.script else []) + ns.args
-        elif ns.script is not None:
-            cmd = [sys.executable, ns.script] + ns.args
+        if module is not None:
+            cmd = [sys.executable, "-m", module] + program
+        elif program:
+            cmd = [sys.executable] + program
         else:
             raise ShoalError("nothing to run: give a script (shoal run -n 2 train.py) or -m module")
         spec = _cluster(ns)
