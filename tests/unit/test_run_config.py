@@ -70,3 +70,14 @@ def test_cli_cluster_options() -> None:
         _spec("--hosts", "2", "-n", "3")
     with pytest.raises(ShoalError, match="differs"):
         _spec("--hosts", "2", "--procs-per-host", "2", "-n", "2")
+
+
+def test_emulation_without_root_or_tools_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shoal.cli.cluster as cluster
+
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(cluster.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/ip")
+    with pytest.raises(ShoalError) as info:
+        cluster.check_can_emulate()
+    msg = str(info.value)
+    assert "root" in msg and "`tc`" in msg and "`ip`" not in msg and "drop --hosts" in msg
