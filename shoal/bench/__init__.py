@@ -1,1 +1,1 @@
-"""Benchmarks: tasks, network profiles, runner, report and plot."""
+"""Benchmarks: real tasks and collectives on chosen (emulated) networks."""
