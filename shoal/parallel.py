@@ -24,6 +24,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.comm.group import Group
 from shoal.codecs.base import Codec
+from shoal.codecs.hierarchical import Hierarchical
+from shoal.codecs.identity import Identity
+from shoal.comm.topology import Topology, discover
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
 from shoal.reducer import CommHook, Reducer
@@ -95,6 +98,12 @@ class DistributedDataParallel(nn.Module):
             gradients (e.g. ``shoal.codecs.PowerSGD(rank=4)``), run on a
             communication thread so it overlaps backward. ``None``: exact
             all-reduce. Its state is in ``model.codec.state_dict()``.
+        hierarchical: reduce inside each host, all-reduce among one leader
+            per host (through ``codec``), broadcast inside each host (SPEC
+            A7). ``None`` (default): on when the ranks span several hosts and
+            some host holds several ranks (host identity: ``SHOAL_HOST_ID``,
+            else the hostname); ``False``: always flat; ``True``: always
+            two-level. The layout is in ``model.topology``.
 
     Example::
 
@@ -115,6 +124,7 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         codec: Codec | None = None,
+        hierarchical: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -123,6 +133,8 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
         if codec is not None and not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        if hierarchical is not None and not isinstance(hierarchical, bool):
+            raise ConfigError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
         if dim != 0:
             raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
         device = _single_device(module)
@@ -142,10 +154,30 @@ class DistributedDataParallel(nn.Module):
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
                                find_unused_parameters, gradient_as_bucket_view)
         self.codec = codec
-        if codec is not None:
-            self.reducer.set_codec(codec)
+        self.topology: Topology | None = None
+        self._auto_hierarchical = False
+        reducer_codec = self._reduction_codec(codec, hierarchical)
+        if reducer_codec is not None:
+            self.reducer.set_codec(reducer_codec)
         self._steps = StepMeter(self.group.meter, "ddp")
         self.reducer.on_step_done = self._steps.mark_step
+
+    def _reduction_codec(self, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
+        """The codec buckets go through: ``codec``, or it inside a two-level reduction."""
+        if isinstance(codec, Hierarchical):
+            if hierarchical is False:
+                raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
+            self.topology = codec.setup(self.group).topology
+            return codec
+        if hierarchical is False or self.group.size == 1:
+            return codec
+        self.topology = discover(self.group)
+        if hierarchical is None and not self.topology.is_hierarchical():
+            return codec
+        two_level = Hierarchical(codec if codec is not None else Identity())
+        two_level.setup(self.group, self.topology)
+        self._auto_hierarchical = hierarchical is None and codec is None
+        return two_level
 
     @staticmethod
     def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:
@@ -237,7 +269,16 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError(f"hook must be callable, got {type(hook).__name__}")
         if self.reducer.comm_hook is not None:
             raise ShoalError("a communication hook is already registered; register_comm_hook may be called once")
-        if self.codec is not None:
+        if self._auto_hierarchical:
+            # The hook replaces the exact two-level reduction chosen automatically.
+            self.reducer.codec = None
+            self._auto_hierarchical = False
+        if self.reducer.codec is not None:
+            if self.codec is None:
+                raise ShoalError(
+                    "this model reduces hierarchically (hierarchical=True); a communication hook "
+                    "replaces that reduction: pass hierarchical=False to use one"
+                )
             raise ShoalError(
                 f"this model already averages through codec {type(self.codec).__name__}; "
                 "use either codec= or register_comm_hook, not both"

@@ -12,6 +12,7 @@ from shoal.codecs.adaptive import SizeAdaptive
 from shoal.codecs.base import Codec, LossyCodec
 from shoal.codecs.cast import Cast
 from shoal.codecs.feedback import ErrorFeedback
+from shoal.codecs.hierarchical import Hierarchical
 from shoal.codecs.identity import Identity
 from shoal.codecs.int8 import Int8Blockwise
 from shoal.codecs.powersgd import PowerSGD
@@ -27,4 +28,5 @@ __all__ = [
     "PowerSGD",
     "ErrorFeedback",
     "SizeAdaptive",
+    "Hierarchical",
 ]

@@ -243,6 +243,21 @@ class Group:
         work = dist.reduce_scatter_tensor(output, tensor.contiguous(), group=self.pg, async_op=True)
         return Handle(work, output, self.meter, tag, self.timeout, post)
 
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", tag: str = "misc") -> Handle:
+        """Reduce ``tensor`` over the group into group rank ``dst``'s copy (others' are scratch).
+
+        ``op`` in sum/max/min/product. Used for the intra-host stage of a
+        hierarchical all-reduce, where only the host leader needs the sum.
+        """
+        self._check_rank(dst, "dst")
+        if op not in _REDUCE_OPS:
+            raise ConfigError(f"reduce supports {sorted(_REDUCE_OPS)}, got {op!r}")
+        self.meter.record(tag, "reduce", _nbytes(tensor), self.size, self.rank, dst)
+        if self.size == 1:
+            return Handle(None, tensor, self.meter, tag, self.timeout)
+        work = dist.reduce(tensor, dst=self.global_rank(dst), op=_REDUCE_OPS[op], group=self.pg, async_op=True)
+        return Handle(work, tensor, self.meter, tag, self.timeout)
+
     def barrier(self, tag: str = "control") -> None:
         self.meter.record(tag, "barrier", 0, self.size, self.rank)
         if self.size > 1:
