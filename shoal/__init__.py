@@ -10,12 +10,14 @@ The shortest use::
 from shoal import errors
 from shoal.comm import CommCounters, CommStats, Group, Meter, init
 from shoal.parallel import DistributedDataParallel
+from shoal.strategies import NonBlocking
 
 __version__ = "0.1.0"
 
 __all__ = [
     "init",
     "DistributedDataParallel",
+    "NonBlocking",
     "Group",
     "Meter",
     "CommCounters",

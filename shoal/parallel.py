@@ -24,9 +24,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.comm.group import Group
 from shoal.codecs.base import Codec
-from shoal.codecs.hierarchical import Hierarchical
-from shoal.codecs.identity import Identity
-from shoal.comm.topology import Topology, discover
+from shoal.codecs.hierarchical import reduction_codec
+from shoal.comm.topology import Topology
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
 from shoal.reducer import CommHook, Reducer
@@ -133,8 +132,6 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
         if codec is not None and not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
-        if hierarchical is not None and not isinstance(hierarchical, bool):
-            raise ConfigError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
         if dim != 0:
             raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
         device = _single_device(module)
@@ -164,20 +161,9 @@ class DistributedDataParallel(nn.Module):
 
     def _reduction_codec(self, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
         """The codec buckets go through: ``codec``, or it inside a two-level reduction."""
-        if isinstance(codec, Hierarchical):
-            if hierarchical is False:
-                raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
-            self.topology = codec.setup(self.group).topology
-            return codec
-        if hierarchical is False or self.group.size == 1:
-            return codec
-        self.topology = discover(self.group)
-        if hierarchical is None and not self.topology.is_hierarchical():
-            return codec
-        two_level = Hierarchical(codec if codec is not None else Identity())
-        two_level.setup(self.group, self.topology)
-        self._auto_hierarchical = hierarchical is None and codec is None
-        return two_level
+        chosen, self.topology = reduction_codec(self.group, codec, hierarchical)
+        self._auto_hierarchical = hierarchical is None and codec is None and chosen is not None
+        return chosen
 
     @staticmethod
     def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:

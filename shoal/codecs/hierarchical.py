@@ -9,7 +9,7 @@ import torch
 from shoal.codecs.base import BufferPool, Codec, LossyCodec, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
 from shoal.codecs.identity import Identity
 from shoal.comm.group import Group
-from shoal.comm.topology import HostGroups, Topology
+from shoal.comm.topology import HostGroups, Topology, discover
 from shoal.errors import ConfigError
 
 
@@ -20,7 +20,10 @@ class Hierarchical(LossyCodec):
     sends ``2(W-1)/W * S`` bytes over each host's link; this sends
     ``2(H-1)/H * S`` (times ``inner``'s compression) over it, and the
     intra-host stages (exact sums, in the tensors' dtype) stay on the host.
-    With 2 hosts x 2 ranks that is ``S`` instead of ``1.5 S``.
+    With 2 hosts x 2 ranks that is ``S`` instead of ``1.5 S``. With the
+    exact inner codec (:class:`Identity`) the buffer goes in chunks of
+    ``chunk_mb`` MiB, pipelined so that the host stages of one chunk overlap
+    the leaders' all-reduce of another; lossy codecs see whole tensors.
 
     Uneven hosts work: each leader scales its host's sum by ``H / W`` so the
     leaders' mean is the mean over all ``W`` ranks. Only leaders run
@@ -42,8 +45,11 @@ class Hierarchical(LossyCodec):
         model = shoal.DistributedDataParallel(model, codec=Hierarchical(PowerSGD(rank=4)))
     """
 
-    def __init__(self, inner: Codec | None = None) -> None:
+    def __init__(self, inner: Codec | None = None, chunk_mb: float = 4.0) -> None:
         super().__init__()
+        if not chunk_mb > 0:
+            raise ConfigError(f"chunk_mb must be > 0 (MiB per pipelined chunk), got {chunk_mb}")
+        self.chunk_mb = chunk_mb
         inner = Identity() if inner is None else inner
         if not isinstance(inner, Codec):
             raise ConfigError(f"inner must be a shoal.codecs.Codec, got {type(inner).__name__}")
@@ -83,6 +89,11 @@ class Hierarchical(LossyCodec):
         flat = self._pool.get("flat", numel, common_dtype(tensors), tensors[0].device)
         flatten_into(tensors, flat)
         intra = sub_tag(tag, "intra")
+        if type(self.inner) is Identity and residuals is None and topo.num_hosts > 1:
+            self._pipelined_exact(flat, levels, tag)
+            unflatten_from(flat, tensors)
+            self._count(tensors, flat.numel() * flat.element_size())
+            return
         if levels.local.size > 1:
             levels.local.reduce(flat, dst=0, op="sum", tag=intra).wait()
         if residuals is not None:
@@ -94,6 +105,37 @@ class Hierarchical(LossyCodec):
             levels.local.broadcast(flat, src=0, tag=intra).wait()
         unflatten_from(flat, tensors)
         self._count(tensors, flat.numel() * flat.element_size())
+
+    def _pipelined_exact(self, flat: torch.Tensor, levels: HostGroups, tag: str) -> None:
+        """Exact mean in chunks, so the three stages of different chunks overlap.
+
+        Chunk i's leaders' all-reduce runs while chunk i+1 is still being
+        reduced inside the host and chunk i-1 broadcast; every collective of
+        one process group is issued in chunk order on every rank.
+        """
+        intra, inter = sub_tag(tag, "intra"), sub_tag(tag, "identity")
+        chunk = max(1, int(self.chunk_mb * 2**20) // flat.element_size())
+        chunks = list(flat.split(chunk))
+        local, leaders, world = levels.local, levels.leaders, levels.topology.world_size
+        reduced = [local.reduce(c, dst=0, op="sum", tag=intra) for c in chunks]
+        if leaders is None:
+            for h in [local.broadcast(c, src=0, tag=intra) for c in chunks]:
+                h.wait()
+            for h in reduced:
+                h.wait()
+            return
+        crossing = []
+        for c, h in zip(chunks, reduced):
+            h.wait()
+            c.div_(world)  # the leaders' sum of host sums / W is the mean
+            crossing.append(leaders.all_reduce(c, op="sum", tag=inter))
+        back = []
+        for c, h in zip(chunks, crossing):
+            h.wait()
+            back.append(local.broadcast(c, src=0, tag=intra))
+        for h in back:
+            h.wait()
+        self.inner._count([flat], flat.numel() * flat.element_size())
 
     def _leaders_mean(self, flat: torch.Tensor, like: Sequence[torch.Tensor], names: Sequence[str],
                       leaders: Group, topo: Topology, tag: str,
@@ -128,3 +170,32 @@ def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tenso
         out.append(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
     return out
+
+
+def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None) -> tuple[Codec | None, Topology | None]:
+    """The codec a gradient reduction over ``group`` should use, and the topology if it was discovered.
+
+    ``hierarchical=None`` chooses a two-level reduction when the ranks span
+    several hosts and some host holds several ranks; ``True`` forces it,
+    ``False`` never. A :class:`Hierarchical` ``codec`` is used as given.
+    ``None`` as the codec means the caller's own exact all-reduce.
+    Collective (it may all-gather host identities and make subgroups).
+
+    Example::
+
+        codec, topo = reduction_codec(group, None, hierarchical=None)   # Hierarchical(Identity()) or None
+    """
+    if hierarchical is not None and not isinstance(hierarchical, bool):
+        raise ConfigError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
+    if isinstance(codec, Hierarchical):
+        if hierarchical is False:
+            raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
+        return codec, codec.setup(group).topology
+    if hierarchical is False or group.size == 1:
+        return codec, None
+    topology = discover(group)
+    if hierarchical is None and not topology.is_hierarchical():
+        return codec, topology
+    two_level = Hierarchical(codec)
+    two_level.setup(group, topology)
+    return two_level, topology

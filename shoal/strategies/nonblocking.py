@@ -1,0 +1,437 @@
+"""Heat's non-blocking mode: per-layer gradient all-reduce in backward, update in the next forward.
+
+Each *layer* (a module owning parameters directly) has a flat gradient buffer.
+As soon as backward has produced all of a layer's gradients its all-reduce is
+started; nothing waits at the end of backward and ``optimizer.step()`` returns
+at once. In the next forward a pre-hook on each layer waits for that layer's
+reduction and applies the layer's optimizer update just before the layer runs,
+so the network transfer of one layer overlaps the rest of backward, the
+optimizer step and the forward of the layers before it.
+
+The trajectory is that of synchronous data-parallel training: each update is
+computed from the averaged gradients of the step before and applied before
+the layer is next used, with the hyperparameters (learning rate, ...) that
+were current when ``optimizer.step()`` was called. What lags by one step is
+what you see *between* steps: after ``optimizer.step()`` returns, parameters
+still hold the previous step's update. ``model.eval()``, ``model.state_dict()``,
+``optimizer.state_dict()`` and :meth:`NonBlockingModule.finalize` apply what is
+pending. See docs/nonblocking.md.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from shoal.codecs.base import Codec, common_dtype
+from shoal.codecs.hierarchical import reduction_codec
+from shoal.comm.group import Group, Handle
+from shoal.comm.meter import CommStats, StepMeter
+from shoal.comm.topology import Topology
+from shoal.errors import ConfigError, ShoalError
+
+TAG = "nonblocking/grad"
+
+
+class _Layer:
+    """One module's own trainable parameters, their flat buffer and per-step state."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], names: list[str]) -> None:
+        self.index, self.name, self.module = index, name, module
+        self.params, self.names = params, names
+        dtype = common_dtype(params)
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer.narrow(0, offset, p.numel()).view(p.shape))
+            offset += p.numel()
+        self.got = [False] * len(params)
+        self.work: Handle | ThreadFuture | None = None
+        self.pending = False  # reduced (or reducing) gradients not yet applied
+
+    def reset(self) -> None:
+        self.got = [False] * len(self.params)
+
+
+def find_layers(model: nn.Module) -> list[_Layer]:
+    """Layers in the order their gradients are usually ready: reverse registration.
+
+    A parameter shared by several modules belongs to the first that registers it.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen: set[int] = set()
+    found: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+    for mod_name, mod in model.named_modules():
+        own = [p for p in mod.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            found.append((mod_name, mod, own))
+    return [_Layer(i, n, m, ps, [names[id(p)] for p in ps]) for i, (n, m, ps) in enumerate(reversed(found))]
+
+
+class _Exchange:
+    """Per-layer reductions started in backward and finished in the next forward."""
+
+    def __init__(self, layers: list[_Layer], optimizer: torch.optim.Optimizer, group: Group,
+                 codec: Codec | None) -> None:
+        self.layers, self.optimizer, self.group, self.codec = layers, optimizer, group, codec
+        self._where = {id(p): (layer, slot) for layer in layers for slot, p in enumerate(layer.params)}
+        self._group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._thread: ThreadPoolExecutor | None = None
+        self._armed = False
+        self._started = False
+        self._next = 0                       # next layer index to launch this backward
+        self._step_hparams: list[dict[str, Any]] | None = None  # snapshot taken by optimizer.step()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for layer in layers for p in layer.params]
+        self._hooks += [layer.module.register_forward_pre_hook(self._pre_hook(layer)) for layer in layers]
+
+    # --- backward: start reductions ------------------------------------------
+    def arm(self) -> None:
+        self._armed, self._started, self._next = True, False, 0
+        for layer in self.layers:
+            layer.reset()
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        layer, slot = self._where[id(p)]
+        if layer.pending:
+            raise ShoalError(
+                f"layer {layer.name!r} got a new gradient while last step's was not applied yet: "
+                "NonBlocking needs optimizer.step() between two backward passes (no gradient accumulation)"
+            )
+        if not self._started:
+            self._started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if layer.got[slot]:
+            raise ShoalError(f"parameter {layer.names[slot]!r} received a gradient twice in one backward")
+        grad, view = p.grad, layer.views[slot]
+        if grad is None:  # pragma: no cover - the hook only fires after accumulation
+            return
+        with torch.no_grad():
+            if self.codec is None:
+                torch.div(grad, self.group.size, out=view)  # the sum of these is the mean
+            else:
+                view.copy_(grad)
+        p.grad = None  # the local gradient is on its way; .grad is refilled with the mean
+        layer.got[slot] = True
+        self._launch_ready()
+
+    def _launch_ready(self, end: bool = False) -> None:
+        # In index order only, so collectives pair up on every rank.
+        while self._next < len(self.layers):
+            layer = self.layers[self._next]
+            if not all(layer.got) and not end:
+                return
+            if any(layer.got):
+                for slot, got in enumerate(layer.got):
+                    if not got:
+                        layer.views[slot].zero_()
+                layer.work = self._launch(layer)
+                layer.pending = True
+            self._next += 1
+
+    def _launch(self, layer: _Layer) -> Handle | ThreadFuture:
+        if self.codec is None:
+            return self.group.all_reduce(layer.buffer, op="sum", tag=TAG)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-nonblocking")
+        codec, group = self.codec, self.group
+        return self._thread.submit(lambda: codec.mean(layer.views, layer.names, group, TAG))
+
+    def _end_of_backward(self) -> None:
+        self._launch_ready(end=True)
+        self._armed = False
+
+    # --- step and forward: finish reductions -----------------------------------
+    def request_step(self) -> None:
+        """``optimizer.step()``: remember the hyperparameters; the update lands in the next forward."""
+        if not self.pending():
+            # Nothing in flight (e.g. finalised before step): the means are in .grad already.
+            self.optimizer.step()
+            return
+        self._step_hparams = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def _pre_hook(self, layer: _Layer) -> Callable[[nn.Module, Any], None]:
+        def hook(_module: nn.Module, _inputs: Any) -> None:
+            if layer.pending and self._step_hparams is not None:
+                self.apply([layer])
+
+        return hook
+
+    def pending(self) -> list[_Layer]:
+        return [layer for layer in self.layers if layer.pending]
+
+    def apply(self, layers: Sequence[_Layer]) -> None:
+        """Wait for ``layers``' reductions, put the means in ``.grad``, step them if a step was requested."""
+        for layer in layers:
+            self._wait(layer)
+            with torch.no_grad():
+                for p, view, got in zip(layer.params, layer.views, layer.got):
+                    p.grad = view.clone() if got else None
+            layer.pending = False
+        if self._step_hparams is not None:
+            self._step_only([p for layer in layers for p in layer.params if p.grad is not None])
+            for layer in layers:
+                for p in layer.params:
+                    p.grad = None
+        if not self.pending():
+            self._step_hparams = None
+
+    def _wait(self, layer: _Layer) -> None:
+        if isinstance(layer.work, Handle):
+            layer.work.wait()
+        elif isinstance(layer.work, ThreadFuture):
+            t0 = time.perf_counter()
+            layer.work.result()
+            self.group.meter.add_wait(TAG, time.perf_counter() - t0)
+        layer.work = None
+
+    def _step_only(self, params: list[torch.Tensor]) -> None:
+        """One optimizer step restricted to ``params``, with the snapshot's hyperparameters."""
+        groups = self.optimizer.param_groups
+        saved = [dict(g) for g in groups]
+        subset: list[list[torch.Tensor]] = [[] for _ in groups]
+        for p in params:
+            subset[self._group_of[id(p)]].append(p)
+        try:
+            for g, snap, ps in zip(groups, self._step_hparams or [], subset):
+                g.update(snap)
+                g["params"] = ps
+            self.optimizer.step()
+        finally:
+            for g, old in zip(groups, saved):
+                g.clear()
+                g.update(old)
+
+    def finalize(self) -> None:
+        """Apply everything pending (or, without a requested step, leave the means in ``.grad``)."""
+        if self._armed and self._started:
+            raise ShoalError("cannot finalise during backward")
+        todo = self.pending()
+        if todo:
+            self.apply(todo)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+
+def broadcast_state(module: nn.Module, group: Group, tag: str) -> None:
+    """Overwrite ``module``'s parameters and buffers with rank 0's (one flat broadcast per dtype)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        by_dtype.setdefault(t.dtype, []).append(t.detach())
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = _flatten_dense_tensors(same)
+            group.broadcast(flat, src=0, tag=tag).wait()
+            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
+                t.copy_(synced)
+
+
+class NonBlockingModule(nn.Module):
+    """The module :class:`NonBlocking` returns: the user's model with per-layer exchange hooks.
+
+    ``eval()``, ``state_dict()`` and :meth:`finalize` apply pending updates;
+    layers the forward skipped get theirs at the end of the forward.
+
+    Example::
+
+        model, opt = NonBlocking().wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        ...
+        model.finalize()          # end of training: parameters now include the last step
+    """
+
+    def __init__(self, module: nn.Module, exchange: _Exchange, group: Group, broadcast_buffers: bool) -> None:
+        super().__init__()
+        self.module = module
+        self._exchange = exchange
+        self.group = group
+        self.broadcast_buffers = broadcast_buffers
+        self._steps = StepMeter(group.meter, "nonblocking")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.group.size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                _broadcast_tensors(buffers, self.group)
+        out = self.module(*args, **kwargs)
+        # Layers this forward skipped (dynamic graphs) get last step's update now.
+        skipped = self._exchange.pending()
+        if skipped and self._exchange._step_hparams is not None:
+            self._exchange.apply(skipped)
+        if torch.is_grad_enabled() and self.training:
+            self._exchange.arm()
+            self._steps.mark_step()
+        return out
+
+    def finalize(self) -> None:
+        """Wait for every pending reduction and apply its update (end of training, checkpoints)."""
+        self._exchange.finalize()
+
+    def train(self, mode: bool = True) -> "NonBlockingModule":
+        if not mode:
+            self.finalize()  # evaluate the parameters training has reached
+        super().train(mode)
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.finalize()
+        return super().state_dict(*args, **kwargs)
+
+    def comm_stats(self) -> CommStats:
+        """Bytes and seconds blocked on gradient reductions: last step and total."""
+        return self._steps.stats()
+
+    def remove_hooks(self) -> None:
+        """Finish pending work and detach every hook (the module trains locally again)."""
+        self.finalize()
+        self._exchange.remove()
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], group: Group) -> None:
+    with torch.no_grad():
+        for t in tensors:
+            group.broadcast(t.detach(), src=0, tag="nonblocking/buffers").wait()
+
+
+class NonBlockingOptimizer(torch.optim.Optimizer):
+    """The optimizer :class:`NonBlocking` returns: ``step()`` schedules, the next forward applies.
+
+    ``param_groups`` and ``state`` are the wrapped optimizer's, so LR
+    schedulers work: ``step()`` snapshots the hyperparameters, and each
+    layer's deferred update uses that snapshot, not what a scheduler set
+    afterwards. ``state_dict()`` finalises first. ``step(closure)`` is not
+    supported (the closure would run a forward whose layers update midway).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, exchange: _Exchange) -> None:
+        # No super().__init__: the wrapped optimizer owns param_groups and state.
+        self.optimizer = optimizer
+        self._exchange = exchange
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("optimizer", "_exchange"):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ShoalError("NonBlocking defers the update to the next forward; step(closure) is not supported")
+        self._exchange.request_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ShoalError("add parameter groups before NonBlocking.wrap: the layers are already laid out")
+
+    def state_dict(self) -> dict[str, Any]:
+        self._exchange.finalize()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._exchange.finalize()
+        self.optimizer.load_state_dict(dict(state_dict))
+
+    def __repr__(self) -> str:
+        return f"NonBlockingOptimizer({self.optimizer!r})"
+
+
+class NonBlocking:
+    """Heat's non-blocking data parallelism (SPEC E1) as a strategy.
+
+    Args:
+        codec: how each layer's gradients travel (default: exact all-reduce).
+        hierarchical: two-level reduction across hosts, as in
+            :class:`shoal.DistributedDataParallel` (``None``: automatic).
+        broadcast_buffers: broadcast buffers from rank 0 before each forward.
+
+    :meth:`wrap` returns ``(module, optimizer)``. With several optimizers, or
+    an optimizer whose parameters are not exactly the model's trainable
+    ones, it warns and falls back to blocking: ``shoal.DistributedDataParallel``
+    and the optimizer(s) unchanged.
+
+    Example::
+
+        model, opt = shoal.NonBlocking().wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+        for x, y in loader:
+            loss = loss_fn(model(x), y)      # each layer applies last step's update just before it runs
+            loss.backward()                  # each layer's all-reduce starts as soon as its grads exist
+            opt.step(); opt.zero_grad()      # returns at once
+        model.eval()                         # finalises: parameters include every step
+    """
+
+    name = "nonblocking"
+
+    def __init__(self, codec: Codec | None = None, hierarchical: bool | None = None,
+                 broadcast_buffers: bool = True) -> None:
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        if hierarchical is not None and not isinstance(hierarchical, bool):
+            raise ConfigError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
+        self.codec = codec
+        self.hierarchical = hierarchical
+        self.broadcast_buffers = broadcast_buffers
+        self.topology: Topology | None = None
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+             process_group: Any = None) -> tuple[nn.Module, Any]:
+        """Set up on every rank (collective); return the module to train and the optimizer to step."""
+        from shoal.parallel import DistributedDataParallel, check_same_model
+
+        group = process_group if isinstance(process_group, Group) else Group(process_group)
+        reason, single = _fallback_reason(model, optimizer)
+        if single is None:
+            warnings.warn(f"NonBlocking falls back to blocking gradient all-reduce (shoal.DistributedDataParallel): "
+                          f"{reason}", UserWarning, stacklevel=2)
+            ddp = DistributedDataParallel(model, process_group=group, codec=self.codec,
+                                          hierarchical=self.hierarchical, broadcast_buffers=self.broadcast_buffers)
+            return ddp, optimizer
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        check_same_model(group, named)
+        broadcast_state(model, group, tag="nonblocking/init")
+        codec, self.topology = reduction_codec(group, self.codec, self.hierarchical)
+        exchange = _Exchange(find_layers(model), single, group, codec)
+        return NonBlockingModule(model, exchange, group, self.broadcast_buffers), NonBlockingOptimizer(single, exchange)
+
+
+def _fallback_reason(model: nn.Module, optimizer: Any) -> tuple[str, torch.optim.Optimizer | None]:
+    """Why non-blocking updates cannot be used here (Heat's two limits), or the one optimizer."""
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(opt).__name__}")
+    if len(optimizers) != 1:
+        return f"{len(optimizers)} optimizers (per-layer updates need exactly one)", None
+    model_ids = {id(p) for p in model.parameters() if p.requires_grad}
+    opt_ids = {id(p) for g in optimizers[0].param_groups for p in g["params"]}
+    if model_ids != opt_ids:
+        return (f"the optimizer holds {len(opt_ids - model_ids)} parameter(s) outside the model's trainable ones "
+                f"and misses {len(model_ids - opt_ids)} of them; per-layer updates need exactly the model's"), None
+    return "", optimizers[0]
+
+
+def iter_layers(module: NonBlockingModule) -> Iterator[tuple[str, list[str]]]:
+    """``(layer name, parameter names)`` per layer, in launch order (for inspection and docs)."""
+    for layer in module._exchange.layers:
+        yield layer.name, list(layer.names)
