@@ -10,7 +10,7 @@ The shortest use::
 from shoal import errors
 from shoal.comm import CommCounters, CommStats, Group, Meter, init
 from shoal.parallel import DistributedDataParallel
-from shoal.strategies import NonBlocking
+from shoal.strategies import DASO, NonBlocking
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "init",
     "DistributedDataParallel",
     "NonBlocking",
+    "DASO",
     "Group",
     "Meter",
     "CommCounters",

@@ -1,0 +1,65 @@
+"""DASO on 4 gloo ranks posing as 2 hosts x 2: who agrees with whom, when, and the bytes between hosts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from shoal.strategies import DASO
+from shoal.strategies.daso import expected_global_bytes
+from shoal.testing import run_workers
+
+SPE = 4
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _work(rank: int, world: int) -> dict:
+    os.environ["SHOAL_HOST_ID"] = f"host-{rank // 2}"
+    torch.manual_seed(rank)  # different inits: wrap must broadcast rank 0's
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1))
+    daso = DASO(total_epochs=5, steps_per_epoch=SPE, warmup_epochs=1, cooldown_epochs=1, max_global_skips=8)
+    model, opt = daso.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    snaps = []
+    for step in range(5 * SPE):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(6, 5, generator=g)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        opt.report_loss(1.0)  # a scripted plateau: skips grow 1 -> 2 -> 4
+        snaps.append(_flat(net))
+    opt.close()
+    meter = opt._world.meter.by_tag()
+    numel = sum(p.numel() for p in net.parameters())
+    return {"snaps": snaps, "events": list(opt.schedule.events), "numel": numel,
+            "global": meter["daso/global/bf16"].bytes_sent if "daso/global/bf16" in meter else 0}
+
+
+@pytest.mark.timeout(120)
+def test_daso_hosts_agree_every_step_and_hosts_at_global_syncs() -> None:
+    res = run_workers(_work, 4, timeout=110)
+    events = res[0]["events"]
+    assert all(r["events"] == events for r in res)  # one schedule everywhere
+    launches = [t for t, kind, _ in events if kind == "launch"]
+    lands = [t for t, kind, _ in events if kind == "land"]
+    # warm-up (0-3) and cool-down (16-19) every step; epoch 1 skips 1, epoch 2 skips 2, epoch 3 skips 4 (lands a step later)
+    assert launches == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 17, 18, 19]
+    assert lands == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 16, 17, 18, 19]
+    for step in range(5 * SPE):
+        s = [r["snaps"][step] for r in res]
+        assert torch.equal(s[0], s[1]) and torch.equal(s[2], s[3]), f"ranks of one host differ at step {step}"
+        hosts_agree = torch.equal(s[0], s[2])
+        # Hosts hold the same parameters right after a blocking sync; a delayed one (step 13) lands
+        # the agreement of step 12 plus each host's own progress since, so they still differ.
+        blocking = step in lands and step in launches
+        assert hosts_agree == blocking, f"step {step}: hosts agree={hosts_agree}, blocking sync={blocking}"
+    numel = res[0]["numel"]
+    per_sync = expected_global_bytes(numel, 2, torch.bfloat16)
+    assert [r["global"] for r in res] == [len(launches) * per_sync, 0, len(launches) * per_sync, 0]
