@@ -97,23 +97,36 @@ class DiLoCoConfig:
         return (fragment + 1) * self.inner_steps // self.fragments % self.inner_steps
 
 
-def split_fragments(sizes: Sequence[int], n: int, layout: str) -> list[list[int]]:
+def split_fragments(sizes: Sequence[int], n: int, layout: str, modules: Sequence[str] | None = None) -> list[list[int]]:
     """Indices of parameters per fragment; every fragment non-empty.
+
+    ``sequential``: contiguous runs of about ``sum(sizes) / n`` elements.
+    ``strided``: whole modules (``modules[i]`` names parameter ``i``'s module)
+    dealt round-robin, so each fragment spans the depth of the model (per
+    parameter when there are fewer modules than fragments).
 
     >>> split_fragments([4, 4, 4, 4], 2, "sequential")
     [[0, 1], [2, 3]]
-    >>> split_fragments([4, 4, 4, 4], 2, "strided")
-    [[0, 2], [1, 3]]
+    >>> split_fragments([4, 1, 4, 1, 4, 1], 2, "strided", ["a", "a", "b", "b", "c", "c"])
+    [[0, 1, 4, 5], [2, 3]]
     """
     if n > len(sizes):
         raise ConfigError(f"cannot split {len(sizes)} parameter tensors into {n} non-empty fragments")
-    if layout == "strided":
-        return [list(range(k, len(sizes), n)) for k in range(n)]
-    total, acc, k = sum(sizes), 0, 0
     out: list[list[int]] = [[] for _ in range(n)]
+    if layout == "strided":
+        units = list(modules) if modules is not None else [str(i) for i in range(len(sizes))]
+        order = list(dict.fromkeys(units))
+        if len(order) < n:
+            order, units = [str(i) for i in range(len(sizes))], [str(i) for i in range(len(sizes))]
+        where = {u: j % n for j, u in enumerate(order)}
+        for i, u in enumerate(units):
+            out[where[u]].append(i)
+        return out
+    total, acc, k = sum(sizes), 0, 0
     for i, size in enumerate(sizes):
         left = len(sizes) - i  # parameters not placed yet, this one included
-        if out[k] and k < n - 1 and (acc >= (k + 1) * total / n or left == n - 1 - k):
+        # Move on when this parameter's midpoint lies past the fragment's share, or to keep later fragments non-empty.
+        if out[k] and k < n - 1 and (acc + size / 2 > (k + 1) * total / n or left == n - 1 - k):
             k += 1
         out[k].append(i)
         acc += size
@@ -207,6 +220,7 @@ class DiLoCo(Strategy):
         self.step = 0
         self.fragments: list[_Fragment] = []
         self._thread: ThreadPoolExecutor | None = None
+        self._comm_group: Group | None = None
 
     @property
     def tag(self) -> str:
@@ -217,12 +231,18 @@ class DiLoCo(Strategy):
         broadcast_module(model, group, tag=f"{self.name}/init")
         cfg = self.config
         offload = cfg.offload if cfg.offload is not None else self.params[0].device.type == "cuda"
-        layout = split_fragments([p.numel() for p in self.params], cfg.fragments, cfg.layout)
+        # Background reductions get a process group of their own: a collective the training thread
+        # issues meanwhile (a logged loss, an evaluation) must not interleave with them differently on
+        # different ranks.
+        self._comm_group = group.split([list(range(group.size))]) if cfg.overlap_steps > 0 else group
+        modules = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.names]
+        layout = split_fragments([p.numel() for p in self.params], cfg.fragments, cfg.layout, modules)
         self.fragments = [
             _Fragment(k, [self.params[i] for i in idx], [self.names[i] for i in idx], cfg.launch_offset(k),
                       offload, cfg.outer_optimizer)
             for k, idx in enumerate(layout)
         ]
+        self._mark_step()  # the set-up traffic is not the first step's
         return model
 
     def after_step(self) -> None:
@@ -254,9 +274,9 @@ class DiLoCo(Strategy):
         f.future = self._thread.submit(self._reduce, f)
 
     def _reduce(self, f: _Fragment) -> None:
-        assert self.group is not None  # set up (checked in after_step)
+        assert self._comm_group is not None  # set up (checked in after_step)
         with torch.no_grad():
-            self.codec.mean(f.delta_views, f.names, self.group, self.tag)
+            self.codec.mean(f.delta_views, f.names, self._comm_group, self.tag)
 
     @torch.no_grad()
     def _merge(self, f: _Fragment) -> None:

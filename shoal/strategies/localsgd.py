@@ -48,6 +48,7 @@ class AveragingStrategy(Strategy):
         self._bind(model, optimizer, group)
         broadcast_module(model, group, tag=f"{self.name}/init")
         self.averager = self._quiet_averager(group)
+        self._mark_step()  # the set-up traffic is not the first step's
         return model
 
     def _quiet_averager(self, group: Group) -> _Averager:
@@ -167,6 +168,7 @@ class PostLocalSGD(AveragingStrategy):
             self.local_group = group.split([list(range(s, s + size)) for s in range(0, group.size, size)])
         self.averager = self._quiet_averager(group)
         ddp.register_comm_hook(self, _post_local_hook)
+        self._mark_step()
         return ddp
 
     def gradient_group(self) -> Group | None:
