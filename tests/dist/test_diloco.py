@@ -126,8 +126,43 @@ def _schedule(rank: int) -> dict[str, Any]:
     return out
 
 
+def _wrap_api(rank: int) -> dict[str, Any]:
+    """The optimizer proxy behaves like a torch optimizer; the default strategy is shoal's DDP."""
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    base = Net()
+    module = copy.deepcopy(base)
+    model, opt = shoal.wrap(module, make_optimizer("sgd", module.parameters()))
+    out["default_is_ddp"] = isinstance(model, shoal.DistributedDataParallel)
+    ddp = shoal.DistributedDataParallel(copy.deepcopy(base))
+    ddp_opt = make_optimizer("sgd", ddp.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ddp_opt, step_size=2, gamma=0.5)
+    for x, y in _batches(rank, 5):
+        _step(model, opt, x, y)
+        _step(ddp, ddp_opt, x, y)
+        sched.step()
+        ref_sched.step()
+    out["sync_vs_ddp"] = max_diff(model.module, ddp.module)
+    out["lr"] = opt.param_groups[0]["lr"]
+    out["state_keys"] = sorted(opt.state_dict())
+    out["is_optimizer"] = isinstance(opt, torch.optim.Optimizer)
+    errors = []
+    for bad in (lambda: opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]}),
+                lambda: shoal.wrap(module, opt),
+                lambda: shoal.wrap(module, make_optimizer("sgd", Net().parameters()), shoal.LocalSGD(2))):
+        try:
+            bad()
+            errors.append(None)
+        except shoal.errors.ShoalError as e:
+            errors.append(type(e).__name__)
+    out["errors"] = errors
+    return out
+
+
 def _all(rank: int, world: int) -> dict[str, Any]:
-    return {"h1": _h1_equals_averaging(rank), "resume": _resume(rank), "schedule": _schedule(rank)}
+    return {"h1": _h1_equals_averaging(rank), "resume": _resume(rank), "schedule": _schedule(rank),
+            "api": _wrap_api(rank)}
 
 
 @pytest.mark.timeout(180)
@@ -141,6 +176,11 @@ def test_diloco_world2() -> None:
                 assert d > 1e-3, f"{name}: training did not move the parameters"
             else:
                 assert d == 0.0, f"rank {rank} {name}: resumed run differs from the straight run by {d:.3g}"
+    api = results[0]["api"]
+    assert api["default_is_ddp"] and api["is_optimizer"] and api["sync_vs_ddp"] == 0.0
+    assert api["lr"] == pytest.approx(0.05 * 0.25)  # StepLR stepped the wrapped optimizer's groups
+    assert "shoal_strategy" in api["state_keys"] and "param_groups" in api["state_keys"]
+    assert api["errors"] == ["ShoalError", "ConfigError", "ConfigError"]
     s = results[0]["schedule"]
     # DiLoCo H=4: parameters equal across ranks exactly after steps 4, 8, 12 (1-based), bytes only then.
     d = s["diloco"]
