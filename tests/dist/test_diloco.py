@@ -157,6 +157,17 @@ def _wrap_api(rank: int) -> dict[str, Any]:
         except shoal.errors.ShoalError as e:
             errors.append(type(e).__name__)
     out["errors"] = errors
+    # C4: Adam's moments averaged with the parameters (period 2: after steps 0, 2) and only then.
+    module = Net()
+    model, opt = shoal.wrap(module, make_optimizer("adam", module.parameters()),
+                            shoal.LocalSGD(2, average_optimizer_state=("exp_avg",)))
+    synced = []
+    for x, y in _batches(rank, 3):
+        _step(model, opt, x, y)
+        state = [opt.state[p] for p in module.parameters()]
+        synced.append((_equal_across_ranks([s["exp_avg"] for s in state]),
+                       _equal_across_ranks([s["exp_avg_sq"] for s in state])))
+    out["moments_synced"] = synced
     return out
 
 
@@ -181,6 +192,7 @@ def test_diloco_world2() -> None:
     assert api["lr"] == pytest.approx(0.05 * 0.25)  # StepLR stepped the wrapped optimizer's groups
     assert "shoal_strategy" in api["state_keys"] and "param_groups" in api["state_keys"]
     assert api["errors"] == ["ShoalError", "ConfigError", "ConfigError"]
+    assert api["moments_synced"] == [(True, False), (False, False), (True, False)]
     s = results[0]["schedule"]
     # DiLoCo H=4: parameters equal across ranks exactly after steps 4, 8, 12 (1-based), bytes only then.
     d = s["diloco"]
