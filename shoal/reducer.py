@@ -266,7 +266,7 @@ class Reducer:
     def _run_codec(self, b: _Bucket, codec: Codec) -> ThreadFuture:
         if self._comm_thread is None:
             self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-comm")
-        group, tag = self.group, f"{GRAD_TAG}/{type(codec).__name__.lower()}"
+        group, tag = self.group, GRAD_TAG  # the codec appends its own name: ddp/grad/powersgd/p
 
         def reduce() -> torch.Tensor:
             codec.mean(b.views, b.names, group, tag)

@@ -24,7 +24,7 @@ import math
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from shoal.codecs.identity import Identity
 from shoal.comm.group import Group
 from shoal.comm.topology import HostGroups
 from shoal.errors import ConfigError, ShoalError
+from shoal.strategies.base import Strategy, broadcast_module
 
 TAG = "daso/global"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -222,98 +223,28 @@ class _GlobalSync:
             self._thread.shutdown(wait=True)
 
 
-class DASOOptimizer(torch.optim.Optimizer):
-    """The optimizer :class:`DASO` returns: the local step, then DASO's global schedule.
-
-    ``param_groups`` and ``state`` are the wrapped optimizer's (LR schedulers
-    work). Give it each step's loss with :meth:`report_loss` so the schedule
-    can adapt; ``state_dict()`` carries the schedule under ``"shoal_daso"``.
-    """
-
-    STATE_KEY = "shoal_daso"
-
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: DASOSchedule, sync: _GlobalSync,
-                 world: Group) -> None:
-        self.optimizer = optimizer
-        self.schedule = schedule
-        self._sync = sync
-        self._world = world
-        self._loss_sum = 0.0
-        self._loss_count = 0
-        self.param_groups = optimizer.param_groups
-        self.defaults = optimizer.defaults
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("optimizer", "schedule", "_sync", "_world"):
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    def report_loss(self, loss: float | torch.Tensor) -> None:
-        """This step's training loss on this rank (the schedule adapts to the world's epoch mean)."""
-        self._loss_sum += float(loss)
-        self._loss_count += 1
-
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        spe = self.schedule.config.steps_per_epoch
-        if (self.schedule.step + 1) % spe == 0:
-            self._share_epoch_loss()
-        launch, land = self.schedule.after_step()
-        if launch:
-            self._sync.launch()
-        if land:
-            self._sync.land()
-        return out
-
-    def _share_epoch_loss(self) -> None:
-        """World mean of the epoch's reported losses (every rank decides the same schedule)."""
-        t = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64)
-        self._world.all_reduce(t, op="sum", tag="daso/control").wait()
-        self._loss_sum, self._loss_count = 0.0, 0
-        if t[1] > 0:
-            self.schedule.record_loss(float(t[0] / t[1]))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.optimizer.state_dict(), self.STATE_KEY: self.schedule.state_dict()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        inner = dict(state_dict)
-        sched = inner.pop(self.STATE_KEY, None)
-        self.optimizer.load_state_dict(inner)
-        if sched is not None:
-            self.schedule.load_state_dict(sched)
-
-    def close(self) -> None:
-        """Stop the background thread (pending syncs have landed by the end of each epoch)."""
-        self._sync.close()
-
-
-class DASO:
+class DASO(Strategy):
     """DASO as a strategy: host-synchronous, globally skipping and delayed, loss-adaptive.
 
     Args: those of :class:`DASOConfig` (Heat's names).
 
-    :meth:`wrap` returns ``(model, optimizer)``: the model is
+    With :func:`shoal.wrap` the module returned is
     :class:`shoal.DistributedDataParallel` over the ranks of this rank's host
-    (exact gradient averaging every step), the optimizer a
-    :class:`DASOOptimizer`. Hosts come from :mod:`shoal.comm.topology`.
+    (exact gradient averaging every step); the global schedule runs after
+    each ``optimizer.step()``. Give it each step's loss with
+    :meth:`report_loss` so the skips can adapt (without losses they stay at
+    1). Hosts come from :mod:`shoal.comm.topology`.
 
     Example::
 
-        model, opt = shoal.DASO(total_epochs=20, steps_per_epoch=len(loader)).wrap(model, opt)
+        daso = shoal.DASO(total_epochs=20, steps_per_epoch=len(loader))
+        model, opt = shoal.wrap(model, opt, daso)
         for epoch in range(20):
             for x, y in loader:
                 loss = loss_fn(model(x), y)
                 loss.backward()
                 opt.step(); opt.zero_grad()
-                opt.report_loss(loss.item())
+                daso.report_loss(loss.item())
     """
 
     name = "daso"
@@ -321,30 +252,62 @@ class DASO:
     def __init__(self, total_epochs: int, steps_per_epoch: int, warmup_epochs: int = 4, cooldown_epochs: int = 4,
                  max_global_skips: int = 8, stability_level: float = 0.05,
                  downcast_type: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
         self.config = DASOConfig(total_epochs, steps_per_epoch, warmup_epochs, cooldown_epochs,
                                  max_global_skips, stability_level, downcast_type)
+        self.schedule = DASOSchedule(self.config)
         self.levels: HostGroups | None = None
+        self._sync: _GlobalSync | None = None
+        self._loss_sum = 0.0
+        self._loss_count = 0
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-             process_group: Any = None) -> tuple[nn.Module, DASOOptimizer]:
-        """Set up on every rank (collective); return the module to train and the optimizer to step."""
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         from shoal.parallel import DistributedDataParallel, check_same_model
-        from shoal.strategies.nonblocking import broadcast_state
 
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        world = process_group if isinstance(process_group, Group) else Group(process_group)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ConfigError("the model has no parameter that requires grad: nothing to synchronise")
-        check_same_model(world, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
-        broadcast_state(model, world, tag="daso/init")
-        self.levels = HostGroups.build(world)
-        ddp = DistributedDataParallel(model, process_group=self.levels.local, hierarchical=False)
+        self._bind(model, optimizer, group)
+        check_same_model(group, list(zip(self.names, self.params)))
+        broadcast_module(model, group, tag="daso/init")
+        self.levels = HostGroups.build(group)
         dtype = self.config.downcast_type
         codec: Codec = Identity() if dtype == torch.float32 else Cast(dtype)
-        sync = _GlobalSync(params, self.levels, codec)
-        return ddp, DASOOptimizer(optimizer, DASOSchedule(self.config), sync, world)
+        self._sync = _GlobalSync(self.params, self.levels, codec)
+        return DistributedDataParallel(model, process_group=self.levels.local, hierarchical=False)
+
+    def report_loss(self, loss: float | torch.Tensor) -> None:
+        """This step's training loss on this rank (the schedule adapts to the world's epoch mean)."""
+        self._loss_sum += float(loss)
+        self._loss_count += 1
+
+    def after_step(self) -> None:
+        if self._sync is None or self.group is None:
+            raise ShoalError("DASO is not set up: pass it to shoal.wrap(model, optimizer, strategy) first")
+        if (self.schedule.step + 1) % self.config.steps_per_epoch == 0:
+            self._share_epoch_loss(self.group)
+        launch, land = self.schedule.after_step()
+        if launch:
+            self._sync.launch()
+        if land:
+            self._sync.land()
+        self._mark_step()
+
+    def _share_epoch_loss(self, group: Group) -> None:
+        """World mean of the epoch's reported losses (every rank decides the same schedule)."""
+        t = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64)
+        group.all_reduce(t, op="sum", tag="daso/control").wait()
+        self._loss_sum, self._loss_count = 0.0, 0
+        if t[1] > 0:
+            self.schedule.record_loss(float(t[0] / t[1]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.schedule.load_state_dict(state["schedule"])
+
+    def close(self) -> None:
+        """Stop the background thread (epochs end with nothing in flight)."""
+        if self._sync is not None:
+            self._sync.close()
 
 
 def expected_global_bytes(numel: int, hosts: int, dtype: torch.dtype) -> int:

@@ -24,7 +24,7 @@ import time
 import warnings
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from shoal.comm.group import Group, Handle
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.comm.topology import Topology
 from shoal.errors import ConfigError, ShoalError
+from shoal.strategies.base import Strategy, broadcast_module
 
 TAG = "nonblocking/grad"
 
@@ -227,21 +228,6 @@ class _Exchange:
             self._thread.shutdown(wait=True)
 
 
-def broadcast_state(module: nn.Module, group: Group, tag: str) -> None:
-    """Overwrite ``module``'s parameters and buffers with rank 0's (one flat broadcast per dtype)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        by_dtype.setdefault(t.dtype, []).append(t.detach())
-    with torch.no_grad():
-        for same in by_dtype.values():
-            flat = _flatten_dense_tensors(same)
-            group.broadcast(flat, src=0, tag=tag).wait()
-            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
-                t.copy_(synced)
-
-
 class NonBlockingModule(nn.Module):
     """The module :class:`NonBlocking` returns: the user's model with per-layer exchange hooks.
 
@@ -250,7 +236,7 @@ class NonBlockingModule(nn.Module):
 
     Example::
 
-        model, opt = NonBlocking().wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        model, opt = shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), shoal.NonBlocking())
         ...
         model.finalize()          # end of training: parameters now include the last step
     """
@@ -262,6 +248,7 @@ class NonBlockingModule(nn.Module):
         self.group = group
         self.broadcast_buffers = broadcast_buffers
         self._steps = StepMeter(group.meter, "nonblocking")
+        self._first_forward = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.group.size > 1:
@@ -275,7 +262,9 @@ class NonBlockingModule(nn.Module):
             self._exchange.apply(skipped)
         if torch.is_grad_enabled() and self.training:
             self._exchange.arm()
-            self._steps.mark_step()
+            if not self._first_forward:
+                self._steps.mark_step()  # a step's traffic: from one training forward to the next
+            self._first_forward = False
         return out
 
     def finalize(self) -> None:
@@ -308,56 +297,7 @@ def _broadcast_tensors(tensors: list[torch.Tensor], group: Group) -> None:
             group.broadcast(t.detach(), src=0, tag="nonblocking/buffers").wait()
 
 
-class NonBlockingOptimizer(torch.optim.Optimizer):
-    """The optimizer :class:`NonBlocking` returns: ``step()`` schedules, the next forward applies.
-
-    ``param_groups`` and ``state`` are the wrapped optimizer's, so LR
-    schedulers work: ``step()`` snapshots the hyperparameters, and each
-    layer's deferred update uses that snapshot, not what a scheduler set
-    afterwards. ``state_dict()`` finalises first. ``step(closure)`` is not
-    supported (the closure would run a forward whose layers update midway).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, exchange: _Exchange) -> None:
-        # No super().__init__: the wrapped optimizer owns param_groups and state.
-        self.optimizer = optimizer
-        self._exchange = exchange
-        self.param_groups = optimizer.param_groups
-        self.defaults = optimizer.defaults
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("optimizer", "_exchange"):
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise ShoalError("NonBlocking defers the update to the next forward; step(closure) is not supported")
-        self._exchange.request_step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise ShoalError("add parameter groups before NonBlocking.wrap: the layers are already laid out")
-
-    def state_dict(self) -> dict[str, Any]:
-        self._exchange.finalize()
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self._exchange.finalize()
-        self.optimizer.load_state_dict(dict(state_dict))
-
-    def __repr__(self) -> str:
-        return f"NonBlockingOptimizer({self.optimizer!r})"
-
-
-class NonBlocking:
+class NonBlocking(Strategy):
     """Heat's non-blocking data parallelism (SPEC E1) as a strategy.
 
     Args:
@@ -366,14 +306,16 @@ class NonBlocking:
             :class:`shoal.DistributedDataParallel` (``None``: automatic).
         broadcast_buffers: broadcast buffers from rank 0 before each forward.
 
-    :meth:`wrap` returns ``(module, optimizer)``. With several optimizers, or
-    an optimizer whose parameters are not exactly the model's trainable
-    ones, it warns and falls back to blocking: ``shoal.DistributedDataParallel``
-    and the optimizer(s) unchanged.
+    With :func:`shoal.wrap` the module returned is a
+    :class:`NonBlockingModule` and ``optimizer.step()`` only records the step
+    (and the hyperparameters at that moment). With an optimizer whose
+    parameters are not exactly the model's trainable ones, or several
+    optimizers (through :meth:`wrap`), it warns and falls back to blocking:
+    :class:`shoal.DistributedDataParallel` and ordinary steps.
 
     Example::
 
-        model, opt = shoal.NonBlocking().wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+        model, opt = shoal.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-4), shoal.NonBlocking())
         for x, y in loader:
             loss = loss_fn(model(x), y)      # each layer applies last step's update just before it runs
             loss.backward()                  # each layer's all-reduce starts as soon as its grads exist
@@ -385,6 +327,7 @@ class NonBlocking:
 
     def __init__(self, codec: Codec | None = None, hierarchical: bool | None = None,
                  broadcast_buffers: bool = True) -> None:
+        super().__init__()
         if codec is not None and not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
         if hierarchical is not None and not isinstance(hierarchical, bool):
@@ -393,26 +336,74 @@ class NonBlocking:
         self.hierarchical = hierarchical
         self.broadcast_buffers = broadcast_buffers
         self.topology: Topology | None = None
+        self.blocking = False  # True once it fell back
+        self._exchange: _Exchange | None = None
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        reason, single = _fallback_reason(model, optimizer)
+        if single is None:
+            return self._fall_back(model, group, reason)
+        self._bind(model, single, group)
+        from shoal.parallel import check_same_model
+
+        check_same_model(group, list(zip(self.names, self.params)))
+        broadcast_module(model, group, tag="nonblocking/init")
+        codec, self.topology = reduction_codec(group, self.codec, self.hierarchical)
+        self._exchange = _Exchange(find_layers(model), single, group, codec)
+        return NonBlockingModule(model, self._exchange, group, self.broadcast_buffers)
+
+    def _fall_back(self, model: nn.Module, group: Group, reason: str) -> nn.Module:
+        from shoal.parallel import DistributedDataParallel
+
+        warnings.warn(f"NonBlocking falls back to blocking gradient all-reduce (shoal.DistributedDataParallel): "
+                      f"{reason}", UserWarning, stacklevel=3)
+        self.blocking, self._bound, self.group, self.module = True, True, group, model
+        self._meter = StepMeter(group.meter, "")
+        return DistributedDataParallel(model, process_group=group, codec=self.codec,
+                                       hierarchical=self.hierarchical, broadcast_buffers=self.broadcast_buffers)
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
              process_group: Any = None) -> tuple[nn.Module, Any]:
-        """Set up on every rank (collective); return the module to train and the optimizer to step."""
-        from shoal.parallel import DistributedDataParallel, check_same_model
+        """:func:`shoal.wrap`, also accepting several optimizers (which fall back to blocking).
 
-        group = process_group if isinstance(process_group, Group) else Group(process_group)
+        Example::
+
+            model, (opt_a, opt_b) = shoal.NonBlocking().wrap(model, [opt_a, opt_b])   # warns: blocking
+        """
+        from shoal.averagers import as_group
+        from shoal.wrap import wrap
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return wrap(model, optimizer, self, process_group)
         reason, single = _fallback_reason(model, optimizer)
         if single is None:
-            warnings.warn(f"NonBlocking falls back to blocking gradient all-reduce (shoal.DistributedDataParallel): "
-                          f"{reason}", UserWarning, stacklevel=2)
-            ddp = DistributedDataParallel(model, process_group=group, codec=self.codec,
-                                          hierarchical=self.hierarchical, broadcast_buffers=self.broadcast_buffers)
-            return ddp, optimizer
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        check_same_model(group, named)
-        broadcast_state(model, group, tag="nonblocking/init")
-        codec, self.topology = reduction_codec(group, self.codec, self.hierarchical)
-        exchange = _Exchange(find_layers(model), single, group, codec)
-        return NonBlockingModule(model, exchange, group, self.broadcast_buffers), NonBlockingOptimizer(single, exchange)
+            return self._fall_back(model, as_group(process_group), reason), optimizer
+        return wrap(model, single, self, process_group)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None) -> Any:
+        if self._exchange is None:
+            return super().optimizer_step(optimizer, closure)
+        if closure is not None:
+            raise ShoalError("NonBlocking defers the update to the next forward; step(closure) is not supported")
+        self._exchange.request_step()
+        return None
+
+    def after_step(self) -> None:
+        self._mark_step()
+
+    def flush(self) -> None:
+        if self._exchange is not None:
+            self._exchange.finalize()
+
+    def close(self) -> None:
+        self.flush()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec.state_dict() if self.codec is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.codec is not None and state.get("codec") is not None:
+            self.codec.load_state_dict(state["codec"])
 
 
 def _fallback_reason(model: nn.Module, optimizer: Any) -> tuple[str, torch.optim.Optimizer | None]:
@@ -429,9 +420,3 @@ def _fallback_reason(model: nn.Module, optimizer: Any) -> tuple[str, torch.optim
         return (f"the optimizer holds {len(opt_ids - model_ids)} parameter(s) outside the model's trainable ones "
                 f"and misses {len(model_ids - opt_ids)} of them; per-layer updates need exactly the model's"), None
     return "", optimizers[0]
-
-
-def iter_layers(module: NonBlockingModule) -> Iterator[tuple[str, list[str]]]:
-    """``(layer name, parameter names)`` per layer, in launch order (for inspection and docs)."""
-    for layer in module._exchange.layers:
-        yield layer.name, list(layer.names)

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+import shoal
+
 from shoal.strategies import DASO
 from shoal.strategies.daso import expected_global_bytes
 from shoal.testing import run_workers
@@ -24,7 +26,7 @@ def _work(rank: int, world: int) -> dict:
     torch.manual_seed(rank)  # different inits: wrap must broadcast rank 0's
     net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1))
     daso = DASO(total_epochs=5, steps_per_epoch=SPE, warmup_epochs=1, cooldown_epochs=1, max_global_skips=8)
-    model, opt = daso.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    model, opt = shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), daso)
     snaps = []
     for step in range(5 * SPE):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -33,12 +35,12 @@ def _work(rank: int, world: int) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        opt.report_loss(1.0)  # a scripted plateau: skips grow 1 -> 2 -> 4
+        daso.report_loss(1.0)  # a scripted plateau: skips grow 1 -> 2 -> 4
         snaps.append(_flat(net))
-    opt.close()
-    meter = opt._world.meter.by_tag()
+    daso.close()
+    meter = daso.group.meter.by_tag()
     numel = sum(p.numel() for p in net.parameters())
-    return {"snaps": snaps, "events": list(opt.schedule.events), "numel": numel,
+    return {"snaps": snaps, "events": list(daso.schedule.events), "model": type(model).__name__, "numel": numel,
             "global": meter["daso/global/bf16"].bytes_sent if "daso/global/bf16" in meter else 0}
 
 
@@ -47,6 +49,7 @@ def test_daso_hosts_agree_every_step_and_hosts_at_global_syncs() -> None:
     res = run_workers(_work, 4, timeout=110)
     events = res[0]["events"]
     assert all(r["events"] == events for r in res)  # one schedule everywhere
+    assert res[0]["model"] == "DistributedDataParallel"  # exact averaging inside the host
     launches = [t for t, kind, _ in events if kind == "launch"]
     lands = [t for t, kind, _ in events if kind == "land"]
     # warm-up (0-3) and cool-down (16-19) every step; epoch 1 skips 1, epoch 2 skips 2, epoch 3 skips 4 (lands a step later)
