@@ -193,7 +193,8 @@ class ElasticGroup(Group):
         self.client = MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
                                    _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
         self._abort_store = self.client.store.clone()
-        self.client.join()
+        # Joining waits for the first start_step: a newcomer that announced itself
+        # while still building its model would keep the others waiting for it.
 
     @property
     def device(self) -> torch.device:
@@ -224,6 +225,8 @@ class ElasticGroup(Group):
         if self._in_step:
             return
         self._release_abandoned()
+        if self.client.member_id == 0:
+            self.client.join()
         if self.quorum is None or self._after >= self.quorum.qid:
             t0 = time.monotonic()
             self._reconfigure()
@@ -269,13 +272,27 @@ class ElasticGroup(Group):
             return _s(st.compare_set(key, "", "discard"))
         if st.add(f"{q.prefix}ok/{self.step}", 1) == self.size:
             return _s(st.compare_set(key, "", f"commit:{self.client.latest()}"))
-        deadline, pause = time.monotonic() + self.timeouts.quorum, 5e-5
+        start = time.monotonic()
+        deadline, pause, beats = start + self.timeouts.quorum, 5e-5, self._beats(q)
+        next_probe = start + self.timeouts.probe
         while not st.check([key]):
-            if self.client.remote_abort.is_set() or time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > next_probe:
+                # A peer that died after its last collective never votes; its
+                # heartbeat stops too. Judge it here rather than wait for the
+                # coordinator's heartbeat_timeout.
+                latest, next_probe = self._beats(q), now + self.timeouts.probe
+                if any(a == b for a, b in zip(beats, latest)):
+                    self._record(PeerLostError("a member stopped heartbeating before voting"))
+                beats = latest
+            if self.error is not None or self.client.remote_abort.is_set() or now > deadline:
                 return _s(st.compare_set(key, "", "discard"))
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
         return _s(st.get(key))
+
+    def _beats(self, q: Quorum) -> list[bytes]:
+        return list(self.client.store.multi_get([self.client.key(f"hb/{m}") for m in q.members]))
 
     # --- quorums ---------------------------------------------------------------
     def _reconfigure(self) -> None:

@@ -189,6 +189,9 @@ class Coordinator:
         host: address to bind and advertise.
         join_grace: after a newcomer registers, wait this long for more before
             publishing a quorum, so that workers starting together land in one round.
+        initial_workers: a run's first quorum waits for this many workers (the
+            launcher passes the number it starts); later quorums need only
+            the workers' ``min_workers``.
 
     Timeouts and ``min_workers`` come from the workers' join records, so the
     coordinator needs no configuration of its own.
@@ -200,9 +203,13 @@ class Coordinator:
         coord.stop()
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", join_grace: float = 0.25) -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", join_grace: float = 0.25,
+                 initial_workers: int = 1) -> None:
         if not 0 <= port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {port}")
+        if isinstance(initial_workers, bool) or not isinstance(initial_workers, int) or initial_workers < 1:
+            raise ConfigError(f"initial_workers must be an integer >= 1, got {initial_workers!r}")
+        self.initial_workers = initial_workers
         if join_grace < 0:
             raise ConfigError(f"join_grace must be >= 0 seconds, got {join_grace}")
         self.host = host
@@ -303,7 +310,8 @@ class Coordinator:
         self._publish(run, alive)
 
     def _publish(self, run: _Run, members: tuple[int, ...]) -> None:
-        if len(members) < run.min_workers():
+        need = run.min_workers() if run.qid else max(run.min_workers(), self.initial_workers)
+        if len(members) < need:
             run.current = ()   # nothing published: members wait for newcomers (or time out)
             return
         run.qid += 1

@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--op", type=float, default=5.0)
     ap.add_argument("--min-workers", type=int, default=2)
+    ap.add_argument("--want-size", type=int, default=0,
+                    help="after --steps, go on until a step ran with this many workers (a restart rejoined)")
+    ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -59,7 +62,8 @@ def main() -> None:
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
     data = ElasticSampler(512, group, batch_size=16)
     log = []
-    while group.step < a.steps:
+    # group.size is the last step's quorum size, the same on every member: all stop together.
+    while group.step < a.steps or (group.size < a.want_size and group.step < a.max_steps):
         idx = data.next_batch()
         opt.zero_grad()
         loss = F.mse_loss(model(x[idx]), y[idx])

@@ -41,7 +41,7 @@ class Outcome:
 
 def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None = None,
         hard_limit: float = 60.0, restarts: int = 1, kill: tuple[int, float] | None = None) -> Outcome:
-    coord = Coordinator(port=0).start()
+    coord = Coordinator(port=0, initial_workers=world).start()
     base = {**os.environ, **(env or {}), "SHOAL_COORDINATOR": coord.address,
             "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
@@ -62,7 +62,7 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
     try:
         for r in range(world):
             start(r, 0)
-        while any(p.poll() is None for p, _ in procs.values()):
+        while [p.poll() for p, _ in procs.values()].count(None):
             if time.monotonic() - t0 > hard_limit:
                 raise TimeoutError(f"elastic run still going after {hard_limit} s")
             if kill is not None and time.monotonic() - t0 >= kill[1]:
