@@ -192,7 +192,7 @@ class ElasticGroup(Group):
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid()}
         self.client = MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
                                    _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
-        self._abort_store = self.client.store.clone()
+        self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
         # Joining waits for the first start_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
@@ -324,8 +324,8 @@ class ElasticGroup(Group):
         self._global_ranks = list(range(self.size))
         self.error = None
         try:
-            spec = BackendSpec(dist.PrefixStore(q.prefix + "pg/", st.clone()), self.rank, self.size,
-                               self.timeouts.op, lambda: self.step)
+            pg_store = dist.PrefixStore(q.prefix + "pg/", st.clone())  # type: ignore[attr-defined]
+            spec = BackendSpec(pg_store, self.rank, self.size, self.timeouts.op, lambda: self.step)
             self.pg = self._factory(spec) if self.size > 1 else None
         except Exception as e:  # noqa: BLE001 - a peer did not connect: next quorum
             self._record(PeerLostError(f"building the group of quorum {q.qid} failed: {e}"))
@@ -459,7 +459,7 @@ class ElasticGroup(Group):
             raise ConfigError(f"unknown reduce op {op!r}; expected avg or one of {sorted(_REDUCE_OPS)}")
         self.meter.record(tag, "all_reduce", _nbytes(tensor), self.size, self.rank)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _REDUCE_OPS["sum" if op == "avg" else op]
+        opts.reduceOp = _REDUCE_OPS["sum" if op == "avg" else op]  # type: ignore[assignment]
         size = self.size  # averages divide by the live contributors of this quorum
         post = (lambda t: t.div_(size)) if op == "avg" else None  # noqa: E731
         return self._issue(tag, tensor, lambda: self.pg.allreduce([tensor], opts), post)
