@@ -151,7 +151,8 @@ class ElasticGroup(Group):
         coordinator: ``"host:port"`` of the coordinator (default: ``$SHOAL_COORDINATOR``).
         timeouts: the run's :class:`~shoal.comm.membership.Timeouts`; ``op`` is
             this group's per-collective timeout.
-        min_workers: no quorum forms with fewer live workers.
+        min_workers: no quorum forms with fewer live workers (default:
+            ``$SHOAL_MIN_WORKERS``, set by ``shoal run --min-workers``, else 1).
         meter: where bytes are counted (kept across quorums).
         backend_factory: builds a quorum's process group from a
             :class:`BackendSpec` (default :func:`gloo_backend`; tests wrap it
@@ -164,7 +165,7 @@ class ElasticGroup(Group):
     """
 
     def __init__(self, run_id: str | None = None, *, coordinator: str | None = None,
-                 timeouts: Timeouts | None = None, min_workers: int = 1, meter: Meter | None = None,
+                 timeouts: Timeouts | None = None, min_workers: int | None = None, meter: Meter | None = None,
                  backend_factory: BackendFactory | None = None) -> None:
         # Group.__init__ wants the default process group; an elastic group has none.
         if timeouts is not None and not isinstance(timeouts, Timeouts):
@@ -189,6 +190,8 @@ class ElasticGroup(Group):
         self._in_step = False
         self._after = 0              # adopt a quorum newer than this one at the next start_step
         self._fresh = True           # holds no state received from the run yet
+        if min_workers is None:
+            min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid()}
         self.client = MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
                                    _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)

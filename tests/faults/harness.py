@@ -89,3 +89,30 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
             rank, life = (int(v) for v in name[:-3].split("-"))
             outcome.results[(rank, life)] = torch.load(os.path.join(out_dir, name), weights_only=False)
     return outcome
+
+
+def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[str], *,
+                 env: dict[str, str] | None = None, hard_limit: float = 60.0) -> tuple[int, Outcome]:
+    """``shoal run -n WORLD --elastic LAUNCHER_ARGS elastic_worker.py ARGS``; its exit code and outcome."""
+    full_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    cmd = [sys.executable, "-m", "shoal", "run", "-n", str(world), "--elastic", *launcher_args,
+           os.path.join(HERE, "elastic_worker.py"), "--out", out_dir, *args]
+    log = os.path.join(out_dir, "launcher.txt")
+    with open(log, "wb") as f:
+        p = subprocess.Popen(cmd, env=full_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = p.wait(timeout=hard_limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)   # the launcher stops its workers, then we make sure
+        try:
+            p.wait(timeout=8)
+        finally:
+            os.killpg(p.pid, signal.SIGKILL)
+        code = -1
+    outcome = Outcome(logs=open(log, errors="replace").read()[-6000:])
+    for name in os.listdir(out_dir):
+        if name.endswith(".pt"):
+            rank, life = (int(v) for v in name[:-3].split("-"))
+            outcome.results[(rank, life)] = torch.load(os.path.join(out_dir, name), weights_only=False)
+    return code, outcome

@@ -55,12 +55,17 @@ def _sigkill_run(mode: str, tmp_path: Any, restart: bool) -> None:
     rng = random.Random(seed)
     step, nth = rng.randrange(4, 12), rng.randrange(2)
     plan = FaultPlan().crash(rank=2, step=step, nth=nth)
-    out = harness.run(str(tmp_path), 3, ["--mode", mode, "--steps", "20", "--op", str(OP), "--pace", "0.05",
-                                           "--want-size", "3" if restart else "0"],
-                      env={"SHOAL_FAULT_PLAN": plan.to_json()}, hard_limit=85 if restart else 65,
-                      restarts=int(restart))
-    why = f"(seed {seed}: crash at step {step}, collective #{nth})\n{out.logs}"
-    assert [r for r, _ in out.deaths] == [2], why
+    args = ["--mode", mode, "--steps", "20", "--op", str(OP), "--pace", "0.05", "--want-size", "3" if restart else "0"]
+    env = {"SHOAL_FAULT_PLAN": plan.to_json()}
+    if restart:  # as users run it: shoal run restarts the worker, which heals
+        code, out = harness.run_launcher(str(tmp_path), 3, ["--min-workers", "2", "--max-restarts", "1"], args,
+                                         env=env, hard_limit=85)
+        why = f"(seed {seed}: crash at step {step}, collective #{nth})\n{out.logs}"
+        assert code == 0, why
+    else:
+        out = harness.run(str(tmp_path), 3, args, env=env, hard_limit=65, restarts=0)
+        why = f"(seed {seed}: crash at step {step}, collective #{nth})\n{out.logs}"
+        assert [r for r, _ in out.deaths] == [2], why
     final = out.final()
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0)] + ([(2, 1)] if restart else []), why
     survivors = final[:2]
