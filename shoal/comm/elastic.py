@@ -41,7 +41,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import datetime
 import io
 import os
@@ -211,7 +210,10 @@ class ElasticGroup(Group):
         ``get()`` returns something ``torch.save`` can write; ``load(x)``
         restores it. With ``rollback=True`` it is also snapshotted at each
         step start and restored when the step is discarded (e.g. a codec's
-        error feedback, which a failed step may have half-updated).
+        error feedback, which a failed step may have half-updated); then
+        ``get()`` must return a copy, not views of live tensors (codecs'
+        ``state_dict()`` do), because it is called every step and copying
+        it again would double the cost.
         Every member must register the same keys.
         """
         if key in self._states:
@@ -234,7 +236,7 @@ class ElasticGroup(Group):
             t0 = time.monotonic()
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
-        self._snapshots = {k: copy.deepcopy(s.get()) for k, s in self._states.items() if s.rollback}
+        self._snapshots = {k: s.get() for k, s in self._states.items() if s.rollback}
         self.error = None
         self._in_step = True
 
