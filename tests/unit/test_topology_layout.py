@@ -43,3 +43,17 @@ def test_identity_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert host_identity("explicit") == "explicit"
     monkeypatch.delenv("SHOAL_HOST_ID")
     assert host_identity()  # the hostname
+
+
+def test_hierarchical_switch_and_codec_are_validated() -> None:
+    from shoal.codecs import Hierarchical, Identity
+    from shoal.codecs.hierarchical import reduction_codec
+
+    with pytest.raises(ConfigError, match="True, False or None"):
+        reduction_codec(None, None, "yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="hierarchical=False"):
+        reduction_codec(None, Hierarchical(), False)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="twice"):
+        Hierarchical(Hierarchical(Identity()))
+    with pytest.raises(ConfigError, match="chunk_mb"):
+        Hierarchical(chunk_mb=0)
