@@ -26,6 +26,7 @@ from shoal.comm.group import Group
 from shoal.codecs.base import Codec
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
+from shoal.optim.zero import ZeroRedundancyOptimizer
 from shoal.reducer import CommHook, Reducer
 
 
@@ -95,6 +96,11 @@ class DistributedDataParallel(nn.Module):
             gradients (e.g. ``shoal.codecs.PowerSGD(rank=4)``), run on a
             communication thread so it overlaps backward. ``None``: exact
             all-reduce. Its state is in ``model.codec.state_dict()``.
+        optimizer: a :class:`shoal.ZeroRedundancyOptimizer` over this
+            module's parameters, to step during backward: each gradient
+            bucket belongs to one rank, which steps it as soon as it is
+            reduced and broadcasts the result; the next forward waits for
+            the broadcasts. ``optimizer.step()`` then has nothing left to do.
 
     Example::
 
@@ -115,6 +121,7 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         codec: Codec | None = None,
+        optimizer: ZeroRedundancyOptimizer | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -123,6 +130,12 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
         if codec is not None and not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        if optimizer is not None and not isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise ConfigError(f"optimizer must be a shoal.ZeroRedundancyOptimizer (its step is overlapped with "
+                              f"backward), got {type(optimizer).__name__}; other optimizers step after backward")
+        if optimizer is not None and find_unused_parameters:
+            raise ConfigError("optimizer= cannot be combined with find_unused_parameters=True: which parameters "
+                              "were unused is known only after backward, too late to step buckets during it")
         if dim != 0:
             raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
         device = _single_device(module)
@@ -146,6 +159,9 @@ class DistributedDataParallel(nn.Module):
             self.reducer.set_codec(codec)
         self._steps = StepMeter(self.group.meter, "ddp")
         self.reducer.on_step_done = self._steps.mark_step
+        self.optimizer = optimizer
+        if optimizer is not None:
+            optimizer._attach(self.reducer, self.module)
 
     @staticmethod
     def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:
