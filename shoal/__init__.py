@@ -9,6 +9,7 @@ The shortest use::
 
 from shoal import errors
 from shoal.comm import CommCounters, CommStats, Group, Meter, init
+from shoal.optim import ZeroRedundancyOptimizer
 from shoal.parallel import DistributedDataParallel
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init",
     "DistributedDataParallel",
+    "ZeroRedundancyOptimizer",
     "Group",
     "Meter",
     "CommCounters",
