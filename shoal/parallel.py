@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
 from shoal.codecs.base import Codec
 from shoal.comm.meter import CommStats, StepMeter
@@ -82,7 +83,10 @@ class DistributedDataParallel(nn.Module):
         device_ids: ``None`` for CPU modules; ``[i]`` (this process's GPU) for CUDA.
         output_device: accepted for compatibility; outputs stay where the module puts them.
         process_group: a ``torch.distributed`` ProcessGroup or a :class:`shoal.Group`;
-            default: the world.
+            default: the world. An :class:`shoal.elastic.ElasticGroup` makes the
+            model elastic: each forward starts a step, the step ends with
+            ``ElasticOptimizer.step()`` (or ``group.should_commit()``); see
+            docs/elastic.md.
         broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from
             rank 0 before each forward.
         bucket_cap_mb: bucket size cap in MiB; smaller buckets start
@@ -150,8 +154,12 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the module has no parameter that requires grad: nothing to synchronise")
-        check_same_model(self.group, named)
-        self._broadcast_state()
+        self.elastic = isinstance(self.group, ElasticGroup)
+        if self.elastic:
+            self._register_elastic_state(codec)
+        else:
+            check_same_model(self.group, named)
+            self._broadcast_state()
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
                                find_unused_parameters, gradient_as_bucket_view)
         self.codec = codec
@@ -162,6 +170,16 @@ class DistributedDataParallel(nn.Module):
         self.optimizer = optimizer
         if optimizer is not None:
             optimizer._attach(self.reducer, self.module)
+
+    def _register_elastic_state(self, codec: Codec | None) -> None:
+        # No collective here: a newcomer's peers are mid-training, not constructing.
+        # The first quorum's heal broadcasts everything from one member instead (A2).
+        group = self.group
+        if not isinstance(group, ElasticGroup):  # pragma: no cover - the caller checked
+            return
+        group.register_state("ddp/module", self.module.state_dict, self.module.load_state_dict)
+        if codec is not None:  # a failed step may have half-updated it: roll back on discard
+            group.register_state("ddp/codec", codec.state_dict, codec.load_state_dict, rollback=True)
 
     @staticmethod
     def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:
@@ -206,6 +224,8 @@ class DistributedDataParallel(nn.Module):
 
     # --- training ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.elastic:  # adopt the latest quorum (rebuild, heal) before any collective
+            self.group.start_step()  # type: ignore[attr-defined]
         if self._require_forward_param_sync and self.broadcast_buffers and self.group.size > 1:
             buffers = [b.detach() for b in self.module.buffers()]
             if buffers:
@@ -251,6 +271,9 @@ class DistributedDataParallel(nn.Module):
         """
         if not callable(hook):
             raise ConfigError(f"hook must be callable, got {type(hook).__name__}")
+        if self.elastic:
+            raise ShoalError("communication hooks cannot run on an elastic group (they would talk to a "
+                             "process group that is replaced at each quorum); pass codec= instead")
         if self.reducer.comm_hook is not None:
             raise ShoalError("a communication hook is already registered; register_comm_hook may be called once")
         if self.codec is not None:

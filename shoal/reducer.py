@@ -32,18 +32,26 @@ CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 GRAD_TAG = "ddp/grad"
 
 
-def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int,
+                   first_cap_bytes: int | None = None) -> list[list[int]]:
     """Indices of ``params`` per bucket, in the order buckets become ready.
 
     Walks parameters in reverse order, keeping one open bucket per
-    (dtype, device); a bucket closes once it reaches ``cap_bytes`` (a
-    parameter larger than the cap gets a bucket to itself).
+    (dtype, device); a bucket closes once it reaches its cap (a parameter
+    larger than the cap gets a bucket to itself). The first bucket of each
+    kind is capped at ``first_cap_bytes`` (default: ``min(1 MiB, cap)``, as
+    torch does) so that communication starts early in backward.
 
     >>> ps = [torch.zeros(10), torch.zeros(10), torch.zeros(10)]
     >>> assign_buckets(ps, cap_bytes=80)
     [[2, 1], [0]]
     """
+    first = min(FIRST_BUCKET_BYTES, cap_bytes) if first_cap_bytes is None else first_cap_bytes
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    closed_kinds: set[tuple[torch.dtype, torch.device]] = set()
     done: list[list[int]] = []
     for i in reversed(range(len(params))):
         p = params[i]
@@ -51,9 +59,10 @@ def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[
         idx, size = open_.get(key, ([], 0))
         idx.append(i)
         size += p.numel() * p.element_size()
-        if size >= cap_bytes:
+        if size >= (cap_bytes if key in closed_kinds else first):
             done.append(idx)
             open_.pop(key, None)
+            closed_kinds.add(key)
         else:
             open_[key] = (idx, size)
     done.extend(idx for idx, _ in open_.values())
@@ -294,7 +303,7 @@ class Reducer:
     def _run_codec(self, b: _Bucket, codec: Codec) -> ThreadFuture:
         if self._comm_thread is None:
             self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-comm")
-        group, tag = self.group, f"{GRAD_TAG}/{type(codec).__name__.lower()}"
+        group, tag = self.group, GRAD_TAG  # the codec appends its own name: ddp/grad/powersgd/p
 
         def reduce() -> torch.Tensor:
             codec.mean(b.views, b.names, group, tag)
