@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="transformer", choices=["transformer", "mlp"])
     ap.add_argument("--workers", type=int, default=2, help="world size of the timing run")
-    ap.add_argument("--sizes", default="2,4", help="world sizes of the memory runs")
+    ap.add_argument("--sizes", default="2,4", help="world sizes of the memory runs ('' to skip them)")
     ap.add_argument("--bucket-cap-mb", type=float, default=1.0,
                     help="gradient bucket cap (the overlapped ZeRO assigns whole buckets to ranks)")
     ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Adam state bytes per rank, task {args.task}, bucket cap {args.bucket_cap_mb} MiB")
     print(f"{'N':>3} {'unsharded MB':>12} {'zero max MB':>11} {'zero min MB':>11} {'max/(tot/N)':>11} "
           f"{'overlap max MB':>14} {'overlap min MB':>14} {'max/(tot/N)':>11}")
-    for n in [int(x) for x in args.sizes.split(",")]:
+    for n in [int(x) for x in args.sizes.split(",") if x]:
         per_rank = run_workers(_memory_worker, n, args.task, args.bucket_cap_mb, timeout=1800)
         total = per_rank[0]["ddp+adam"]
         row = {k: [r[k] for r in per_rank] for k in VARIANTS}
