@@ -14,6 +14,7 @@ or, for any strategy (DDP, local SGD, hierarchical, DiLoCo, ...)::
 from shoal import errors
 from shoal.averagers import HierarchicalModelAverager, PeriodicModelAverager
 from shoal.comm import CommCounters, CommStats, Group, Meter, init
+from shoal.optim import ZeroRedundancyOptimizer
 from shoal.parallel import DistributedDataParallel
 from shoal.strategies import (
     DASO,
@@ -45,6 +46,7 @@ __all__ = [
     "DASO",
     "PeriodicModelAverager",
     "HierarchicalModelAverager",
+    "ZeroRedundancyOptimizer",
     "Group",
     "Meter",
     "CommCounters",

@@ -29,6 +29,7 @@ from shoal.codecs.hierarchical import reduction_codec
 from shoal.comm.topology import Topology
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
+from shoal.optim.zero import ZeroRedundancyOptimizer
 from shoal.reducer import CommHook, Reducer
 
 
@@ -101,6 +102,11 @@ class DistributedDataParallel(nn.Module):
             gradients (e.g. ``shoal.codecs.PowerSGD(rank=4)``), run on a
             communication thread so it overlaps backward. ``None``: exact
             all-reduce. Its state is in ``model.codec.state_dict()``.
+        optimizer: a :class:`shoal.ZeroRedundancyOptimizer` over this
+            module's parameters, to step during backward: each gradient
+            bucket belongs to one rank, which steps it as soon as it is
+            reduced and broadcasts the result; the next forward waits for
+            the broadcasts. ``optimizer.step()`` then has nothing left to do.
         hierarchical: reduce inside each host, all-reduce among one leader
             per host (through ``codec``), broadcast inside each host (SPEC
             A7). ``None`` (default): on when the ranks span several hosts and
@@ -127,6 +133,7 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         codec: Codec | None = None,
+        optimizer: ZeroRedundancyOptimizer | None = None,
         hierarchical: bool | None = None,
     ) -> None:
         super().__init__()
@@ -136,6 +143,12 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
         if codec is not None and not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        if optimizer is not None and not isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise ConfigError(f"optimizer must be a shoal.ZeroRedundancyOptimizer (its step is overlapped with "
+                              f"backward), got {type(optimizer).__name__}; other optimizers step after backward")
+        if optimizer is not None and find_unused_parameters:
+            raise ConfigError("optimizer= cannot be combined with find_unused_parameters=True: which parameters "
+                              "were unused is known only after backward, too late to step buckets during it")
         if dim != 0:
             raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
         device = _single_device(module)
@@ -166,6 +179,9 @@ class DistributedDataParallel(nn.Module):
             self.reducer.set_codec(reducer_codec)
         self._steps = StepMeter(self.group.meter, "ddp")
         self.reducer.on_step_done = self._steps.mark_step
+        self.optimizer = optimizer
+        if optimizer is not None:
+            optimizer._attach(self.reducer, self.module)
 
     def _reduction_codec(self, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
         """The codec buckets go through: ``codec``, or it inside a two-level reduction."""

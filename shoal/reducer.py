@@ -169,6 +169,9 @@ class Reducer:
         self.codec: Codec | None = None
         self._comm_thread: ThreadPoolExecutor | None = None
         self.on_step_done: Callable[[], None] | None = None
+        self.on_bucket_reduced: Callable[[GradBucket], None] | None = None
+        self._done_thread: ThreadPoolExecutor | None = None
+        self._done_tasks: list[ThreadFuture] = []
         self._armed = False        # a synchronised backward is expected
         self._started = False      # its first hook has fired
         self._unused: list[int] = []
@@ -185,6 +188,7 @@ class Reducer:
         self._started = False
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
+        self._done_tasks = []
         for b in self.buckets:
             b.pending = len(b.members)
             b.work = None
@@ -253,7 +257,40 @@ class Reducer:
                         f"communication hook returned {type(b.work).__name__}; it must return a "
                         "torch.futures.Future whose value is the bucket's reduced tensor"
                     )
+            if self.on_bucket_reduced is not None:
+                self._done_tasks.append(self._submit_bucket_done(b, self.on_bucket_reduced))
             self._next_bucket += 1
+
+    def _submit_bucket_done(self, b: _Bucket, callback: Callable[[GradBucket], None]) -> ThreadFuture:
+        """Run ``callback`` once ``b`` is reduced: the ``on_bucket_reduced`` extension point.
+
+        ``on_bucket_reduced(bucket)`` is called once per bucket of every
+        synchronised backward, in bucket index order, on one dedicated thread
+        ("shoal-bucket-done"), as soon as the bucket's reduction is complete:
+        ``bucket.gradients()`` then hold the averaged gradients (views into
+        ``bucket.buffer()``), while backward of earlier layers may still run.
+        The end of backward waits for every callback (re-raising its error)
+        before writing ``.grad``, so ``loss.backward()`` returns only when all
+        have run. A callback must not touch tensors autograd still needs, and
+        a collective it issues must go on a process group other than the
+        reducer's: the reducer's collectives are issued from another thread,
+        so their interleaving with the callback's would differ between ranks.
+        ZeroRedundancyOptimizer uses it to step each bucket's owner at once.
+
+        Example::
+
+            ddp.reducer.on_bucket_reduced = lambda bucket: print(bucket.index())
+        """
+        if self._done_thread is None:
+            self._done_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-bucket-done")
+
+        def done() -> None:
+            result = self._wait(b)
+            if result is not b.buffer:
+                b.buffer.copy_(result.view(-1))
+            callback(b.grad_bucket())
+
+        return self._done_thread.submit(done)
 
     def set_codec(self, codec: Codec) -> None:
         """Average buckets through ``codec`` on a dedicated communication thread.
@@ -284,6 +321,9 @@ class Reducer:
                 "their gradients cannot be averaged. If the forward does not use every parameter, "
                 "pass find_unused_parameters=True; if they should not train, set requires_grad=False"
             )
+        tasks, self._done_tasks = self._done_tasks, []
+        for task in tasks:  # on_bucket_reduced callbacks; each has waited for its bucket
+            task.result()
         for b in self.buckets:
             result = self._wait(b)
             if result is not b.buffer:
@@ -341,6 +381,8 @@ class Reducer:
         self._handles = []
         if self._comm_thread is not None:
             self._comm_thread.shutdown(wait=False)
+        if self._done_thread is not None:
+            self._done_thread.shutdown(wait=False)
 
 
 def _params_in_graph(outputs: Any) -> set[int]:
