@@ -1,0 +1,376 @@
+"""Start and supervise worker processes: the engine of ``shoal run``.
+
+:func:`launch` starts a command once per rank with the torchrun environment,
+prefixes each output line with the rank, stops every worker when one fails,
+injects scheduled kills, and optionally runs the ranks on an emulated cluster
+(:mod:`shoal.cli.cluster`).
+
+Failure policy (non-elastic): the first worker to exit non-zero decides the
+run's exit code, and the others are stopped (SIGTERM to each worker's process
+group, SIGKILL after ``grace_s``). A worker killed by a ``kill`` entry counts
+as such a failure (exit code 137 = 128 + SIGKILL), because in a static group
+the survivors cannot go on without it. With ``tolerate_kills=True`` an
+injected kill neither stops the others nor decides the exit code; the
+survivors' own exit codes do (this is what fault tests of survivors use; the
+elastic mode of issue #8 will extend :meth:`_Supervisor.on_exit`).
+
+Example::
+
+    from shoal.cli.launcher import ClusterSpec, launch
+    res = launch([sys.executable, "train.py"], nprocs=2)
+    res = launch([sys.executable, "train.py"],
+                 cluster=ClusterSpec(hosts=4, procs_per_host=1, bandwidth=("100mbit",)))
+    print(res.returncode, res.duration_s, res.host_bytes)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import IO, Iterator, TextIO
+
+from shoal.cli.cluster import ClusterSpec, EmulatedCluster
+from shoal.errors import ConfigError
+
+__all__ = ["ClusterSpec", "LaunchResult", "launch"]
+
+_POLL_S = 0.05
+
+
+@dataclass
+class LaunchResult:
+    """What :func:`launch` saw.
+
+    Attributes:
+        returncode: 0 when every worker exited 0; else the failing worker's
+            exit code (a worker killed by signal ``s`` counts as ``128 + s``),
+            or ``128 + s`` when the launcher itself got SIGINT/SIGTERM.
+        duration_s: wall-clock seconds from starting the first worker to the
+            last one's exit.
+        host_bytes: per emulated host, ``{"sent": .., "received": ..}`` bytes
+            of its link from the interface counters; ``None`` unemulated.
+        failed_rank: the rank whose exit decided ``returncode`` (``None`` if
+            none failed).
+    """
+
+    returncode: int
+    duration_s: float
+    host_bytes: list[dict[str, int]] | None = None
+    failed_rank: int | None = None
+
+
+@dataclass
+class _Worker:
+    rank: int
+    host: int
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    pumps: list[threading.Thread] = field(default_factory=list)
+    injected_kill: bool = False
+    code: int | None = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _exit_code(raw: int) -> int:
+    """Popen's -N (killed by signal N) as the shell's 128 + N."""
+    return 128 - raw if raw < 0 else raw
+
+
+class _Output:
+    """Copies worker pipes line by line to the chosen streams, with a rank prefix."""
+
+    def __init__(self, stdout: TextIO | None, prefix: bool) -> None:
+        self.lock = threading.Lock()
+        self.stdout = stdout
+        self.prefix = prefix
+
+    def pump(self, pipe: IO[bytes], rank: int, is_err: bool) -> threading.Thread:
+        def run() -> None:
+            tag = f"[{rank}] " if self.prefix else ""
+            with pipe:
+                for raw in iter(pipe.readline, b""):
+                    line = raw.decode("utf-8", errors="replace")
+                    if not line.endswith("\n"):
+                        line += "\n"
+                    self.write(tag + line, is_err)
+
+        t = threading.Thread(target=run, name=f"shoal-out-{rank}", daemon=True)
+        t.start()
+        return t
+
+    def write(self, text: str, is_err: bool = False) -> None:
+        stream = self.stdout or (sys.stderr if is_err else sys.stdout)
+        with self.lock:
+            try:
+                stream.write(text)
+                stream.flush()
+            except (ValueError, OSError):  # stream closed under us: drop, keep draining
+                pass
+
+
+@contextmanager
+def _trap_signals(on_signal: "list[int]") -> Iterator[None]:
+    """While inside, SIGINT/SIGTERM are recorded in ``on_signal`` instead of killing us.
+
+    Only the main thread may install handlers; elsewhere this does nothing
+    (the caller's own handling applies).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def handler(signum: int, _frame: object) -> None:
+        on_signal.append(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        previous[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class _Supervisor:
+    """Runs the workers of one launch and applies the failure policy."""
+
+    def __init__(self, kill: Sequence[tuple[int, float]], tolerate_kills: bool, grace_s: float,
+                 output: _Output, quiet: bool) -> None:
+        self.kills = sorted(kill, key=lambda k: k[1])
+        self.tolerate_kills = tolerate_kills
+        self.grace_s = grace_s
+        self.output = output
+        self.quiet = quiet
+        self.workers: list[_Worker] = []
+        self.signals: list[int] = []
+        self.result_code = 0
+        self.failed_rank: int | None = None
+
+    def note(self, msg: str) -> None:
+        if not self.quiet:
+            self.output.write(f"[shoal run] {msg}\n", is_err=True)
+
+    def start(self, argv: list[str], env: dict[str, str], rank: int, host: int, local_rank: int) -> None:
+        pipe = subprocess.PIPE if (self.output.prefix or self.output.stdout) else None
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which
+        # then stops each worker's whole process group (its children too).
+        proc = subprocess.Popen(argv, env=env, stdout=pipe, stderr=pipe, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        w = _Worker(rank, host, local_rank, proc)
+        if pipe is not None:
+            assert proc.stdout is not None and proc.stderr is not None  # set by PIPE
+            w.pumps = [self.output.pump(proc.stdout, rank, False), self.output.pump(proc.stderr, rank, True)]
+        self.workers.append(w)
+
+    def signal_all(self, sig: int) -> None:
+        for w in self.workers:
+            if w.code is None:
+                try:
+                    os.killpg(w.proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def on_exit(self, w: _Worker) -> bool:
+        """Record ``w``'s exit; True when the run must stop (the failure policy)."""
+        if w.code == 0:
+            return False
+        if w.injected_kill and self.tolerate_kills:
+            self.note(f"rank {w.rank} killed as scheduled; the others go on (tolerate_kills)")
+            return False
+        assert w.code is not None  # on_exit is called after reaping
+        if self.failed_rank is None:
+            self.failed_rank, self.result_code = w.rank, w.code
+        self.note(f"rank {w.rank} exited with code {w.code}; stopping the other workers")
+        return True
+
+    def supervise(self) -> None:
+        """Wait for every worker, injecting kills and stopping all on failure or signal."""
+        t0 = time.monotonic()
+        pending = list(self.kills)
+        while any(w.code is None for w in self.workers):
+            if self.signals:
+                self.result_code = 128 + self.signals[0]
+                self.note(f"got signal {self.signals[0]}; stopping the workers")
+                break
+            while pending and time.monotonic() - t0 >= pending[0][1]:
+                rank, at = pending.pop(0)
+                w = self.workers[rank]
+                if w.code is None:
+                    self.note(f"killing rank {rank} at {at:g} s as asked (--kill)")
+                    w.injected_kill = True
+                    try:
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:  # exited in the meantime; reaped below
+                        pass
+            if self._reap_any():
+                break
+            time.sleep(_POLL_S)
+        if self.signals and self.failed_rank is None:
+            self.result_code = 128 + self.signals[0]
+        self.stop()
+
+    def _reap_any(self) -> bool:
+        stop = False
+        for w in self.workers:
+            if w.code is None and w.proc.poll() is not None:
+                w.code = _exit_code(w.proc.returncode)
+                stop = self.on_exit(w) or stop
+        return stop
+
+    def stop(self) -> None:
+        """SIGTERM the live workers, SIGKILL after the grace period, reap everything."""
+        if any(w.code is None for w in self.workers):
+            self.signal_all(signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
+                time.sleep(_POLL_S)
+            self.signal_all(signal.SIGKILL)
+        for w in self.workers:
+            raw = w.proc.wait()
+            if w.code is None:
+                w.code = _exit_code(raw)
+            try:  # children left in the group (e.g. data loaders) must not outlive the run
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for w in self.workers:
+            for t in w.pumps:
+                t.join(timeout=5)
+
+
+def _validate(cmd: Sequence[str], nprocs: int, cluster: ClusterSpec | None,
+              kill: Sequence[tuple[int, float]], grace_s: float) -> int:
+    if isinstance(cmd, str) or not cmd or not all(isinstance(c, str) for c in cmd):
+        raise ConfigError(f"cmd must be a non-empty list of strings (an argv), got {cmd!r}")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ConfigError(f"nprocs must be an integer >= 1, got {nprocs!r}")
+    world = nprocs
+    if cluster is not None:
+        world = cluster.world_size
+        if nprocs not in (1, world):
+            raise ConfigError(
+                f"nprocs={nprocs} contradicts the cluster's {cluster.hosts} hosts x "
+                f"{cluster.procs_per_host} procs = {world} workers; leave nprocs at 1 or pass {world}"
+            )
+    for entry in kill:
+        if len(entry) != 2:
+            raise ConfigError(f"kill entries must be (rank, seconds), got {entry!r}")
+        rank, at = entry
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise ConfigError(f"kill rank must be an integer in [0, {world}), got {rank!r}")
+        if not isinstance(at, (int, float)) or at < 0:
+            raise ConfigError(f"kill time must be seconds >= 0, got {at!r}")
+    if grace_s < 0:
+        raise ConfigError(f"grace_s must be >= 0, got {grace_s}")
+    return world
+
+
+def _worker_env(base: Mapping[str, str], rank: int, host: int, local: int, world: int, hosts: int,
+                per_host: int, addr: str, port: int, host_id: str, ifname: str | None) -> dict[str, str]:
+    env = dict(base)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the prefixer as they are printed
+    if world > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # N workers x all cores would oversubscribe
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(per_host),
+        GROUP_RANK=str(host), NODE_RANK=str(host), GROUP_WORLD_SIZE=str(hosts),
+        MASTER_ADDR=addr, MASTER_PORT=str(port), SHOAL_HOST_ID=host_id,
+    )
+    if ifname is not None:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return env
+
+
+def launch(
+    cmd: list[str],
+    nprocs: int = 1,
+    cluster: ClusterSpec | None = None,
+    kill: Sequence[tuple[int, float]] = (),
+    env: Mapping[str, str] | None = None,
+    prefix_output: bool = True,
+    stdout: TextIO | None = None,
+    quiet: bool = False,
+    *,
+    tolerate_kills: bool = False,
+    grace_s: float = 5.0,
+) -> LaunchResult:
+    """Run ``cmd`` once per rank and wait for all; see the module docstring for the policy.
+
+    Args:
+        cmd: the worker's argv, e.g. ``[sys.executable, "train.py", "--lr", "0.1"]``.
+        nprocs: workers on this machine when ``cluster`` is ``None``. With a
+            cluster the world is ``hosts * procs_per_host`` and ``nprocs``
+            must be 1 (the default) or equal to it.
+        cluster: run on an emulated cluster (root only); ranks are laid out
+            host by host: host ``h`` holds ranks ``h*P .. h*P+P-1``.
+        kill: ``(rank, seconds)`` pairs: SIGKILL that rank that many seconds
+            after the start.
+        env: variables added to the launcher's environment for the workers
+            (the torchrun variables always win).
+        prefix_output: prefix each output line with ``[rank] ``; False passes
+            output through untouched (inherited file descriptors when
+            ``stdout`` is None).
+        stdout: where worker output goes (stdout and stderr both); None:
+            worker stdout to ``sys.stdout``, stderr to ``sys.stderr``.
+        quiet: silence the launcher's own ``[shoal run]`` messages.
+        tolerate_kills: an injected kill does not stop the run nor decide
+            its exit code.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping workers.
+
+    Ctrl-C or SIGTERM to the launcher (main thread) stops every worker,
+    removes the emulated cluster and returns ``128 + signal``.
+
+    Example::
+
+        res = launch([sys.executable, "-c", "import os; print(os.environ['RANK'])"], nprocs=2)
+        assert res.returncode == 0      # prints "[0] 0" and "[1] 1"
+    """
+    world = _validate(cmd, nprocs, cluster, kill, grace_s)
+    output = _Output(stdout, prefix_output)
+    sup = _Supervisor(kill, tolerate_kills, grace_s, output, quiet)
+    base_env = {**os.environ, **(env or {})}
+    host_bytes: list[dict[str, int]] | None = None
+    with ExitStack() as stack:
+        stack.enter_context(_trap_signals(sup.signals))
+        emu = stack.enter_context(EmulatedCluster(cluster)) if cluster is not None else None
+        t0 = time.monotonic()
+        try:
+            _start_all(sup, list(cmd), world, emu, base_env)
+            sup.supervise()
+        finally:
+            sup.stop()  # no-op after a normal supervise(); kills all after an exception
+        duration = time.monotonic() - t0
+        if emu is not None:
+            host_bytes = emu.host_bytes()
+    return LaunchResult(sup.result_code, duration, host_bytes, sup.failed_rank)
+
+
+def _start_all(sup: _Supervisor, cmd: list[str], world: int, emu: EmulatedCluster | None,
+               base_env: dict[str, str]) -> None:
+    hosts = emu.spec.hosts if emu else 1
+    per_host = emu.spec.procs_per_host if emu else world
+    addr = emu.address(0) if emu else "127.0.0.1"
+    port = 29500 if emu else _free_port()  # a fresh namespace has every port free
+    host_id = socket.gethostname()
+    for rank in range(world):
+        if sup.signals:
+            return
+        host, local = divmod(rank, per_host)
+        env = _worker_env(base_env, rank, host, local, world, hosts, per_host, addr, port,
+                          emu.namespace(host) if emu else host_id, emu.interface(host) if emu else None)
+        argv = (emu.exec_prefix(host) if emu else []) + cmd
+        sup.start(argv, env, rank, host, local)
