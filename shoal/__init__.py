@@ -9,11 +9,13 @@ The shortest use::
 
 from shoal import errors
 from shoal.comm import CommCounters, CommStats, Group, Meter, init
+from shoal.parallel import DistributedDataParallel
 
 __version__ = "0.1.0"
 
 __all__ = [
     "init",
+    "DistributedDataParallel",
     "Group",
     "Meter",
     "CommCounters",

@@ -1,0 +1,243 @@
+"""Drop-in replacement for ``torch.nn.parallel.DistributedDataParallel``.
+
+Swapping the import is the whole migration::
+
+    import shoal
+    shoal.init()
+    model = shoal.DistributedDataParallel(model)      # was torch's DDP
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        loss.backward()                                 # gradients averaged here
+        opt.step(); opt.zero_grad()
+    print(model.comm_stats().last.bytes_sent)           # bytes of the last step
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from shoal.comm.group import Group
+from shoal.comm.meter import CommStats, StepMeter
+from shoal.errors import ConfigError, ModelMismatchError, ShoalError
+from shoal.reducer import CommHook, Reducer
+
+
+def _as_group(process_group: Any) -> Group:
+    if isinstance(process_group, Group):
+        return process_group
+    return Group(process_group)
+
+
+def _single_device(module: nn.Module) -> torch.device:
+    devices: dict[torch.device, str] = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        where = ", ".join(f"{n!r} on {d}" for d, n in devices.items())
+        raise ConfigError(
+            f"the module's parameters and buffers live on several devices ({where}); "
+            "DistributedDataParallel replicates a module on one device per process: move it with .to(device)"
+        )
+    return next(iter(devices), torch.device("cpu"))
+
+
+def check_same_model(group: Group, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Raise :class:`ModelMismatchError` on every rank if any rank's parameters differ.
+
+    Every rank receives every rank's list, so all reach the same verdict and
+    none is left waiting in a later collective.
+    """
+    mine = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named_params]
+    everyone = group.all_gather_object(mine, tag="ddp/control")
+    ref = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == ref:
+            continue
+        for k in range(max(len(ref), len(theirs))):
+            a = ref[k] if k < len(ref) else None
+            b = theirs[k] if k < len(theirs) else None
+            if a != b:
+                def show(x: Any) -> str:
+                    return "nothing" if x is None else f"{x[0]!r} shape {list(x[1])} dtype {x[2]}"
+                raise ModelMismatchError(
+                    f"rank 0 and rank {rank} hold different models: parameter #{k} is {show(a)} on rank 0 "
+                    f"but {show(b)} on rank {rank} ({len(ref)} vs {len(theirs)} trainable parameters). "
+                    "Every rank must build the same model before wrapping it."
+                )
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper with the constructor of torch's DDP.
+
+    Args:
+        module: the model replica of this process (on one device).
+        device_ids: ``None`` for CPU modules; ``[i]`` (this process's GPU) for CUDA.
+        output_device: accepted for compatibility; outputs stay where the module puts them.
+        process_group: a ``torch.distributed`` ProcessGroup or a :class:`shoal.Group`;
+            default: the world.
+        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from
+            rank 0 before each forward.
+        bucket_cap_mb: bucket size cap in MiB; smaller buckets start
+            communicating earlier, larger ones amortise per-call overhead.
+        find_unused_parameters: walk the forward's graph to find parameters it
+            did not use, so they do not block their bucket; costs a graph
+            traversal per step, so leave it off when every parameter is used.
+        gradient_as_bucket_view: leave ``.grad`` as views into the bucket
+            buffers (saves a copy and memory; ``.grad`` then aliases them).
+
+    Example::
+
+        model = shoal.DistributedDataParallel(nn.Linear(10, 1), bucket_cap_mb=1)
+        model(torch.randn(4, 10)).sum().backward()
+        stats = model.comm_stats()        # .last / .total CommCounters
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group: Any = None,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not bucket_cap_mb > 0:
+            raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
+        if dim != 0:
+            raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
+        device = _single_device(module)
+        self._check_device_ids(device_ids, device)
+        self.module = module
+        self.group = _as_group(process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.require_backward_grad_sync = True
+        self._require_forward_param_sync = True
+        self._flat_buffers: dict[torch.dtype, torch.Tensor] = {}  # reused for buffer broadcasts
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the module has no parameter that requires grad: nothing to synchronise")
+        check_same_model(self.group, named)
+        self._broadcast_state()
+        self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
+                               find_unused_parameters, gradient_as_bucket_view)
+        self._steps = StepMeter(self.group.meter, "ddp")
+        self.reducer.on_step_done = self._steps.mark_step
+
+    @staticmethod
+    def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:
+        if device.type == "cpu":
+            if device_ids:
+                raise ConfigError(f"device_ids must be None for a module on the CPU, got {list(device_ids)}")
+            return
+        if device_ids is not None and len(device_ids) != 1:
+            raise ConfigError(f"device_ids must name exactly one device (this process's), got {list(device_ids)}")
+        if device_ids:
+            first = device_ids[0]
+            want = first if isinstance(first, torch.device) else torch.device(device.type, first)
+            if want != device:
+                raise ConfigError(f"device_ids={list(device_ids)} but the module lives on {device}")
+
+    # --- state broadcast ------------------------------------------------------
+    def _broadcast_state(self) -> None:
+        tensors = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
+        self._broadcast_coalesced(tensors, tag="ddp/init")
+
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor], tag: str) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for dtype, group in by_dtype.items():
+                flat = self._flat_for(dtype, group, reuse=tag == "ddp/buffers")
+                self.group.broadcast(flat, src=0, tag=tag).wait()
+                for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+                    t.copy_(synced)
+
+    def _flat_for(self, dtype: torch.dtype, tensors: list[torch.Tensor], reuse: bool) -> torch.Tensor:
+        if not reuse:
+            return _flatten_dense_tensors(tensors)
+        total = sum(t.numel() for t in tensors)
+        flat = self._flat_buffers.get(dtype)
+        if flat is None or flat.numel() != total:
+            flat = torch.empty(total, dtype=dtype, device=tensors[0].device)
+            self._flat_buffers[dtype] = flat
+        torch.cat([t.reshape(-1) for t in tensors], out=flat)
+        return flat
+
+    # --- training ------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._require_forward_param_sync and self.broadcast_buffers and self.group.size > 1:
+            buffers = [b.detach() for b in self.module.buffers()]
+            if buffers:
+                self._broadcast_coalesced(buffers, tag="ddp/buffers")
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._require_forward_param_sync = True
+            self.reducer.prepare_for_backward(out)
+        else:
+            self._require_forward_param_sync = False
+            self.reducer.disarm()
+        return out
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block syncs them all.
+
+        Example::
+
+            with model.no_sync():
+                model(x1).sum().backward()      # local only
+            model(x2).sum().backward()          # averaged: x1's and x2's gradients
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]``, torch's contract.
+
+        torch's own hooks (``default_hooks.allreduce_hook``,
+        ``fp16_compress_hook``, ``powerSGD_hook.powerSGD_hook``) run unchanged.
+        The hook must divide by the world size itself. Register before the
+        first backward, once.
+
+        Example::
+
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        """
+        if not callable(hook):
+            raise ConfigError(f"hook must be callable, got {type(hook).__name__}")
+        if self.reducer.comm_hook is not None:
+            raise ShoalError("a communication hook is already registered; register_comm_hook may be called once")
+        self.reducer.comm_hook = hook
+        self.reducer.hook_state = state
+
+    def comm_stats(self) -> CommStats:
+        """Bytes sent/received and seconds waited on communication: last step and total.
+
+        Bytes are counted for shoal's own collectives; a foreign comm hook that
+        calls ``torch.distributed`` directly is not seen by the meter (its wait
+        time is).
+        """
+        return self._steps.stats()
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.group.pg

@@ -1,0 +1,336 @@
+"""Gradient buckets reduced during backward, overlapping communication.
+
+Parameters are grouped into buckets in reverse registration order (gradients
+of the last layers are produced first) with a size cap, one dtype and device
+per bucket. Each bucket owns a flat buffer reused across steps. A
+post-accumulate-grad hook copies a parameter's gradient into its slice; when a
+bucket's last gradient arrives its reduction is launched at once, while
+backward goes on. Buckets launch strictly in index order on every rank, so
+collectives pair up across ranks even if gradients arrive in another order.
+At the end of backward (an autograd engine callback) whatever is still in
+flight is waited for and the averaged gradients are written to ``.grad``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from shoal.comm.group import Group, Handle
+from shoal.errors import ShoalError
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+GRAD_TAG = "ddp/grad"
+
+
+def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+    """Indices of ``params`` per bucket, in the order buckets become ready.
+
+    Walks parameters in reverse order, keeping one open bucket per
+    (dtype, device); a bucket closes once it reaches ``cap_bytes`` (a
+    parameter larger than the cap gets a bucket to itself).
+
+    >>> ps = [torch.zeros(10), torch.zeros(10), torch.zeros(10)]
+    >>> assign_buckets(ps, cap_bytes=80)
+    [[2, 1], [0]]
+    """
+    open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    done: list[list[int]] = []
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (p.dtype, p.device)
+        idx, size = open_.get(key, ([], 0))
+        idx.append(i)
+        size += p.numel() * p.element_size()
+        if size >= cap_bytes:
+            done.append(idx)
+            open_.pop(key, None)
+        else:
+            open_[key] = (idx, size)
+    done.extend(idx for idx, _ in open_.values())
+    # Ready order: the bucket holding the latest-registered parameter first.
+    done.sort(key=lambda b: -b[0])
+    return done
+
+
+class GradBucket:
+    """What a communication hook sees: torch's ``dist.GradBucket`` interface.
+
+    ``gradients()`` are views into ``buffer()`` in parameter shapes, so a hook
+    may write into either. ``set_buffer`` replaces the tensor ``buffer()``
+    returns (torch's compression wrappers use it to hand a cast copy on).
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, grads: list[torch.Tensor],
+                 params: list[torch.Tensor], names: list[str], last: bool) -> None:
+        self._index = index
+        self._buffer = buffer
+        self._grads = grads
+        self._params = params
+        self._names = names
+        self._last = last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def parameter_names(self) -> list[str]:
+        """shoal extension: the parameters' names (stable keys for hook state)."""
+        return self._names
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer = tensor
+
+
+class _Bucket:
+    """A bucket's fixed layout and its per-step state."""
+
+    def __init__(self, index: int, members: list[int], params: Sequence[nn.Parameter],
+                 names: Sequence[str], last: bool) -> None:
+        self.index = index
+        self.members = members
+        self.params = [params[i] for i in members]
+        self.names = [names[i] for i in members]
+        self.last = last
+        first = self.params[0]
+        total = sum(p.numel() for p in self.params)
+        self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            self.views.append(self.buffer.narrow(0, offset, p.numel()).view(p.shape))
+            offset += p.numel()
+        self.pending = len(members)
+        self.work: Handle | torch.futures.Future | None = None
+
+    def grad_bucket(self) -> GradBucket:
+        return GradBucket(self.index, self.buffer, self.views, self.params, self.names, self.last)
+
+
+class Reducer:
+    """Owns buckets and hooks for one wrapped module (used by DistributedDataParallel).
+
+    Args:
+        named_params: ``(name, parameter)`` pairs that require grad, registration order.
+        group: the metered group gradients are averaged over.
+        bucket_cap_bytes: bucket size cap.
+        find_unused_parameters: look for parameters outside the forward's graph.
+        gradient_as_bucket_view: leave ``.grad`` as views into the bucket buffers.
+    """
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], group: Group,
+                 bucket_cap_bytes: int, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False) -> None:
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.group = group
+        self.find_unused = find_unused_parameters
+        self.as_view = gradient_as_bucket_view
+        layout = assign_buckets(self.params, bucket_cap_bytes)
+        self.buckets = [
+            _Bucket(i, members, self.params, self.names, i == len(layout) - 1)
+            for i, members in enumerate(layout)
+        ]
+        self._where: list[tuple[_Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
+        for b in self.buckets:
+            for slot, i in enumerate(b.members):
+                self._where[i] = (b, slot)
+        self.comm_hook: CommHook | None = None
+        self.hook_state: Any = None
+        self.on_step_done: Callable[[], None] | None = None
+        self._armed = False        # a synchronised backward is expected
+        self._started = False      # its first hook has fired
+        self._unused: list[int] = []
+        self._ready = [False] * len(self.params)
+        self._used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._next_bucket = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+
+    # --- per step -------------------------------------------------------
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Arm for the backward of a synchronised forward; ``outputs`` is searched
+        for the graph when ``find_unused_parameters`` is on."""
+        self._armed = True
+        self._started = False
+        self._ready = [False] * len(self.params)
+        self._next_bucket = 0
+        for b in self.buckets:
+            b.pending = len(b.members)
+            b.work = None
+        self._unused = []
+        if self.find_unused:
+            reached = _params_in_graph(outputs)
+            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+
+    def disarm(self) -> None:
+        """The next backward only accumulates (``no_sync``)."""
+        self._armed = False
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            self._used[i] = 1
+            if self._armed:
+                self._on_grad_ready(i)
+
+        return hook
+
+    def _on_grad_ready(self, i: int) -> None:
+        if not self._started:
+            self._started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            for j in self._unused:  # they will get no hook: do not let them block
+                self._mark_ready(j)
+        if self._ready[i]:
+            raise ShoalError(
+                f"parameter {self.names[i]!r} received a gradient twice in one backward; "
+                "shoal's DDP supports one backward per forward (use no_sync() to accumulate)"
+            )
+        self._mark_ready(i)
+
+    def _mark_ready(self, i: int) -> None:
+        self._ready[i] = True
+        bucket, slot = self._where[i]
+        view, grad = bucket.views[slot], self.params[i].grad
+        if grad is None:
+            view.zero_()
+        elif grad.is_sparse:
+            raise ShoalError(f"parameter {self.names[i]!r} has a sparse gradient; shoal's DDP needs dense gradients")
+        elif self.comm_hook is not None:
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+        elif grad.data_ptr() == view.data_ptr():
+            view.div_(self.group.size)
+        else:
+            # Divide while copying, as torch DDP does, so the sum is the mean.
+            torch.div(grad, self.group.size, out=view)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # In index order only: a collective must be issued in the same order on every rank.
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            b = self.buckets[self._next_bucket]
+            if self.comm_hook is None:
+                b.work = self.group.all_reduce(b.buffer, op="sum", tag=GRAD_TAG)
+            else:
+                b.work = self.comm_hook(self.hook_state, b.grad_bucket())
+                if not isinstance(b.work, (torch.futures.Future, torch._C.Future)):
+                    raise ShoalError(
+                        f"communication hook returned {type(b.work).__name__}; it must return a "
+                        "torch.futures.Future whose value is the bucket's reduced tensor"
+                    )
+            self._next_bucket += 1
+
+    def _finalize(self) -> None:
+        """End of backward: wait for in-flight reductions, write ``.grad``."""
+        self._armed = False
+        if self._next_bucket < len(self.buckets):
+            missing = [self.names[i] for i, r in enumerate(self._ready) if not r]
+            raise ShoalError(
+                f"{len(missing)} parameter(s) got no gradient in this backward, e.g. {missing[:5]}; "
+                "their gradients cannot be averaged. If the forward does not use every parameter, "
+                "pass find_unused_parameters=True; if they should not train, set requires_grad=False"
+            )
+        globally_used = self._global_usage() if self.find_unused else None
+        for b in self.buckets:
+            result = self._wait(b)
+            if result is not b.buffer:
+                b.buffer.copy_(result.view(-1))
+            self._write_grads(b, globally_used)
+        self._used.zero_()
+        if self.on_step_done is not None:
+            self.on_step_done()
+
+    def _wait(self, b: _Bucket) -> torch.Tensor:
+        if isinstance(b.work, Handle):
+            return b.work.wait()
+        t0 = time.perf_counter()
+        value = b.work.wait()  # type: ignore[union-attr]
+        self.group.meter.add_wait(GRAD_TAG, time.perf_counter() - t0)
+        if isinstance(value, list):  # a raw Work future yields a list of tensors
+            value = value[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != b.buffer.numel():
+            raise ShoalError(
+                f"communication hook's future for bucket {b.index} gave {type(value).__name__} "
+                f"of {getattr(value, 'numel', lambda: '?')()} elements; expected a tensor of {b.buffer.numel()}"
+            )
+        return value
+
+    def _global_usage(self) -> torch.Tensor:
+        # A parameter unused on every rank keeps its .grad untouched, as in torch DDP.
+        used = self._used.to(self.group.device)
+        self.group.all_reduce(used, op="max", tag="ddp/control").wait()
+        return used.cpu()
+
+    def _write_grads(self, b: _Bucket, globally_used: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            dst, src = [], []
+            for slot, i in enumerate(b.members):
+                p, view = self.params[i], b.views[slot]
+                if globally_used is not None and not globally_used[i]:
+                    continue
+                if self.as_view:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    dst.append(p.grad)
+                    src.append(view)
+            if dst:
+                torch._foreach_copy_(dst, src)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _params_in_graph(outputs: Any) -> set[int]:
+    """ids of leaf tensors reachable from the autograd graph of ``outputs``."""
+    found: set[int] = set()
+    stack: list[Any] = []
+    for t in _tensors_in(outputs):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            found.add(id(t))
+    seen: dict[int, Any] = {}  # keeps nodes alive so their ids stay unique
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            found.add(id(var))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return found
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors_in(o)]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for k in obj.__dataclass_fields__ for t in _tensors_in(getattr(obj, k))]
+    return []
