@@ -214,7 +214,7 @@ def summarize(runs: dict[str, dict[str, Any]], target_loss: float | None) -> dic
         counted = {n: v for n, v in finals.items() if not _is_disconnected(n)}
         target_loss, source = metrics.auto_target(counted), "auto"
     local, nosync = runs.get("local", {}).get("points"), runs.get("nosync", {}).get("points")
-    ideal = None
+    ideal: dict[str, Any] | None = None
     if local and nosync:
         ideal = {
             "points": metrics.ideal_curve(local, nosync),

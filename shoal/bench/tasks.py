@@ -66,11 +66,8 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.norm2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model),
-            nn.GELU(),
-            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
-        )
+        self.fc_in = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.fc_out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -79,7 +76,7 @@ class _Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
+        return x + self.fc_out(F.gelu(self.fc_in(self.norm2(x))))
 
 
 class ByteGPT(nn.Module):
@@ -97,6 +94,7 @@ class ByteGPT(nn.Module):
         self.tok = nn.Embedding(256, cfg.d_model)
         self.pos = nn.Parameter(torch.zeros(cfg.context, cfg.d_model))
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
+        self._residual_outs = [lin for b in self.blocks if isinstance(b, _Block) for lin in (b.proj, b.fc_out)]
         self.norm = nn.LayerNorm(cfg.d_model)
         self._init_weights()
 
@@ -108,9 +106,8 @@ class ByteGPT(nn.Module):
                 nn.init.zeros_(mod.bias)
         nn.init.normal_(self.pos, std=0.01)
         # Residual outputs scaled down with depth so the stream's variance stays ~constant.
-        for block in self.blocks:
-            for out in (block.proj, block.mlp[2]):
-                nn.init.normal_(out.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+        for out in self._residual_outs:
+            nn.init.normal_(out.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
