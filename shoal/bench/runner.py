@@ -230,14 +230,26 @@ def summarize(runs: dict[str, dict[str, Any]], target_loss: float | None) -> dic
         r["iface_mb_sent_per_worker"] = (
             None if last is None or last["iface_sent"] is None else (_mean(last["iface_sent"]) or 0.0) / 1e6
         )
-        r["speedup_vs_ddp"] = metrics.ratio(ttt.get("ddp"), ttt[n])
-        r["efficiency"] = metrics.ratio(ideal["time_to_target_s"] if ideal else None, ttt[n])
+        # nosync's loss is one replica's, not the cluster's model: no speed-up or efficiency to claim.
+        ranked = not _is_disconnected(n)
+        r["speedup_vs_ddp"] = metrics.ratio(ttt.get("ddp"), ttt[n]) if ranked else None
+        r["efficiency"] = metrics.ratio(ideal["time_to_target_s"] if ideal else None, ttt[n]) if ranked else None
     return {"target_loss": target_loss, "target_source": source, "ideal": ideal}
 
 
 def _is_disconnected(name: str) -> bool:
-    spec = strategies.get(name)
+    """True for strategies whose workers never talk (their loss is one replica's)."""
+    try:
+        spec = strategies.get(name)
+    except ConfigError:  # a results file from a checkout with more strategies
+        return False
     return not spec.communicates and not spec.single_worker
+
+
+def resummarize(results: dict[str, Any], target_loss: float | None) -> dict[str, Any]:
+    """``results`` (a loaded results.json) summarised again, e.g. against another target loss."""
+    runs = results["strategies"]
+    return {**results, **summarize(runs, target_loss), "strategies": runs}
 
 
 def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,

@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", help="results root (default results/)")
     p.add_argument("--run", default="", help="run name (default: a timestamp)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--from-results", default=None, metavar="RUN_DIR",
+                   help="train nothing: summarise RUN_DIR/results.json again (e.g. with --target-loss), "
+                        "rewrite it and its plot, print the table")
     return p
 
 
@@ -130,10 +133,36 @@ class _Bar:
             self.bar = None
 
 
+def _from_results(run_dir: str, target_loss: float | None) -> int:
+    import json
+
+    from shoal.bench import report
+    from shoal.bench.runner import resummarize
+
+    path = os.path.join(run_dir, "results.json")
+    try:
+        with open(path) as f:
+            loaded = json.load(f)
+        report.validate_results(loaded)
+        results = resummarize(loaded, target_loss)
+    except (OSError, ValueError, ShoalError) as e:
+        print(f"shoal bench: cannot use {path}: {e}", file=sys.stderr)
+        return 2
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    report.plot(results, os.path.join(run_dir, "report.png"))
+    print(f"shoal bench {results['config']['task']} on {results['network']}")
+    print(report.format_table(results))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from shoal.bench import report
     from shoal.bench.runner import run_bench
+
+    if args.from_results:
+        return _from_results(args.from_results, args.target_loss)
 
     try:
         cfg = config_from_args(args)
@@ -143,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     bar = _Bar(cfg, enabled=not args.no_progress)
     try:
         results = run_bench(cfg, on_progress=bar.update, on_strategy=bar.start)
+    except ShoalError as e:  # e.g. the emulated cluster could not be built
+        bar.close()
+        print(f"shoal bench: {e}", file=sys.stderr)
+        return 1
     finally:
         bar.close()
     run_dir = os.path.join(cfg.out_root, results["run"])

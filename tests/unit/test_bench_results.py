@@ -152,3 +152,26 @@ def test_registry_and_config_validation() -> None:
         BenchConfig(steps=5, bandwidth="20mbit")
     with pytest.raises(ConfigError, match="twice"):
         BenchConfig(steps=5, strategies=("ddp", "ddp"))
+
+
+def test_disconnected_replicas_get_no_speedup_or_efficiency() -> None:
+    runs = _synthetic()["strategies"]
+    summarize(runs, 4.5)
+    assert runs["nosync"]["time_to_target_s"] == pytest.approx(10.0)  # its replica did reach 4.5
+    assert runs["nosync"]["speedup_vs_ddp"] is None and runs["nosync"]["efficiency"] is None
+    assert runs["local"]["efficiency"] is not None
+
+
+def test_cli_from_results_resummarises_with_a_new_target(tmp_path: Any, capsys: Any) -> None:
+    from shoal.cli.bench import main
+
+    (tmp_path / "results.json").write_text(json.dumps(_synthetic()))
+    assert main(["--from-results", str(tmp_path), "--target-loss", "4.5"]) == 0
+    again = json.loads((tmp_path / "results.json").read_text())
+    report.validate_results(again)
+    assert again["target_loss"] == 4.5 and again["target_source"] == "given"
+    assert again["strategies"]["ddp"]["time_to_target_s"] == pytest.approx(20.0)
+    assert (tmp_path / "report.png").exists()
+    assert "target loss 4.500 (given)" in capsys.readouterr().out
+    (tmp_path / "results.json").write_text("{}")
+    assert main(["--from-results", str(tmp_path)]) == 2
