@@ -26,10 +26,10 @@ bench: $(STAMP)
 	$(BIN)/shoal bench --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
 		--time-budget 150 --seed 0 --run bench-$$(date +%Y%m%d-%H%M%S)
 
-# A short bench (under 5 minutes): the same comparison, 40 seconds per strategy.
+# A short bench (under 5 minutes): the same comparison, 30 training seconds per strategy.
 demo: $(STAMP)
 	$(BIN)/shoal bench --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
-		--time-budget 40 --seed 0 --run demo-$$(date +%Y%m%d-%H%M%S)
+		--time-budget 30 --seed 0 --run demo-$$(date +%Y%m%d-%H%M%S)
 
 clean:
 	rm -rf $(VENV) results .pytest_cache
