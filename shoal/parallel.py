@@ -22,9 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
+from shoal.codecs.base import Codec
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
+from shoal.optim.zero import ZeroRedundancyOptimizer
 from shoal.reducer import CommHook, Reducer
 
 
@@ -80,7 +83,10 @@ class DistributedDataParallel(nn.Module):
         device_ids: ``None`` for CPU modules; ``[i]`` (this process's GPU) for CUDA.
         output_device: accepted for compatibility; outputs stay where the module puts them.
         process_group: a ``torch.distributed`` ProcessGroup or a :class:`shoal.Group`;
-            default: the world.
+            default: the world. An :class:`shoal.elastic.ElasticGroup` makes the
+            model elastic: each forward starts a step, the step ends with
+            ``ElasticOptimizer.step()`` (or ``group.should_commit()``); see
+            docs/elastic.md.
         broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from
             rank 0 before each forward.
         bucket_cap_mb: bucket size cap in MiB; smaller buckets start
@@ -90,6 +96,15 @@ class DistributedDataParallel(nn.Module):
             traversal per step, so leave it off when every parameter is used.
         gradient_as_bucket_view: leave ``.grad`` as views into the bucket
             buffers (saves a copy and memory; ``.grad`` then aliases them).
+        codec: a :class:`shoal.codecs.Codec` that averages each bucket's
+            gradients (e.g. ``shoal.codecs.PowerSGD(rank=4)``), run on a
+            communication thread so it overlaps backward. ``None``: exact
+            all-reduce. Its state is in ``model.codec.state_dict()``.
+        optimizer: a :class:`shoal.ZeroRedundancyOptimizer` over this
+            module's parameters, to step during backward: each gradient
+            bucket belongs to one rank, which steps it as soon as it is
+            reduced and broadcasts the result; the next forward waits for
+            the broadcasts. ``optimizer.step()`` then has nothing left to do.
 
     Example::
 
@@ -109,12 +124,22 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        codec: Codec | None = None,
+        optimizer: ZeroRedundancyOptimizer | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        if optimizer is not None and not isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise ConfigError(f"optimizer must be a shoal.ZeroRedundancyOptimizer (its step is overlapped with "
+                              f"backward), got {type(optimizer).__name__}; other optimizers step after backward")
+        if optimizer is not None and find_unused_parameters:
+            raise ConfigError("optimizer= cannot be combined with find_unused_parameters=True: which parameters "
+                              "were unused is known only after backward, too late to step buckets during it")
         if dim != 0:
             raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
         device = _single_device(module)
@@ -129,12 +154,32 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the module has no parameter that requires grad: nothing to synchronise")
-        check_same_model(self.group, named)
-        self._broadcast_state()
+        self.elastic = isinstance(self.group, ElasticGroup)
+        if self.elastic:
+            self._register_elastic_state(codec)
+        else:
+            check_same_model(self.group, named)
+            self._broadcast_state()
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
                                find_unused_parameters, gradient_as_bucket_view)
+        self.codec = codec
+        if codec is not None:
+            self.reducer.set_codec(codec)
         self._steps = StepMeter(self.group.meter, "ddp")
         self.reducer.on_step_done = self._steps.mark_step
+        self.optimizer = optimizer
+        if optimizer is not None:
+            optimizer._attach(self.reducer, self.module)
+
+    def _register_elastic_state(self, codec: Codec | None) -> None:
+        # No collective here: a newcomer's peers are mid-training, not constructing.
+        # The first quorum's heal broadcasts everything from one member instead (A2).
+        group = self.group
+        if not isinstance(group, ElasticGroup):  # pragma: no cover - the caller checked
+            return
+        group.register_state("ddp/module", self.module.state_dict, self.module.load_state_dict)
+        if codec is not None:  # a failed step may have half-updated it: roll back on discard
+            group.register_state("ddp/codec", codec.state_dict, codec.load_state_dict, rollback=True)
 
     @staticmethod
     def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:
@@ -179,6 +224,8 @@ class DistributedDataParallel(nn.Module):
 
     # --- training ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.elastic:  # adopt the latest quorum (rebuild, heal) before any collective
+            self.group.start_step()  # type: ignore[attr-defined]
         if self._require_forward_param_sync and self.broadcast_buffers and self.group.size > 1:
             buffers = [b.detach() for b in self.module.buffers()]
             if buffers:
@@ -224,8 +271,16 @@ class DistributedDataParallel(nn.Module):
         """
         if not callable(hook):
             raise ConfigError(f"hook must be callable, got {type(hook).__name__}")
+        if self.elastic:
+            raise ShoalError("communication hooks cannot run on an elastic group (they would talk to a "
+                             "process group that is replaced at each quorum); pass codec= instead")
         if self.reducer.comm_hook is not None:
             raise ShoalError("a communication hook is already registered; register_comm_hook may be called once")
+        if self.codec is not None:
+            raise ShoalError(
+                f"this model already averages through codec {type(self.codec).__name__}; "
+                "use either codec= or register_comm_hook, not both"
+            )
         self.reducer.comm_hook = hook
         self.reducer.hook_state = state
 

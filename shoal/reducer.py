@@ -14,7 +14,9 @@ flight is waited for and the averaged gradients are written to ``.grad``.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,23 +24,34 @@ from torch import nn
 from shoal.comm.group import Group, Handle
 from shoal.errors import ShoalError
 
+if TYPE_CHECKING:
+    from shoal.codecs.base import Codec
+
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
 GRAD_TAG = "ddp/grad"
 
 
-def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int,
+                   first_cap_bytes: int | None = None) -> list[list[int]]:
     """Indices of ``params`` per bucket, in the order buckets become ready.
 
     Walks parameters in reverse order, keeping one open bucket per
-    (dtype, device); a bucket closes once it reaches ``cap_bytes`` (a
-    parameter larger than the cap gets a bucket to itself).
+    (dtype, device); a bucket closes once it reaches its cap (a parameter
+    larger than the cap gets a bucket to itself). The first bucket of each
+    kind is capped at ``first_cap_bytes`` (default: ``min(1 MiB, cap)``, as
+    torch does) so that communication starts early in backward.
 
     >>> ps = [torch.zeros(10), torch.zeros(10), torch.zeros(10)]
     >>> assign_buckets(ps, cap_bytes=80)
     [[2, 1], [0]]
     """
+    first = min(FIRST_BUCKET_BYTES, cap_bytes) if first_cap_bytes is None else first_cap_bytes
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    closed_kinds: set[tuple[torch.dtype, torch.device]] = set()
     done: list[list[int]] = []
     for i in reversed(range(len(params))):
         p = params[i]
@@ -46,9 +59,10 @@ def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[
         idx, size = open_.get(key, ([], 0))
         idx.append(i)
         size += p.numel() * p.element_size()
-        if size >= cap_bytes:
+        if size >= (cap_bytes if key in closed_kinds else first):
             done.append(idx)
             open_.pop(key, None)
+            closed_kinds.add(key)
         else:
             open_[key] = (idx, size)
     done.extend(idx for idx, _ in open_.values())
@@ -66,11 +80,11 @@ class GradBucket:
     """
 
     def __init__(self, index: int, buffer: torch.Tensor, grads: list[torch.Tensor],
-                 params: list[torch.Tensor], names: list[str], last: bool) -> None:
+                 params: Sequence[torch.Tensor], names: list[str], last: bool) -> None:
         self._index = index
         self._buffer = buffer
         self._grads = grads
-        self._params = params
+        self._params = list(params)
         self._names = names
         self._last = last
 
@@ -116,7 +130,7 @@ class _Bucket:
             self.views.append(self.buffer.narrow(0, offset, p.numel()).view(p.shape))
             offset += p.numel()
         self.pending = len(members)
-        self.work: Handle | torch.futures.Future | None = None
+        self.work: Handle | torch.futures.Future | ThreadFuture | None = None
 
     def grad_bucket(self) -> GradBucket:
         return GradBucket(self.index, self.buffer, self.views, self.params, self.names, self.last)
@@ -152,7 +166,12 @@ class Reducer:
                 self._where[i] = (b, slot)
         self.comm_hook: CommHook | None = None
         self.hook_state: Any = None
+        self.codec: Codec | None = None
+        self._comm_thread: ThreadPoolExecutor | None = None
         self.on_step_done: Callable[[], None] | None = None
+        self.on_bucket_reduced: Callable[[GradBucket], None] | None = None
+        self._done_thread: ThreadPoolExecutor | None = None
+        self._done_tasks: list[ThreadFuture] = []
         self._armed = False        # a synchronised backward is expected
         self._started = False      # its first hook has fired
         self._unused: list[int] = []
@@ -169,6 +188,7 @@ class Reducer:
         self._started = False
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
+        self._done_tasks = []
         for b in self.buckets:
             b.pending = len(b.members)
             b.work = None
@@ -210,8 +230,8 @@ class Reducer:
             view.zero_()
         elif grad.is_sparse:
             raise ShoalError(f"parameter {self.names[i]!r} has a sparse gradient; shoal's DDP needs dense gradients")
-        elif self.comm_hook is not None:
-            if grad.data_ptr() != view.data_ptr():
+        elif self.comm_hook is not None or self.codec is not None:
+            if grad.data_ptr() != view.data_ptr():  # the hook or codec averages itself
                 view.copy_(grad)
         elif grad.data_ptr() == view.data_ptr():
             view.div_(self.group.size)
@@ -226,7 +246,9 @@ class Reducer:
         # In index order only: a collective must be issued in the same order on every rank.
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             b = self.buckets[self._next_bucket]
-            if self.comm_hook is None:
+            if self.codec is not None:
+                b.work = self._run_codec(b, self.codec)
+            elif self.comm_hook is None:
                 b.work = self.group.all_reduce(b.buffer, op="sum", tag=GRAD_TAG)
             else:
                 b.work = self.comm_hook(self.hook_state, b.grad_bucket())
@@ -235,7 +257,59 @@ class Reducer:
                         f"communication hook returned {type(b.work).__name__}; it must return a "
                         "torch.futures.Future whose value is the bucket's reduced tensor"
                     )
+            if self.on_bucket_reduced is not None:
+                self._done_tasks.append(self._submit_bucket_done(b, self.on_bucket_reduced))
             self._next_bucket += 1
+
+    def _submit_bucket_done(self, b: _Bucket, callback: Callable[[GradBucket], None]) -> ThreadFuture:
+        """Run ``callback`` once ``b`` is reduced: the ``on_bucket_reduced`` extension point.
+
+        ``on_bucket_reduced(bucket)`` is called once per bucket of every
+        synchronised backward, in bucket index order, on one dedicated thread
+        ("shoal-bucket-done"), as soon as the bucket's reduction is complete:
+        ``bucket.gradients()`` then hold the averaged gradients (views into
+        ``bucket.buffer()``), while backward of earlier layers may still run.
+        The end of backward waits for every callback (re-raising its error)
+        before writing ``.grad``, so ``loss.backward()`` returns only when all
+        have run. A callback must not touch tensors autograd still needs, and
+        a collective it issues must go on a process group other than the
+        reducer's: the reducer's collectives are issued from another thread,
+        so their interleaving with the callback's would differ between ranks.
+        ZeroRedundancyOptimizer uses it to step each bucket's owner at once.
+
+        Example::
+
+            ddp.reducer.on_bucket_reduced = lambda bucket: print(bucket.index())
+        """
+        if self._done_thread is None:
+            self._done_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-bucket-done")
+
+        def done() -> None:
+            result = self._wait(b)
+            if result is not b.buffer:
+                b.buffer.copy_(result.view(-1))
+            callback(b.grad_bucket())
+
+        return self._done_thread.submit(done)
+
+    def set_codec(self, codec: Codec) -> None:
+        """Average buckets through ``codec`` on a dedicated communication thread.
+
+        One thread, fed in bucket order, keeps every rank's collectives in the
+        same order while the codec's rounds overlap the rest of backward.
+        """
+        self.codec = codec
+
+    def _run_codec(self, b: _Bucket, codec: Codec) -> ThreadFuture:
+        if self._comm_thread is None:
+            self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-comm")
+        group, tag = self.group, GRAD_TAG  # the codec appends its own name: ddp/grad/powersgd/p
+
+        def reduce() -> torch.Tensor:
+            codec.mean(b.views, b.names, group, tag)
+            return b.buffer
+
+        return self._comm_thread.submit(reduce)
 
     def _finalize(self) -> None:
         """End of backward: wait for in-flight reductions, write ``.grad``."""
@@ -247,11 +321,16 @@ class Reducer:
                 "their gradients cannot be averaged. If the forward does not use every parameter, "
                 "pass find_unused_parameters=True; if they should not train, set requires_grad=False"
             )
-        globally_used = self._global_usage() if self.find_unused else None
+        tasks, self._done_tasks = self._done_tasks, []
+        for task in tasks:  # on_bucket_reduced callbacks; each has waited for its bucket
+            task.result()
         for b in self.buckets:
             result = self._wait(b)
             if result is not b.buffer:
                 b.buffer.copy_(result.view(-1))
+        # Only after every bucket is done: no collective may race the comm thread's.
+        globally_used = self._global_usage() if self.find_unused else None
+        for b in self.buckets:
             self._write_grads(b, globally_used)
         self._used.zero_()
         if self.on_step_done is not None:
@@ -261,7 +340,7 @@ class Reducer:
         if isinstance(b.work, Handle):
             return b.work.wait()
         t0 = time.perf_counter()
-        value = b.work.wait()  # type: ignore[union-attr]
+        value = b.work.result() if isinstance(b.work, ThreadFuture) else b.work.wait()  # type: ignore[union-attr]
         self.group.meter.add_wait(GRAD_TAG, time.perf_counter() - t0)
         if isinstance(value, list):  # a raw Work future yields a list of tensors
             value = value[0]
@@ -300,6 +379,10 @@ class Reducer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._comm_thread is not None:
+            self._comm_thread.shutdown(wait=False)
+        if self._done_thread is not None:
+            self._done_thread.shutdown(wait=False)
 
 
 def _params_in_graph(outputs: Any) -> set[int]:

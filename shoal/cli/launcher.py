@@ -35,10 +35,13 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import IO, Iterator, TextIO
+from typing import IO, TYPE_CHECKING, Iterator, TextIO
 
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from shoal.cli.elastic_launch import ElasticLaunch
 
 __all__ = ["ClusterSpec", "LaunchResult", "launch"]
 
@@ -197,11 +200,15 @@ class _Supervisor:
         self.note(f"rank {w.rank} exited with code {w.code}; stopping the other workers")
         return True
 
+    def on_tick(self, elapsed: float) -> None:
+        """Called every poll with the seconds since the start (elastic mode starts joiners here)."""
+
     def supervise(self) -> None:
         """Wait for every worker, injecting kills and stopping all on failure or signal."""
         t0 = time.monotonic()
         pending = list(self.kills)
         while any(w.code is None for w in self.workers):
+            self.on_tick(time.monotonic() - t0)
             if self.signals:
                 self.result_code = 128 + self.signals[0]
                 self.note(f"got signal {self.signals[0]}; stopping the workers")
@@ -307,6 +314,7 @@ def launch(
     *,
     tolerate_kills: bool = False,
     grace_s: float = 5.0,
+    elastic: "ElasticLaunch | None" = None,
 ) -> LaunchResult:
     """Run ``cmd`` once per rank and wait for all; see the module docstring for the policy.
 
@@ -330,6 +338,10 @@ def launch(
         tolerate_kills: an injected kill does not stop the run nor decide
             its exit code.
         grace_s: seconds between SIGTERM and SIGKILL when stopping workers.
+        elastic: run elastically (:mod:`shoal.cli.elastic_launch`): an
+            embedded coordinator (``SHOAL_COORDINATOR``, ``SHOAL_RUN_ID``,
+            ``SHOAL_MIN_WORKERS`` in each worker's environment), crashed
+            workers restarted, joiners started.
 
     Ctrl-C or SIGTERM to the launcher (main thread) stops every worker,
     removes the emulated cluster and returns ``128 + signal``.
@@ -345,6 +357,8 @@ def launch(
     base_env = {**os.environ, **(env or {})}
     host_bytes: list[dict[str, int]] | None = None
     with ExitStack() as stack:
+        if elastic is not None:
+            sup = _elastic_supervisor(stack, elastic, world, base_env, list(kill), grace_s, output, quiet)
         stack.enter_context(_trap_signals(sup.signals))
         emu = stack.enter_context(EmulatedCluster(cluster)) if cluster is not None else None
         t0 = time.monotonic()
@@ -357,6 +371,24 @@ def launch(
         if emu is not None:
             host_bytes = emu.host_bytes()
     return LaunchResult(sup.result_code, duration, host_bytes, sup.failed_rank)
+
+
+def _elastic_supervisor(stack: ExitStack, spec: "ElasticLaunch", world: int, base_env: dict[str, str],
+                        kill: list[tuple[int, float]], grace_s: float, output: _Output, quiet: bool) -> _Supervisor:
+    """The elastic supervisor, with an embedded coordinator unless one is given (edits ``base_env``)."""
+    import uuid
+
+    from shoal.cli.elastic_launch import ElasticSupervisor
+    from shoal.comm.membership import Coordinator
+
+    address = spec.coordinator
+    if address is None:
+        coord = Coordinator(port=0, initial_workers=world).start()
+        stack.callback(coord.stop)
+        address = coord.address
+    base_env.update(SHOAL_COORDINATOR=address, SHOAL_MIN_WORKERS=str(spec.min_workers))
+    base_env.setdefault("SHOAL_RUN_ID", uuid.uuid4().hex[:12])
+    return ElasticSupervisor(spec, kill, grace_s, output, quiet)
 
 
 def _start_all(sup: _Supervisor, cmd: list[str], world: int, emu: EmulatedCluster | None,

@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("shoal.cli.run", "start N workers (optionally on an emulated cluster)"),
     "bench": ("shoal.cli.bench", "train real tasks with chosen strategies and compare them"),
+    "coordinator": ("shoal.cli.coordinator", "serve membership and quorums for elastic runs"),
 }
 
 

@@ -7,6 +7,7 @@ Examples::
     shoal run --hosts 4 --procs-per-host 2 --bandwidth 100mbit train.py
     shoal run --hosts 3 --bandwidth 1gbit,100mbit,20mbit train.py
     shoal run -n 2 --kill 1@5 train.py
+    shoal run -n 4 --elastic --min-workers 2 --max-restarts 3 --kill 1@10 --join @30 train.py
     shoal run --cleanup
 """
 
@@ -16,6 +17,7 @@ import argparse
 import sys
 
 from shoal.cli.cluster import ClusterSpec, cleanup_stale
+from shoal.cli.elastic_launch import ElasticLaunch
 from shoal.cli.launcher import LaunchResult, launch
 from shoal.errors import ShoalError
 
@@ -35,6 +37,13 @@ failures: when a worker exits non-zero the others get SIGTERM (SIGKILL after
 --grace seconds) and shoal run exits with that worker's code (128+N for a
 worker killed by signal N). --kill RANK@SECONDS SIGKILLs a rank at that time;
 it fails the run like any crash unless --tolerate-kills is given.
+
+elastic (--elastic): a coordinator runs inside shoal run (or use --coordinator
+HOST:PORT of `shoal coordinator`); workers get SHOAL_COORDINATOR, SHOAL_RUN_ID
+and SHOAL_MIN_WORKERS and build shoal.elastic.ElasticGroup(). A crashed or
+killed worker is restarted (same RANK, SHOAL_RESTART incremented) up to
+--max-restarts times and heals from a live peer; --join @SECONDS starts one
+more worker then. The run goes on while --min-workers workers live.
 """
 
 
@@ -51,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="SIGKILL RANK after SECONDS (repeatable)")
     p.add_argument("--tolerate-kills", action="store_true",
                    help="a --kill does not stop the other workers nor fail the run")
+    p.add_argument("--elastic", action="store_true",
+                   help="elastic run: embedded coordinator, crashed workers restarted and healed")
+    p.add_argument("--min-workers", type=int, default=None, help="elastic: fewest live workers (default 1)")
+    p.add_argument("--max-restarts", type=int, default=None, help="elastic: restarts per rank (default 3)")
+    p.add_argument("--join", action="append", default=[], metavar="@SECONDS",
+                   help="elastic: start one more worker after SECONDS (repeatable)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="elastic: use this standalone coordinator (`shoal coordinator`) instead of an embedded one")
     p.add_argument("--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]")
     p.add_argument("--quiet", action="store_true", help="silence shoal run's own messages")
@@ -62,6 +79,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_VALUE_OPTS = {"-n", "--nproc-per-node", "--nprocs", "--hosts", "--procs-per-host", "--bandwidth", "--kill", "--grace",
+               "--min-workers", "--max-restarts", "--join", "--coordinator"}
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """``(launcher options, module, program argv)``: everything after the script
+    (or ``-m MODULE``) belongs to the program, even if it looks like our options."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return argv[:i], None, argv[i + 1:]
+        if a == "-m":
+            if i + 1 >= len(argv):
+                raise ShoalError("-m needs a module name")
+            return argv[:i], argv[i + 1], argv[i + 2:]
+        if a.startswith("-m") and not a.startswith("--"):
+            return argv[:i], a[2:], argv[i + 1:]
+        if not a.startswith("-"):
+            return argv[:i], None, argv[i:]
+        i += 2 if a in _VALUE_OPTS else 1
+    return argv, None, []
+
+
 def _parse_kill(item: str) -> tuple[int, float]:
     rank, sep, at = item.partition("@")
     try:
@@ -70,6 +111,22 @@ def _parse_kill(item: str) -> tuple[int, float]:
         return int(rank), float(at)
     except ValueError:
         raise ShoalError(f"--kill expects RANK@SECONDS such as 1@5.0, got {item!r}") from None
+
+
+def _elastic(ns: argparse.Namespace) -> ElasticLaunch | None:
+    if not ns.elastic:
+        if ns.min_workers is not None or ns.max_restarts is not None or ns.join or ns.coordinator:
+            raise ShoalError("--min-workers, --max-restarts, --join and --coordinator need --elastic")
+        return None
+    joins = []
+    for item in ns.join:
+        try:
+            joins.append(float(item.removeprefix("@")))
+        except ValueError:
+            raise ShoalError(f"--join expects @SECONDS such as @30, got {item!r}") from None
+    return ElasticLaunch(min_workers=1 if ns.min_workers is None else ns.min_workers,
+                         max_restarts=3 if ns.max_restarts is None else ns.max_restarts,
+                         joins=tuple(joins), coordinator=ns.coordinator)
 
 
 def _cluster(ns: argparse.Namespace) -> ClusterSpec | None:
@@ -101,22 +158,27 @@ def _report_bytes(res: LaunchResult, spec: ClusterSpec) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point of `shoal run`; returns the exit code (see --help)."""
-    ns = _parser().parse_args(argv)
+    try:
+        own, module, program = _split_argv(argv)
+    except ShoalError as e:
+        print(f"shoal run: error: {e}", file=sys.stderr)
+        return 2
+    ns = _parser().parse_args(own)
     try:
         if ns.cleanup:
             removed = cleanup_stale()
             print(f"removed {len(removed)} namespace(s){': ' + ', '.join(removed) if removed else ''}")
             return 0
-        if ns.module is not None:
-            cmd = [sys.executable, "-m", ns.module] + ([ns.script] if ns.script else []) + ns.args
-        elif ns.script is not None:
-            cmd = [sys.executable, ns.script] + ns.args
+        if module is not None:
+            cmd = [sys.executable, "-m", module] + program
+        elif program:
+            cmd = [sys.executable] + program
         else:
             raise ShoalError("nothing to run: give a script (shoal run -n 2 train.py) or -m module")
         spec = _cluster(ns)
         res = launch(cmd, nprocs=ns.nprocs or 1, cluster=spec, kill=[_parse_kill(k) for k in ns.kill],
                      prefix_output=not ns.no_prefix, quiet=ns.quiet, tolerate_kills=ns.tolerate_kills,
-                     grace_s=ns.grace)
+                     grace_s=ns.grace, elastic=_elastic(ns))
     except ShoalError as e:
         print(f"shoal run: error: {e}", file=sys.stderr)
         return 2

@@ -144,7 +144,10 @@ class Group:
             )
         if timeout is not None and timeout <= 0:
             raise ConfigError(f"timeout must be > 0 seconds or None, got {timeout}")
-        self.pg = process_group if process_group is not None else dist.group.WORLD
+        world = dist.group.WORLD
+        if process_group is None and world is None:  # pragma: no cover - is_initialized() said otherwise
+            raise ShoalError("torch.distributed reports no default group")
+        self.pg: dist.ProcessGroup = process_group if process_group is not None else world  # type: ignore[assignment]
         self.timeout = timeout
         self.meter = meter if meter is not None else Meter()
         self.rank = dist.get_rank(self.pg)

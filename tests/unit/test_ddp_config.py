@@ -45,7 +45,9 @@ def test_init_names_missing_environment(monkeypatch: pytest.MonkeyPatch) -> None
 def test_buckets_reverse_order_and_cap() -> None:
     ps = [torch.zeros(100) for _ in range(5)]  # 400 bytes each
     assert assign_buckets(ps, cap_bytes=800) == [[4, 3], [2, 1], [0]]
-    assert assign_buckets(ps, cap_bytes=10**9) == [[4, 3, 2, 1, 0]]
+    assert assign_buckets(ps, cap_bytes=10**9, first_cap_bytes=10**9) == [[4, 3, 2, 1, 0]]
+    # The first bucket is small by default so communication starts early.
+    assert assign_buckets(ps, cap_bytes=10**9, first_cap_bytes=800) == [[4, 3], [2, 1, 0]]
     assert assign_buckets(ps, cap_bytes=1) == [[4], [3], [2], [1], [0]]
 
 

@@ -1,0 +1,293 @@
+"""Model averagers with torch's call pattern: ``average_parameters(params)`` once per step.
+
+:class:`PeriodicModelAverager` and :class:`HierarchicalModelAverager` take the
+arguments of ``torch.distributed.algorithms.model_averaging``'s averagers and
+average at exactly the same steps, so swapping the import is the migration.
+What shoal adds: the mean travels through a codec (exact by default, or fp16,
+int8, ... from :mod:`shoal.codecs`), every collective is tagged for the
+group's meter, and every parameter that requires grad is averaged (torch skips
+parameters whose ``.grad`` is ``None``, which can desynchronise ranks whose
+graphs differ and silently averages nothing after ``zero_grad()``).
+
+Example (after ``loss.backward(); opt.step()`` in each step)::
+
+    averager = shoal.PeriodicModelAverager(period=4, warmup_steps=100)
+    for x, y in data:
+        loss_fn(model(x), y).backward()
+        opt.step(); opt.zero_grad()
+        averager.average_parameters(model.parameters())
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from shoal.codecs.base import Codec
+from shoal.codecs.identity import Identity
+from shoal.comm.group import Group
+from shoal.errors import ConfigError
+
+_PERIOD_ONE = (
+    "all-reducing parameters every step costs no less than all-reducing gradients "
+    "(plain DDP, shoal.DistributedDataParallel), which is cheaper and exact"
+)
+
+
+def as_group(process_group: Any) -> Group:
+    """A :class:`Group` from ``None`` (the world), a ProcessGroup or a Group."""
+    return process_group if isinstance(process_group, Group) else Group(process_group)
+
+
+def _check_int(value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def params_to_average(params: Iterable[Any]) -> list[torch.Tensor]:
+    """Parameters (or an optimizer's param groups) that require grad, in order.
+
+    >>> w = torch.nn.Parameter(torch.zeros(2)); b = torch.zeros(1)
+    >>> len(params_to_average([{"params": [w, b]}]))
+    1
+    """
+    out: list[torch.Tensor] = []
+    for p in params:
+        if isinstance(p, Mapping):
+            out.extend(q for q in p["params"] if q.requires_grad)
+        elif isinstance(p, torch.Tensor):
+            if p.requires_grad:
+                out.append(p)
+        else:
+            raise ConfigError(
+                f"expected parameters or optimizer param groups (dicts with 'params'), got {type(p).__name__}"
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """When a periodic averager runs: step ``warmup_steps`` and every ``period`` steps after.
+
+    Steps count calls from 0, as torch's ``PeriodicModelAverager`` does.
+
+    >>> [s for s in range(12) if Periodic(period=4, warmup_steps=2).due(s)]
+    [2, 6, 10]
+    """
+
+    period: int
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int(self.period, "period")
+        _check_int(self.warmup_steps, "warmup_steps")
+        if self.period < 1:
+            raise ConfigError(f"period must be >= 1 (steps between averagings), got {self.period}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.period == 1:
+            warnings.warn(f"period is 1: {_PERIOD_ONE}", UserWarning, stacklevel=3)
+
+    def due(self, step: int) -> bool:
+        return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """Levels ``(period, group_size)``: groups of each size average every ``period`` steps.
+
+    At a step (counted from 0) at or after ``warmup_steps`` only the level with
+    the largest period dividing the step runs (a larger group's mean includes
+    the smaller groups'). Groups of size ``k`` are made of ``k`` consecutive
+    ranks. The last level must span the whole group (checked by
+    :meth:`check_world`).
+
+    >>> h = Hierarchy.from_dict({2: 2, 4: 4, 8: 8})
+    >>> [h.level_at(s) for s in range(9)]
+    [2, None, 0, None, 1, None, 0, None, 2]
+    """
+
+    levels: tuple[tuple[int, int], ...]
+    warmup_steps: int = 0
+
+    @staticmethod
+    def from_dict(period_group_size: Mapping[int, int], warmup_steps: int = 0) -> "Hierarchy":
+        if not isinstance(period_group_size, Mapping):
+            raise ConfigError(f"period_group_size_dict must be a mapping {{period: group_size}}, got {type(period_group_size).__name__}")
+        return Hierarchy(tuple(period_group_size.items()), warmup_steps)
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ConfigError(
+                "period_group_size_dict is empty: give at least one level {period: group_size}, "
+                "e.g. {4: ranks_per_host, 16: world_size}"
+            )
+        for period, size in self.levels:
+            _check_int(period, "a period")
+            _check_int(size, "a group size")
+            if size < 1:
+                raise ConfigError(f"group sizes must be >= 1, got {size} for period {period}")
+        periods = [p for p, _ in self.levels]
+        if min(periods) <= 0:
+            raise ConfigError(
+                f"the smallest period must be positive (steps between averagings), got {min(periods)} in {periods}"
+            )
+        if periods != sorted(set(periods)):
+            raise ConfigError(f"periods must be strictly increasing (one level per period, finest first), got {periods}")
+        _check_int(self.warmup_steps, "warmup_steps")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if periods[-1] == 1:
+            warnings.warn(f"the largest period is 1: {_PERIOD_ONE}", UserWarning, stacklevel=3)
+
+    def check_world(self, world_size: int) -> None:
+        """Raise unless the last level spans ``world_size`` ranks and every size divides it."""
+        last = self.levels[-1][1]
+        if last != world_size:
+            raise ConfigError(
+                f"the last group size in period_group_size_dict is {last} but the process group has "
+                f"{world_size} ranks: the last (largest-period) level must average over all of them"
+            )
+        for period, size in self.levels:
+            if world_size % size:
+                raise ConfigError(
+                    f"group size {size} (period {period}) does not divide the {world_size} ranks: "
+                    "groups are made of consecutive ranks and must tile the world"
+                )
+
+    def level_at(self, step: int) -> int | None:
+        """Index of the level that averages after step ``step``, or ``None``."""
+        if step < self.warmup_steps:
+            return None
+        for i in reversed(range(len(self.levels))):
+            if step % self.levels[i][0] == 0:
+                return i
+        return None
+
+
+def level_groups(group: Group, hierarchy: Hierarchy) -> list[Group]:
+    """This rank's group at each level (collective: every rank calls it, same order)."""
+    out: list[Group] = []
+    for _, size in hierarchy.levels:
+        if size == group.size:
+            out.append(group)
+            continue
+        mine = group.split([list(range(s, s + size)) for s in range(0, group.size, size)])
+        if mine is None:  # pragma: no cover - the ranges tile the group
+            raise ConfigError(f"rank {group.rank} is in no subgroup of size {size}")
+        out.append(mine)
+    return out
+
+
+class _Averager:
+    """Step counter, codec and the flat mean shared by both averagers."""
+
+    tag = "averager/params"
+
+    def __init__(self, process_group: Any, codec: Codec | None) -> None:
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        self.group = as_group(process_group)
+        self.codec: Codec = codec if codec is not None else Identity()
+        self.step = 0
+        self.last_group: Group | None = None  # the group that averaged at the last call, if any
+
+    def _group_at(self, step: int) -> tuple[Group, str] | None:
+        raise NotImplementedError
+
+    def average_parameters(self, params: Iterable[Any]) -> None:
+        """Average ``params`` (a model's parameters or an optimizer's param groups) if due, then count the step."""
+        tensors = params_to_average(params)
+        self.average_named(tensors, [str(i) for i in range(len(tensors))])
+
+    def average_named(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Group | None:
+        """Like :meth:`average_parameters` with names for the codec's state; returns the group used."""
+        due = self._group_at(self.step)
+        self.step += 1
+        self.last_group = None
+        if due is None:
+            return None
+        group, tag = due
+        with torch.no_grad():
+            self.codec.mean(tensors, names, group, tag)
+        self.last_group = group
+        return group
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.codec.load_state_dict(dict(state["codec"]))
+
+
+class PeriodicModelAverager(_Averager):
+    """Average parameters every ``period`` steps, starting at step ``warmup_steps``.
+
+    Same arguments and schedule as torch's
+    ``model_averaging.averagers.PeriodicModelAverager`` (C1); ``codec`` is
+    shoal's addition. Meter tag: ``localsgd/params``.
+
+    Args:
+        period: steps between averagings (1 warns: use DDP instead).
+        warmup_steps: calls before the first averaging.
+        process_group: ``None`` (world), a ProcessGroup or a :class:`shoal.Group`.
+        codec: how the mean travels (default exact :class:`~shoal.codecs.Identity`).
+
+    Example::
+
+        averager = shoal.PeriodicModelAverager(period=8, codec=shoal.codecs.Cast())
+        opt.step(); averager.average_parameters(opt.param_groups)
+    """
+
+    tag = "localsgd/params"
+
+    def __init__(self, period: int, warmup_steps: int = 0, process_group: Any = None,
+                 codec: Codec | None = None) -> None:
+        self.schedule = Periodic(period, warmup_steps)
+        super().__init__(process_group, codec)
+        self.period, self.warmup_steps = period, warmup_steps
+
+    def _group_at(self, step: int) -> tuple[Group, str] | None:
+        return (self.group, self.tag) if self.schedule.due(step) else None
+
+
+class HierarchicalModelAverager(_Averager):
+    """Hierarchical SGD: groups of each size average every ``period`` steps (C3).
+
+    Same arguments and schedule as torch's ``HierarchicalModelAverager``: at a
+    step (from 0, once ``step >= warmup_steps``) only the level with the
+    largest period dividing the step averages. Subgroups of ``k`` consecutive
+    ranks are formed once, here (every rank must construct it). Meter tag:
+    ``hierarchical/params/g<size>``.
+
+    Raises :class:`~shoal.errors.ConfigError` for an empty map, a non-positive
+    smallest period, a last group size different from the group's size,
+    negative ``warmup_steps``; warns when the largest period is 1.
+
+    Example::
+
+        averager = shoal.HierarchicalModelAverager({4: 8, 16: 32}, warmup_steps=100)
+        opt.step(); averager.average_parameters(model.parameters())
+        print(averager.last_group)   # the group that just averaged, or None
+    """
+
+    tag = "hierarchical/params"
+
+    def __init__(self, period_group_size_dict: Mapping[int, int], warmup_steps: int = 0,
+                 process_group: Any = None, codec: Codec | None = None) -> None:
+        self.hierarchy = Hierarchy.from_dict(period_group_size_dict, warmup_steps)
+        super().__init__(process_group, codec)
+        self.hierarchy.check_world(self.group.size)
+        self.warmup_steps = warmup_steps
+        self.groups = level_groups(self.group, self.hierarchy)
+
+    def _group_at(self, step: int) -> tuple[Group, str] | None:
+        level = self.hierarchy.level_at(step)
+        if level is None:
+            return None
+        size = self.hierarchy.levels[level][1]
+        return self.groups[level], f"{self.tag}/g{size}"

@@ -1,0 +1,40 @@
+"""`shoal coordinator`: a standalone coordinator for elastic runs.
+
+Workers reach it with ``SHOAL_COORDINATOR=HOST:PORT`` (or
+``ElasticGroup(coordinator="HOST:PORT")``, or ``shoal run --elastic
+--coordinator HOST:PORT``). One coordinator serves any number of runs, told
+apart by their run id. It holds no training state; stop it with Ctrl-C.
+
+Examples::
+
+    shoal coordinator --port 29400
+    shoal coordinator --host 0.0.0.0 --port 29400 --initial-workers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shoal.comm.membership import Coordinator
+from shoal.errors import ShoalError
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="shoal coordinator", description="Serve membership and quorums for elastic runs.")
+    p.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--initial-workers", type=int, default=1,
+                   help="a run's first quorum waits for this many workers (default 1)")
+    ns = p.parse_args(argv)
+    try:
+        coord = Coordinator(port=ns.port, host=ns.host, initial_workers=ns.initial_workers)
+    except ShoalError as e:
+        print(f"shoal coordinator: error: {e}", file=sys.stderr)
+        return 2
+    print(f"shoal coordinator: serving on {coord.address}", file=sys.stderr, flush=True)
+    try:
+        coord.serve_forever()
+    except KeyboardInterrupt:
+        return 0
+    return 0

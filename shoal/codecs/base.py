@@ -1,0 +1,189 @@
+"""The codec interface: how the group mean of named tensors travels.
+
+A :class:`Codec` overwrites a list of named tensors, in place, with (an
+estimate of) their mean over a :class:`~shoal.comm.Group`. It owns its
+collectives (PowerSGD needs two rounds, top-k an all-gather), keeps its state
+keyed by tensor *name* (never by bucket number, so state survives re-bucketing
+and nothing forces the first steps to be uncompressed), and tags every
+collective so the group's meter counts its bytes per codec and per kind of
+traffic.
+
+Lossy codecs also implement :meth:`LossyCodec.mean_with_residual`, which
+additionally reports what this rank's contribution lost to compression; that is
+what :class:`~shoal.codecs.ErrorFeedback` carries over to the next step.
+
+Example::
+
+    group = shoal.init()
+    codec = shoal.codecs.Int8Blockwise(block_size=256)
+    grads = [p.grad for p in model.parameters()]
+    names = [n for n, _ in model.named_parameters()]
+    codec.mean(grads, names, group, tag="ddp/grad")
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+import torch
+
+from shoal.comm.group import Group
+from shoal.errors import ConfigError
+
+
+class Codec(abc.ABC):
+    """Computes the mean of named tensors over a group, possibly lossily.
+
+    Subclasses set ``lossy`` and implement :meth:`mean`. Every rank must call
+    :meth:`mean` with the same names and shapes in the same order; the codec
+    issues its collectives in an order that depends only on those, so ranks
+    never mismatch. ``mean`` is blocking and spawns no threads: the caller may
+    run it on a dedicated communication thread.
+
+    Example::
+
+        codec = Identity()
+        codec.mean([t], ["weight"], group, tag="avg/params")
+    """
+
+    lossy: bool = False
+
+    def __init__(self) -> None:
+        self._steps = 0
+        self._numel_in = 0
+        self._payload_bytes = 0
+
+    @abc.abstractmethod
+    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str) -> None:
+        """Overwrite each tensor in place with (an estimate of) its mean over ``group``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly (``torch.save``-able)."""
+        return {"type": type(self).__name__, "counters": self._counters()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (into a codec of the same config)."""
+        if state.get("type") != type(self).__name__:
+            raise ConfigError(
+                f"state was saved by a {state.get('type')} codec, cannot load it into {type(self).__name__}"
+            )
+        c = state["counters"]
+        self._steps, self._numel_in, self._payload_bytes = int(c["steps"]), int(c["numel_in"]), int(c["payload_bytes"])
+
+    def stats(self) -> dict[str, float]:
+        """Counters since construction: calls, elements in, bytes this rank handed to collectives.
+
+        ``payload_bytes`` is what this rank contributed to collectives (the
+        group's meter turns that into bytes sent/received per algorithm).
+        """
+        return {
+            "steps": self._steps,
+            "numel_in": self._numel_in,
+            "payload_bytes": self._payload_bytes,
+            "bytes_per_element": self._payload_bytes / self._numel_in if self._numel_in else 0.0,
+        }
+
+    # --- helpers for subclasses ----------------------------------------------
+    def _counters(self) -> dict[str, int]:
+        return {"steps": self._steps, "numel_in": self._numel_in, "payload_bytes": self._payload_bytes}
+
+    def _count(self, tensors: Sequence[torch.Tensor], payload: int) -> None:
+        self._steps += 1
+        self._numel_in += sum(t.numel() for t in tensors)
+        self._payload_bytes += payload
+
+
+class LossyCodec(Codec):
+    """A codec whose mean is an estimate; it can report each rank's compression error.
+
+    Subclasses implement :meth:`mean_with_residual`; :meth:`mean` calls it
+    without residuals.
+    """
+
+    lossy = True
+
+    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str) -> None:
+        self.mean_with_residual(tensors, names, group, tag, None)
+
+    @abc.abstractmethod
+    def mean_with_residual(
+        self,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
+        group: Group,
+        tag: str,
+        residuals: Sequence[torch.Tensor] | None,
+    ) -> None:
+        """Like :meth:`mean`; if ``residuals`` is given (fp32, one per tensor, same
+        shapes), write into each ``input - what this rank's contribution decodes to``.
+        """
+
+
+def check_inputs(tensors: Sequence[torch.Tensor], names: Sequence[str], who: str) -> None:
+    """Raise a clear error for input no codec can handle (cheap: no data is read)."""
+    if len(tensors) != len(names):
+        raise ConfigError(f"{who}: got {len(tensors)} tensors but {len(names)} names")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{who}: tensor names must be unique (codec state is keyed by name), got {list(names)}")
+    device = tensors[0].device if tensors else None
+    for t, n in zip(tensors, names):
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{who}: tensor {n!r} has dtype {t.dtype}; codecs average floating tensors "
+                "(fp32, bf16, fp16), an integer mean is not representable"
+            )
+        if t.device != device:
+            raise ConfigError(f"{who}: tensor {n!r} is on {t.device} but the first tensor is on {device}")
+
+
+def common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The inputs' dtype if they all share one, else fp32 (exact for bf16/fp16 too)."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) == 1:
+        return next(iter(dtypes))
+    return torch.float32
+
+
+class BufferPool:
+    """Flat buffers reused between steps, keyed by (purpose, dtype, device, numel).
+
+    A steady training loop calls each codec with the same layouts every step,
+    so after the first step no codec allocates on the hot path.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.dtype, torch.device, int], torch.Tensor] = {}
+
+    def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        k = (key, dtype, device, numel)
+        buf = self._bufs.get(k)
+        if buf is None:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._bufs[k] = buf
+        return buf
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy (casting) ``tensors`` one after another into the 1-D ``flat``."""
+    if not tensors:
+        return
+    # torch.cat of flattened views is one kernel; it handles non-contiguous views.
+    torch.cat([t.reshape(-1).to(flat.dtype) for t in tensors], out=flat)
+
+
+def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy (casting) consecutive slices of ``flat`` back into ``tensors`` in place."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+
+
+def sub_tag(tag: str, suffix: str) -> str:
+    """``tag/suffix`` so the meter can split a codec's traffic by kind."""
+    return f"{tag}/{suffix}" if tag else suffix

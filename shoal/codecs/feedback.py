@@ -1,0 +1,135 @@
+"""Error feedback around any lossy codec."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from shoal.codecs.base import BufferPool, Codec, LossyCodec, check_inputs, flatten_into, unflatten_from
+from shoal.comm.group import Group
+from shoal.errors import ConfigError
+
+
+def finite_mask(values: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor: is every element finite? One device sync when all are (the usual case)."""
+    if not values:
+        return []
+    flags = torch.stack([torch.isfinite(v).all() for v in values])
+    if bool(flags.all()):
+        return [True] * len(values)
+    return [bool(f) for f in flags.tolist()]
+
+
+class ErrorFeedback(Codec):
+    """Carry what compression lost into the next step, per tensor name.
+
+    Each step rank r sends ``x + e`` through the inner codec and keeps
+    ``e <- (x + e) - C_r(x + e)``, where ``C_r`` is what its contribution
+    decodes to. Over steps nothing is lost: ``sum of decoded means + mean of
+    the ranks' residuals = sum of mean inputs``. Residuals are fp32 and keyed
+    by name, so they survive re-bucketing and are saved by :meth:`state_dict`.
+
+    Non-finite values: if the mean of a tensor comes out NaN/Inf (some rank
+    sent NaN/Inf), every rank keeps that tensor's residual as it was before the
+    call and passes the non-finite mean through, so a finiteness check (shoal
+    skips such steps on every rank) sees it. The decision depends only on the
+    mean, identical on every rank, so ranks agree without extra messages and
+    one bad gradient never poisons the residual for the rest of training.
+
+    Example::
+
+        codec = ErrorFeedback(TopK(ratio=0.01))
+        codec.mean(grads, names, group, tag="ddp/grad")
+    """
+
+    lossy = True
+
+    def __init__(self, codec: Codec) -> None:
+        super().__init__()
+        if not isinstance(codec, LossyCodec):
+            raise ConfigError(
+                f"ErrorFeedback wraps a lossy codec (Cast, Int8Blockwise, TopK, PowerSGD), got {type(codec).__name__}: "
+                "an exact codec leaves no error to feed back"
+            )
+        if getattr(codec, "error_feedback", False):
+            raise ConfigError(
+                "the inner codec already does its own error feedback (error_feedback=True); "
+                "wrapping it would feed the error back twice"
+            )
+        self.codec: LossyCodec = codec
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.nonfinite_steps = 0
+        self._pool = BufferPool()
+
+    @torch.no_grad()
+    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str) -> None:
+        check_inputs(tensors, names, "ErrorFeedback")
+        if not tensors:
+            return
+        device = tensors[0].device
+        numel = sum(t.numel() for t in tensors)
+        comp_flat = self._pool.get("comp", numel, torch.float32, device)
+        res_flat = self._pool.get("res", numel, torch.float32, device)
+        comp = _views(comp_flat, tensors)
+        new_res = _views(res_flat, tensors)
+        old_res = [self._residual(n, t) for n, t in zip(names, tensors)]
+        flatten_into(tensors, comp_flat)
+        torch._foreach_add_(comp, old_res)
+        self.codec.mean_with_residual(comp, names, group, tag, new_res)
+        ok = finite_mask([comp_flat, res_flat])
+        if all(ok):
+            torch._foreach_copy_(old_res, new_res)
+        else:
+            self._commit_finite(names, comp, new_res)
+        unflatten_from(comp_flat, tensors)
+        self._count(tensors, 0)
+
+    def _commit_finite(self, names: Sequence[str], means: list[torch.Tensor], new_res: list[torch.Tensor]) -> None:
+        """Update only the residuals whose mean and new residual are finite."""
+        self.nonfinite_steps += 1
+        mean_ok = finite_mask(means)
+        res_ok = finite_mask(new_res)
+        for name, m_ok, r_ok, r in zip(names, mean_ok, res_ok, new_res):
+            if m_ok and r_ok:
+                self.residuals[name].copy_(r)
+
+    def _residual(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        r = self.residuals.get(name)
+        if r is None:
+            r = self.residuals[name] = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+        elif r.shape != t.shape:
+            raise ConfigError(f"tensor {name!r} changed shape from {tuple(r.shape)} to {tuple(t.shape)}")
+        elif r.device != t.device:
+            r = self.residuals[name] = r.to(t.device)  # e.g. loaded from a CPU checkpoint
+        return r
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "residuals": {n: r.detach().clone() for n, r in self.residuals.items()},
+            "nonfinite_steps": self.nonfinite_steps,
+            "inner": self.codec.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.codec.load_state_dict(state["inner"])
+        self.residuals = {n: r.detach().clone().to(torch.float32) for n, r in state["residuals"].items()}
+        self.nonfinite_steps = int(state["nonfinite_steps"])
+
+    def stats(self) -> dict[str, float]:
+        out = dict(self.codec.stats())
+        out["nonfinite_steps"] = self.nonfinite_steps
+        # Not a hot path: one sync per name is fine here.
+        out["residual_norm"] = sum(float(r.pow(2).sum()) for r in self.residuals.values()) ** 0.5
+        return out
+
+
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` shaped like ``like``."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out

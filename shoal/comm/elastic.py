@@ -1,0 +1,535 @@
+"""ElasticGroup: a :class:`~shoal.comm.Group` rebuilt for each quorum of a run.
+
+Workers come and go; an ElasticGroup stays the same Python object while the
+gloo group under it is replaced for every quorum (a fresh store prefix, a
+fresh ``ProcessGroupGloo`` built directly, never the default group). A step
+on an elastic group has three parts::
+
+    group.start_step()      # adopt the latest quorum: rebuild, heal newcomers
+    ...collectives...       # failures are recorded, never raised, never waited out
+    group.should_commit()   # the same True/False on every member of the quorum
+
+Collective failures (a peer's socket closed, the op timeout passed, another
+member reporting a failure) are recorded as :class:`~shoal.errors.PeerLostError`
+or :class:`~shoal.errors.CommTimeoutError` in :attr:`ElasticGroup.error`; from
+then on this step's collectives return at once with unreduced data, so the
+step finishes quickly and the vote discards it. A failed gloo group is
+abandoned: never waited on, never destroyed in the training thread (its
+destructor would wait for its stuck operations).
+
+The commit vote goes through the coordinator's store: each member that saw no
+failure adds one to ``<prefix>ok/<step>``; the member whose add completes the
+count writes ``commit`` to ``<prefix>d/<step>`` with compare-and-set; a member
+that failed, or sees the run's abort flag, or waits past ``Timeouts.quorum``,
+writes ``discard`` the same way. The first write wins, so every member reads
+one decision.
+
+Healing: in each new group the members exchange (committed step, fresh); if
+anyone is behind or new, the lowest-ranked up-to-date member broadcasts every
+registered state (model, optimizer, codec, counters) as one serialised blob.
+
+Example::
+
+    group = ElasticGroup("run1", coordinator="127.0.0.1:29400")
+    group.register_state("model", model.state_dict, model.load_state_dict)
+    while training:
+        group.start_step()
+        group.all_reduce(grad, op="avg", tag="grad").wait()
+        if group.should_commit():
+            opt.step()
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes
+from shoal.comm.membership import MemberClient, Quorum, Timeouts
+from shoal.comm.meter import Meter
+from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
+
+CONTROL_TAG = "elastic/control"
+HEAL_TAG = "elastic/heal"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend factory gets to build one quorum's process group.
+
+    ``step`` returns the group's committed step when called (fault plans use it).
+    """
+
+    store: dist.Store
+    rank: int
+    size: int
+    timeout: float
+    step: Callable[[], int]
+
+
+BackendFactory = Callable[[BackendSpec], Any]
+
+
+def gloo_backend(spec: BackendSpec) -> Any:
+    """The default factory: a gloo group on the quorum's own store prefix."""
+    return dist.ProcessGroupGloo(spec.store, spec.rank, spec.size, datetime.timedelta(seconds=spec.timeout))
+
+
+@dataclass
+class ElasticStats:
+    """Counters of one worker's elastic life (all since construction)."""
+
+    commits: int = 0
+    discards: int = 0
+    quorums: int = 0             # groups built (the first one included)
+    heals_received: int = 0
+    heal_bytes: int = 0          # size of the last state blob sent or received
+    heal_s: float = 0.0          # seconds the last heal took (exchange + broadcast + load)
+    reconfigure_s: float = 0.0   # seconds the last start_step spent adopting a quorum
+
+
+@dataclass
+class _State:
+    get: Callable[[], Any]
+    load: Callable[[Any], Any]
+    rollback: bool
+
+
+class _ElasticHandle(Handle):
+    """A collective on an elastic group: its wait records failures instead of raising."""
+
+    def __init__(self, group: "ElasticGroup", work: Any, result: Any, tag: str,
+                 post: Callable[[Any], Any] | None) -> None:
+        super().__init__(work, result, group.meter, tag, group.timeout, post)
+        self._group = group
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._done:
+            return self._result
+        t0 = time.perf_counter()
+        ok = self._group._await(self._work, self._timeout if timeout is None else timeout, self._tag)
+        self._meter.add_wait(self._tag, time.perf_counter() - t0)
+        self._done = True
+        if ok and self._post is not None:
+            self._result = self._post(self._result)
+        return self._result
+
+    def future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.wait())
+        return fut
+
+    def is_completed(self) -> bool:
+        return self._done or self._group.error is not None or bool(self._work.is_completed())
+
+
+def _env(name: str, value: str | None, what: str) -> str:
+    if value is not None:
+        return value
+    found = os.environ.get(name)
+    if not found:
+        raise ConfigError(f"{what} not given and {name} is not set; `shoal run --elastic` sets it, "
+                          f"or pass it explicitly")
+    return found
+
+
+class ElasticGroup(Group):
+    """A Group whose members follow the run's quorums; see the module docstring.
+
+    Args:
+        run_id: names the run at the coordinator (default: ``$SHOAL_RUN_ID``).
+        coordinator: ``"host:port"`` of the coordinator (default: ``$SHOAL_COORDINATOR``).
+        timeouts: the run's :class:`~shoal.comm.membership.Timeouts`; ``op`` is
+            this group's per-collective timeout.
+        min_workers: no quorum forms with fewer live workers (default:
+            ``$SHOAL_MIN_WORKERS``, set by ``shoal run --min-workers``, else 1).
+        meter: where bytes are counted (kept across quorums).
+        backend_factory: builds a quorum's process group from a
+            :class:`BackendSpec` (default :func:`gloo_backend`; tests wrap it
+            to inject faults, see :mod:`shoal.testing.faults`).
+
+    Example::
+
+        group = ElasticGroup()                 # under `shoal run --elastic`
+        model = shoal.DistributedDataParallel(net, process_group=group)
+    """
+
+    def __init__(self, run_id: str | None = None, *, coordinator: str | None = None,
+                 timeouts: Timeouts | None = None, min_workers: int | None = None, meter: Meter | None = None,
+                 backend_factory: BackendFactory | None = None) -> None:
+        # Group.__init__ wants the default process group; an elastic group has none.
+        if timeouts is not None and not isinstance(timeouts, Timeouts):
+            raise ConfigError(f"timeouts must be a shoal Timeouts, got {type(timeouts).__name__}")
+        self.timeouts = timeouts if timeouts is not None else Timeouts()
+        self.timeout: float | None = self.timeouts.op
+        self.meter = meter if meter is not None else Meter()
+        self.backend = "gloo"
+        self.pg: Any = None
+        self.rank, self.size = 0, 1
+        self._global_ranks = [0]
+        self.step = 0
+        self.quorum: Quorum | None = None
+        self.stats = ElasticStats()
+        self.error: BaseException | None = None
+        self._factory = backend_factory if backend_factory is not None else gloo_backend
+        self._states: dict[str, _State] = {}
+        self._snapshots: dict[str, Any] = {}
+        self._on_commit: list[Callable[[], None]] = []
+        self._abandoned: list[tuple[float, Any]] = []
+        self._lock = threading.Lock()
+        self._in_step = False
+        self._after = 0              # adopt a quorum newer than this one at the next start_step
+        self._fresh = True           # holds no state received from the run yet
+        if min_workers is None:
+            min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
+        info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid()}
+        self.client = MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
+                                   _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
+        self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
+        # Joining waits for the first start_step: a newcomer that announced itself
+        # while still building its model would keep the others waiting for it.
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # --- state --------------------------------------------------------------
+    def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
+                       rollback: bool = False) -> None:
+        """Add state that newcomers receive when they heal.
+
+        ``get()`` returns something ``torch.save`` can write; ``load(x)``
+        restores it. With ``rollback=True`` it is also snapshotted at each
+        step start and restored when the step is discarded (e.g. a codec's
+        error feedback, which a failed step may have half-updated); then
+        ``get()`` must return a copy, not views of live tensors (codecs'
+        ``state_dict()`` do), because it is called every step and copying
+        it again would double the cost.
+        Every member must register the same keys.
+        """
+        if key in self._states:
+            raise ConfigError(f"state {key!r} is already registered on this group")
+        self._states[key] = _State(get, load, rollback)
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
+        self._on_commit.append(fn)
+
+    # --- the step ------------------------------------------------------------
+    def start_step(self) -> None:
+        """Begin a step: adopt a newer quorum if one is due (rebuild + heal). Idempotent per step."""
+        if self._in_step:
+            return
+        self._release_abandoned()
+        if self.client.member_id == 0:
+            self.client.join()
+        if self.quorum is None or self._after >= self.quorum.qid:
+            t0 = time.monotonic()
+            self._reconfigure()
+            self.stats.reconfigure_s = time.monotonic() - t0
+        self._snapshots = {k: s.get() for k, s in self._states.items() if s.rollback}
+        self.error = None
+        self._in_step = True
+
+    def should_commit(self) -> bool:
+        """End the step: the same verdict on every member (True: apply it; False: drop it).
+
+        On False, rollback state is restored and the next :meth:`start_step`
+        moves to a new quorum without the failed peer.
+        """
+        if not self._in_step or self.quorum is None:
+            raise ShoalError("should_commit() called outside a step: call start_step() first "
+                             "(shoal's DistributedDataParallel does so in forward)")
+        self._in_step = False
+        q = self.quorum
+        verdict = self._vote(q)
+        commit, latest = verdict.startswith("commit"), int(verdict.partition(":")[2] or 0)
+        if commit:
+            self.step += 1
+            self.stats.commits += 1
+            for fn in self._on_commit:
+                fn()
+            if latest > q.qid:
+                self._after = q.qid
+            return True
+        self.stats.discards += 1
+        for k, snap in self._snapshots.items():
+            self._states[k].load(snap)
+        self._abandon()
+        self.client.request_quorum(q.qid)
+        self._after = q.qid
+        return False
+
+    def _vote(self, q: Quorum) -> str:
+        st, key = self.client.store, f"{q.prefix}d/{self.step}"
+        if self.error is None and self.size == 1:
+            return f"commit:{self.client.latest()}"
+        if self.error is not None:
+            return _s(st.compare_set(key, "", "discard"))
+        if st.add(f"{q.prefix}ok/{self.step}", 1) == self.size:
+            return _s(st.compare_set(key, "", f"commit:{self.client.latest()}"))
+        start = time.monotonic()
+        deadline, pause, beats = start + self.timeouts.quorum, 5e-5, self._beats(q)
+        next_probe = start + self.timeouts.probe
+        while not st.check([key]):
+            now = time.monotonic()
+            if now > next_probe:
+                # A peer that died after its last collective never votes; its
+                # heartbeat stops too. Judge it here rather than wait for the
+                # coordinator's heartbeat_timeout.
+                latest, next_probe = self._beats(q), now + self.timeouts.probe
+                if any(a == b for a, b in zip(beats, latest)):
+                    self._record(PeerLostError("a member stopped heartbeating before voting"))
+                beats = latest
+            if self.error is not None or self.client.remote_abort.is_set() or now > deadline:
+                return _s(st.compare_set(key, "", "discard"))
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+        return _s(st.get(key))
+
+    def _beats(self, q: Quorum) -> list[bytes]:
+        return list(self.client.store.multi_get([self.client.key(f"hb/{m}") for m in q.members]))
+
+    # --- quorums ---------------------------------------------------------------
+    def _reconfigure(self) -> None:
+        limit = self.timeouts.join if self._fresh else self.timeouts.quorum
+        deadline = time.monotonic() + limit
+        while True:
+            q = self.client.wait_quorum(self._after, max(deadline - time.monotonic(), 0.0))
+            if self._enter(q, deadline):
+                return
+            self._after = q.qid
+            if time.monotonic() > deadline:
+                raise ShoalError(f"could not form a working group within {limit} s "
+                                 f"(last error: {self.error}); see docs/elastic.md on timeouts")
+
+    def _enter(self, q: Quorum, deadline: float) -> bool:
+        """Rendezvous, build the group, heal; False if superseded or failed (then try the next)."""
+        self._abandon()
+        st = self.client.store
+        st.add(q.prefix + "arrive", 1)
+        # A store-level barrier first: unlike the gloo constructor it can give up
+        # as soon as a newer quorum supersedes this one.
+        while st.add(q.prefix + "arrive", 0) < len(q.members):
+            if self.client.latest() > q.qid or time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        self.client.remote_abort.clear()
+        self.client.watched_prefix = q.prefix
+        self.quorum, self.rank, self.size = q, q.rank_of(self.client.member_id), len(q.members)
+        self._global_ranks = list(range(self.size))
+        self.error = None
+        try:
+            pg_store = dist.PrefixStore(q.prefix + "pg/", st.clone())  # type: ignore[attr-defined]
+            spec = BackendSpec(pg_store, self.rank, self.size, self.timeouts.op, lambda: self.step)
+            self.pg = self._factory(spec) if self.size > 1 else None
+        except Exception as e:  # noqa: BLE001 - a peer did not connect: next quorum
+            self._record(PeerLostError(f"building the group of quorum {q.qid} failed: {e}"))
+        self.stats.quorums += 1
+        if self.error is None:
+            self._heal(q)
+        if self.error is not None:
+            self._abandon()
+            self.client.request_quorum(q.qid)
+            return False
+        return True
+
+    def _heal(self, q: Quorum) -> None:
+        t0 = time.monotonic()
+        mine = torch.tensor([self.step, int(self._fresh)], dtype=torch.int64)
+        table = torch.empty(2 * self.size, dtype=torch.int64)
+        self.all_gather_into(table, mine, tag=CONTROL_TAG).wait()
+        if self.error is not None:
+            return
+        steps, fresh = table[0::2].tolist(), table[1::2].tolist()
+        top = max(steps)
+        ready = [r for r in range(self.size) if steps[r] == top and not fresh[r]]
+        src = min(ready or [r for r in range(self.size) if steps[r] == top])
+        needy = [r for r in range(self.size) if r != src and (steps[r] < top or fresh[r])]
+        self.quorum = replace(q, max_step=top)
+        if needy:
+            blob = self._blob() if self.rank == src else torch.empty(0, dtype=torch.uint8)
+            n = torch.tensor([blob.numel()], dtype=torch.int64)
+            self.broadcast(n, src=src, tag=HEAL_TAG).wait()
+            if self.rank != src:
+                blob = torch.empty(int(n.item()), dtype=torch.uint8)
+            self.broadcast(blob, src=src, tag=HEAL_TAG).wait(timeout=self.timeouts.quorum)
+            if self.error is not None:
+                return
+            self.stats.heal_bytes = blob.numel()
+            if self.rank in needy:
+                self._load_blob(blob)
+                self.step = top
+                self.stats.heals_received += 1
+            self.stats.heal_s = time.monotonic() - t0
+        self._fresh = False
+
+    def _blob(self) -> torch.Tensor:
+        buf = io.BytesIO()
+        torch.save({k: s.get() for k, s in self._states.items()}, buf)
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+    def _load_blob(self, blob: torch.Tensor) -> None:
+        states = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        if set(states) != set(self._states):
+            raise ShoalError(f"healing peer sent state {sorted(states)} but this worker registered "
+                             f"{sorted(self._states)}: every worker must run the same program")
+        for k, s in self._states.items():
+            s.load(states[k])
+
+    def _abandon(self) -> None:
+        if self.pg is not None:
+            self._abandoned.append((time.monotonic(), self.pg))
+        self.pg = None
+
+    def _release_abandoned(self) -> None:
+        # Past the op timeout gloo has failed their stuck operations: dropping them is quick now.
+        horizon = time.monotonic() - self.timeouts.op - 1.0
+        self._abandoned = [(t, pg) for t, pg in self._abandoned if t > horizon]
+
+    def leave(self) -> None:
+        """Leave the run: the others go on without this worker (at most one step is discarded)."""
+        self.client.leave()
+        self._abandon()
+
+    # --- failures --------------------------------------------------------------
+    def _record(self, err: BaseException) -> None:
+        with self._lock:
+            first = self.error is None
+            if first:
+                self.error = err
+        if first and self.quorum is not None:
+            try:
+                with self._lock:
+                    self._abort_store.set(self.quorum.prefix + "abort", type(err).__name__)
+            except Exception:  # noqa: BLE001 - coordinator unreachable: peers time out instead
+                pass
+
+    def report_error(self, err: BaseException) -> None:
+        """Make this step fail on every member (e.g. a NaN found outside shoal)."""
+        self._record(err)
+
+    def _await(self, work: Any, limit: float | None, tag: str) -> bool:
+        """Wait for ``work``; on any failure record it and return False, never raise."""
+        if self.error is not None:
+            return False
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())
+        deadline = time.monotonic() + (limit if limit is not None else self.timeouts.op)
+        while not done.wait(0.01):
+            if self.error is not None:
+                return False
+            if self.client.remote_abort.is_set():
+                self._record(PeerLostError(f"collective {tag!r} abandoned: another member reported a failure"))
+                return False
+            if time.monotonic() > deadline:
+                self._record(CommTimeoutError(f"collective {tag!r} did not finish within {limit} s "
+                                              "(Timeouts.op); a peer is slow, hung or gone"))
+                return False
+        try:
+            work.wait()
+        except RuntimeError as e:
+            self._record(PeerLostError(f"collective {tag!r} failed: {e}"))
+            return False
+        return True
+
+    # --- collectives ---------------------------------------------------------------
+    def _issue(self, tag: str, result: Any, launch: Callable[[], Any],
+               post: Callable[[Any], Any] | None = None) -> Handle:
+        if self.quorum is None:
+            raise ShoalError("collective on an elastic group before its first step: call start_step() "
+                             "first (shoal's DistributedDataParallel does so in forward)")
+        if self.size == 1:
+            return Handle(None, result, self.meter, tag, self.timeout, post)
+        if self.error is not None or self.pg is None:
+            return Handle(None, result, self.meter, tag, self.timeout)   # the step is lost anyway
+        try:
+            work = launch()
+        except Exception as e:  # noqa: BLE001 - e.g. the connection died before the op started
+            self._record(PeerLostError(f"collective {tag!r} could not start: {e}"))
+            return Handle(None, result, self.meter, tag, self.timeout)
+        return _ElasticHandle(self, work, result, tag, post)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
+        if op != "avg" and op not in _REDUCE_OPS:
+            raise ConfigError(f"unknown reduce op {op!r}; expected avg or one of {sorted(_REDUCE_OPS)}")
+        self.meter.record(tag, "all_reduce", _nbytes(tensor), self.size, self.rank)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _REDUCE_OPS["sum" if op == "avg" else op]  # type: ignore[assignment]
+        size = self.size  # averages divide by the live contributors of this quorum
+        post = (lambda t: t.div_(size)) if op == "avg" else None  # noqa: E731
+        return self._issue(tag, tensor, lambda: self.pg.allreduce([tensor], opts), post)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "misc") -> Handle:
+        self._check_rank(src, "src")
+        self.meter.record(tag, "broadcast", _nbytes(tensor), self.size, self.rank, src)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return self._issue(tag, tensor, lambda: self.pg.broadcast([tensor], opts))
+
+    def all_gather(self, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
+        out = [tensor] if self.size == 1 else [torch.empty_like(tensor) for _ in range(self.size)]
+        return self._issue(tag, out, lambda: self.pg.allgather([out], [tensor.contiguous()]))
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        if output.numel() != self.size * tensor.numel():
+            raise ValueError(f"output has {output.numel()} elements, expected {self.size} x {tensor.numel()}")
+        self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
+        if self.size == 1:
+            output.view(-1).copy_(tensor.view(-1))
+        return self._issue(tag, output, lambda: self.pg._allgather_base(output, tensor.contiguous()))
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
+        if tensor.numel() != self.size * output.numel():
+            raise ValueError(f"input has {tensor.numel()} elements, expected {self.size} x {output.numel()}")
+        if op not in ("sum", "avg"):
+            raise ConfigError(f"reduce_scatter supports sum and avg, got {op!r}")
+        buf = tensor.clone()
+        chunk = buf.view(-1).narrow(0, self.rank * output.numel(), output.numel())
+        inner = self.all_reduce(buf, op=op, tag=tag)   # gloo has no reduce_scatter
+
+        def take(_: Any) -> torch.Tensor:
+            inner.wait()
+            return output.view(-1).copy_(chunk).view_as(output)
+
+        return Handle(None, output, self.meter, tag, self.timeout, take)
+
+    def barrier(self, tag: str = "control") -> None:
+        self.all_reduce(torch.zeros(1), tag=tag).wait()
+
+    def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
+        """Gather picklable objects; after a failure, returns ``[obj] * size`` (the step is lost)."""
+        data = pickle.dumps(obj)
+        sizes = torch.empty(self.size, dtype=torch.int64)
+        self.all_gather_into(sizes, torch.tensor([len(data)], dtype=torch.int64), tag=tag).wait()
+        width = int(sizes.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(width * self.size, dtype=torch.uint8)
+        self.all_gather_into(out, mine, tag=tag).wait()
+        if self.error is not None:
+            return [obj] * self.size
+        return [pickle.loads(out[r * width: r * width + int(sizes[r])].numpy().tobytes())
+                for r in range(self.size)]
+
+    def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
+        raise ShoalError("an elastic group cannot be split: its members change from one quorum to the "
+                         "next; use one ElasticGroup per level instead")
+
+    def __repr__(self) -> str:
+        qid = self.quorum.qid if self.quorum else None
+        return f"ElasticGroup(member={self.client.member_id}, quorum={qid}, rank={self.rank}, size={self.size}, step={self.step})"
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

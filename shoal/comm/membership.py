@@ -1,0 +1,432 @@
+"""Membership of elastic runs: a coordinator, heartbeats, and one quorum per round.
+
+Everything travels through a ``torch.distributed`` TCPStore. A TCPStore is
+passive (it stores keys, it runs no logic), so someone has to decide who is
+alive. shoal runs that logic in one place, a :class:`Coordinator` thread that
+owns the store server (embedded in ``shoal run --elastic``, or standalone with
+``shoal coordinator --port P``). Why not let workers agree deterministically
+through the store instead? Deciding that a member is *dead* needs one clock
+watching its heartbeats; with every worker judging by its own clock, two
+survivors can disagree on who is gone, and a partitioned worker could declare
+the others dead. A single coordinator makes the verdict one write, and the
+workers only read it. The coordinator is cheap (one thread, a store poll every
+``_TICK_S``) and carries no training data; if it dies the run stops within the
+quorum timeout with a clear error (it is as critical as torchrun's store).
+
+Protocol (keys under ``<run_id>/``; ``runs/n`` and ``runs/<k>`` list the runs):
+
+- ``join``: ``id = add("next_id", 1)``, then ``set("join/<id>", json)`` with
+  the worker's timeouts and ``min_workers``. A restarted worker joins again and
+  gets a new id, so a stale incarnation can never be mistaken for it.
+- heartbeat: a background thread does ``add("hb/<id>", 1)`` every
+  ``heartbeat_interval``; ``leave`` sets it to ``-1``.
+- quorum: the coordinator writes ``q/<qid>`` (members, prefix), then bumps
+  ``q/latest`` to ``qid``. Members are ordered by id, so survivors keep their
+  relative order and newcomers come last. Every quorum has a fresh store
+  prefix, hence a fresh gloo group; a failed group is never reused.
+- re-quorum: after a failed step a member sets ``req/<qid>``. The
+  coordinator then probes: members whose heartbeat advances within
+  ``probe`` seconds form the next quorum (a SIGKILLed worker cannot).
+- a member silent for ``heartbeat_timeout`` is dropped without any request,
+  and ``<prefix>abort`` of the current quorum is set, so that members blocked
+  in one of its collectives give up at once.
+
+Example::
+
+    coord = Coordinator(port=0).start()        # in the launcher
+    client = MemberClient(f"127.0.0.1:{coord.port}", "run1", Timeouts())
+    client.join()
+    q = client.wait_quorum(after=0, timeout=60)
+    print(q.members, q.rank_of(client.member_id), q.prefix)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from shoal.errors import ConfigError, ShoalError
+
+_TICK_S = 0.02  # coordinator poll period: membership changes are seen within it
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every timeout of an elastic run, in seconds, in one validated hierarchy.
+
+    ``heartbeat_interval < probe <= heartbeat_timeout < quorum`` and
+    ``op < quorum < join``: a collective gives up before a quorum round does,
+    which gives up before a newcomer stops waiting to be admitted, so an
+    inner wait can never outlast the one that contains it.
+
+    Attributes:
+        op: one collective (all-reduce of a bucket, a broadcast). Past it the
+            step fails with CommTimeoutError and is discarded on every member.
+            Raise it when the network is slow: a 100 MB bucket at 20 Mbit/s
+            needs ~80 s.
+        heartbeat_interval: how often each worker tells the coordinator it lives.
+        probe: after a failed step, members whose heartbeat does not advance
+            within this window are left out of the next quorum.
+        heartbeat_timeout: a member silent this long is dropped even if no
+            step failed (a worker hung outside collectives).
+        quorum: longest wait for a step's commit vote, a new quorum, or the
+            new group's connections.
+        join: longest a newcomer waits to be admitted and healed.
+
+    Example::
+
+        Timeouts(op=60, quorum=120, join=600)   # a slow WAN
+        Timeouts(op=40, quorum=30)              # ConfigError naming op and quorum
+    """
+
+    op: float = 20.0            # loopback/LAN collectives finish in well under a second
+    heartbeat_interval: float = 0.1  # 10 tiny store writes per second per worker
+    probe: float = 0.5          # 5 heartbeats: a live but busy worker still answers
+    heartbeat_timeout: float = 5.0   # generous: a GC pause must not evict a worker
+    quorum: float = 60.0        # > op: a vote waits at most for one slow collective
+    join: float = 300.0         # > quorum: a newcomer may arrive mid-round and heal
+
+    def __post_init__(self) -> None:
+        for name in ("op", "heartbeat_interval", "probe", "heartbeat_timeout", "quorum", "join"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"Timeouts.{name} must be a number of seconds > 0, got {v!r}")
+        chain = [("heartbeat_interval", "probe", False), ("probe", "heartbeat_timeout", True),
+                 ("heartbeat_timeout", "quorum", False), ("op", "quorum", False), ("quorum", "join", False)]
+        for a, b, equal_ok in chain:
+            va, vb = getattr(self, a), getattr(self, b)
+            if va > vb or (va == vb and not equal_ok):
+                rel = "<=" if equal_ok else "<"
+                raise ConfigError(
+                    f"Timeouts.{a} ({va} s) must be {rel} Timeouts.{b} ({vb} s): the hierarchy is "
+                    "heartbeat_interval < probe <= heartbeat_timeout < quorum and op < quorum < join, "
+                    "so that no inner wait outlasts the one containing it"
+                )
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The members of one round, as published by the coordinator.
+
+    Attributes:
+        qid: round id, increasing; each round has its own store prefix and gloo group.
+        members: member ids, ordered; a member's group rank is its index.
+        prefix: the store prefix under which this round's group rendezvous.
+        max_step: highest committed step among the members (set by the
+            members once they have exchanged their steps; -1 before).
+    """
+
+    qid: int
+    members: tuple[int, ...]
+    prefix: str
+    max_step: int = -1
+
+    def rank_of(self, member_id: int) -> int:
+        return self.members.index(member_id)
+
+
+def connect(address: str, timeout: float, is_master: bool = False) -> dist.TCPStore:
+    """A TCPStore client (or server, ``is_master``) for ``"host:port"``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"coordinator address must be HOST:PORT, got {address!r}")
+    try:
+        return dist.TCPStore(host, int(port), is_master=is_master, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout))
+    except Exception as e:  # torch raises DistNetworkError/RuntimeError with the socket's reason
+        raise ShoalError(f"cannot reach the coordinator at {address} within {timeout} s: {e}") from e
+
+
+def _s(v: bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass
+class _Member:
+    beats: int = 0
+    seen: float = 0.0           # coordinator's clock when its heartbeat last advanced
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class _Run:
+    """The coordinator's view of one run: members, heartbeats, quorums."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.next_seen = 0                      # highest member id registered so far
+        self.members: dict[int, _Member] = {}
+        self.pending_join: set[int] = set()     # ids whose join record is not yet written
+        self.qid = 0
+        self.current: tuple[int, ...] = ()
+        self.probe_since: float | None = None
+        self.probe_base: dict[int, int] = {}
+        self.last_join = 0.0
+
+    def key(self, k: str) -> str:
+        return f"{self.run_id}/{k}"
+
+    def timeouts(self) -> Timeouts:
+        for m in self.members.values():
+            if "timeouts" in m.info:
+                return Timeouts(**m.info["timeouts"])
+        return Timeouts()
+
+    def min_workers(self) -> int:
+        return max([int(m.info.get("min_workers", 1)) for m in self.members.values()] or [1])
+
+
+class Coordinator:
+    """Owns the TCPStore server and computes quorums for every run that joins it.
+
+    Args:
+        port: TCP port to listen on (0: any free one; read ``.port``).
+        host: address to bind and advertise.
+        join_grace: after a newcomer registers, wait this long for more before
+            publishing a quorum, so that workers starting together land in one round.
+        initial_workers: a run's first quorum waits for this many workers (the
+            launcher passes the number it starts); later quorums need only
+            the workers' ``min_workers``.
+
+    Timeouts and ``min_workers`` come from the workers' join records, so the
+    coordinator needs no configuration of its own.
+
+    Example::
+
+        coord = Coordinator(port=29400).start()
+        ...                                   # workers join with address "host:29400"
+        coord.stop()
+    """
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", join_grace: float = 0.25,
+                 initial_workers: int = 1) -> None:
+        if not 0 <= port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {port}")
+        if isinstance(initial_workers, bool) or not isinstance(initial_workers, int) or initial_workers < 1:
+            raise ConfigError(f"initial_workers must be an integer >= 1, got {initial_workers!r}")
+        self.initial_workers = initial_workers
+        if join_grace < 0:
+            raise ConfigError(f"join_grace must be >= 0 seconds, got {join_grace}")
+        self.host = host
+        self.join_grace = join_grace
+        self._server = connect(f"{host}:{port}", timeout=30.0, is_master=True)
+        self.port = int(self._server.port)
+        self._store = connect(f"{host}:{self.port}", timeout=30.0)
+        self._runs: dict[str, _Run] = {}
+        self._runs_seen = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> "Coordinator":
+        self._thread = threading.Thread(target=self._loop, name="shoal-coordinator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def serve_forever(self) -> None:
+        """Run in the calling thread until interrupted (the standalone CLI)."""
+        self._loop()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.tick(time.monotonic())
+                self._stop.wait(_TICK_S)
+        except BaseException as e:  # noqa: BLE001 - kept for the owner to report
+            self.error = e
+            raise
+
+    def tick(self, now: float) -> None:
+        """One pass: discover runs and members, read heartbeats, publish quorums."""
+        n = self._store.add("runs/n", 0)
+        while self._runs_seen < n:
+            self._runs_seen += 1
+            name = _s(self._store.get(f"runs/{self._runs_seen}"))
+            self._runs.setdefault(name, _Run(name))
+        for run in self._runs.values():
+            self._tick_run(run, now)
+
+    def _tick_run(self, run: _Run, now: float) -> None:
+        st = self._store
+        top = st.add(run.key("next_id"), 0)
+        for i in range(run.next_seen + 1, top + 1):
+            run.pending_join.add(i)
+        run.next_seen = top
+        for i in sorted(run.pending_join):
+            if st.check([run.key(f"join/{i}")]):
+                run.pending_join.discard(i)
+                run.members[i] = _Member(seen=now, info=json.loads(_s(st.get(run.key(f"join/{i}")))))
+                run.last_join = now
+        if not run.members:
+            return
+        t = run.timeouts()
+        ids = sorted(run.members)
+        beats = st.multi_get([run.key(f"hb/{i}") for i in ids]) if ids else []
+        gone: list[int] = []
+        for i, raw in zip(ids, beats):
+            b = int(_s(raw) or 0)
+            m = run.members[i]
+            if b < 0 or now - m.seen > t.heartbeat_timeout:
+                gone.append(i)
+            elif b != m.beats:
+                m.beats, m.seen = b, now
+        for i in gone:
+            del run.members[i]
+        if gone and set(gone) & set(run.current):
+            st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
+        self._maybe_publish(run, now, t, bool(gone))
+
+    def _maybe_publish(self, run: _Run, now: float, t: Timeouts, lost: bool) -> None:
+        st = self._store
+        # Requests name the quorum they abandon: those about an older one were served already.
+        if run.probe_since is None and run.current and st.check([run.key(f"req/{run.qid}")]):
+            run.probe_since = now
+            run.probe_base = {i: m.beats for i, m in run.members.items()}
+        alive = tuple(sorted(run.members))
+        if run.probe_since is not None:
+            answered = tuple(i for i in alive if run.members[i].beats > run.probe_base.get(i, -1))
+            if len(answered) < len(alive) and now - run.probe_since < t.probe:
+                return
+            run.probe_since = None
+            self._publish(run, answered)
+            return
+        changed = alive != run.current
+        if not changed or (not lost and now - run.last_join < self.join_grace):
+            return
+        self._publish(run, alive)
+
+    def _publish(self, run: _Run, members: tuple[int, ...]) -> None:
+        need = run.min_workers() if run.qid else max(run.min_workers(), self.initial_workers)
+        if len(members) < need:
+            run.current = ()   # nothing published: members wait for newcomers (or time out)
+            return
+        run.qid += 1
+        run.current = members
+        record = {"members": list(members), "prefix": f"{run.key(f'q{run.qid}')}/"}
+        self._store.set(run.key(f"q/{run.qid}"), json.dumps(record))
+        self._store.add(run.key("q/latest"), 1)  # only the coordinator writes it: it equals qid
+
+
+class MemberClient:
+    """A worker's side of the protocol: join, heartbeat thread, quorums, leave.
+
+    Example::
+
+        c = MemberClient("127.0.0.1:29400", "run1", Timeouts(), min_workers=2)
+        c.join()
+        q = c.wait_quorum(after=0, timeout=c.timeouts.join)
+        c.leave()
+    """
+
+    def __init__(self, address: str, run_id: str, timeouts: Timeouts, min_workers: int = 1,
+                 info: dict[str, Any] | None = None) -> None:
+        if not run_id or "/" in run_id:
+            raise ConfigError(f"run_id must be a non-empty string without '/', got {run_id!r}")
+        if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+            raise ConfigError(f"min_workers must be an integer >= 1, got {min_workers!r}")
+        self.address = address
+        self.run_id = run_id
+        self.timeouts = timeouts
+        self.min_workers = min_workers
+        self.info = dict(info or {})
+        self.store = connect(address, timeouts.quorum)
+        self.member_id = 0
+        self.watched_prefix: str | None = None   # the heartbeat thread watches <prefix>abort
+        self.remote_abort = threading.Event()
+        self._stop = threading.Event()
+        self._hb: threading.Thread | None = None
+        self._hb_error: BaseException | None = None
+
+    def key(self, k: str) -> str:
+        return f"{self.run_id}/{k}"
+
+    def join(self) -> int:
+        """Register (a new id every call) and start heartbeating; returns the id."""
+        st = self.store
+        if self.member_id == 0 and st.add(f"runs/known/{self.run_id}", 1) == 1:
+            st.set(f"runs/{st.add('runs/n', 1)}", self.run_id)
+        self.leave()
+        self.member_id = st.add(self.key("next_id"), 1)
+        st.add(self.key(f"hb/{self.member_id}"), 1)
+        record = {"timeouts": asdict(self.timeouts), "min_workers": self.min_workers, **self.info}
+        st.set(self.key(f"join/{self.member_id}"), json.dumps(record))
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._beat, args=(self.member_id, self._stop),
+                                    name="shoal-heartbeat", daemon=True)
+        self._hb.start()
+        return self.member_id
+
+    def _beat(self, member_id: int, stop: threading.Event) -> None:
+        # Its own store client: the training thread may be inside a store call.
+        try:
+            st = connect(self.address, self.timeouts.heartbeat_timeout)
+            while not stop.wait(self.timeouts.heartbeat_interval):
+                st.add(self.key(f"hb/{member_id}"), 1)
+                prefix = self.watched_prefix
+                if prefix is not None and st.check([prefix + "abort"]):
+                    self.remote_abort.set()
+        except Exception as e:  # noqa: BLE001 - the coordinator is gone; the loop reports it
+            self._hb_error = e
+
+    def leave(self) -> None:
+        """Stop heartbeating and tell the coordinator at once (idempotent)."""
+        if self._hb is None:
+            return
+        self._stop.set()
+        self._hb.join(timeout=2 * self.timeouts.heartbeat_interval + 1)
+        self._hb = None
+        try:
+            self.store.set(self.key(f"hb/{self.member_id}"), "-1")
+        except Exception:  # noqa: BLE001 - coordinator gone: it will not miss us
+            pass
+
+    def latest(self) -> int:
+        return int(self.store.add(self.key("q/latest"), 0))
+
+    def quorum(self, qid: int) -> Quorum:
+        rec = json.loads(_s(self.store.get(self.key(f"q/{qid}"))))
+        return Quorum(qid, tuple(int(m) for m in rec["members"]), str(rec["prefix"]))
+
+    def request_quorum(self, failed_qid: int) -> None:
+        """Ask for a quorum to replace ``failed_qid``; the coordinator probes liveness first."""
+        self.store.set(self.key(f"req/{failed_qid}"), str(self.member_id))
+
+    def wait_quorum(self, after: int, timeout: float) -> Quorum:
+        """The first quorum newer than ``after`` that includes this member.
+
+        A newer quorum without this member means the coordinator dropped it
+        (e.g. it missed a probe while busy): it joins again under a new id and
+        goes on waiting, and will be healed as a newcomer.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._hb_error is not None:
+                raise ShoalError(f"lost the coordinator at {self.address}: {self._hb_error}")
+            latest = self.latest()
+            if latest > after:
+                q = self.quorum(latest)
+                if self.member_id in q.members:
+                    return q
+                after = latest
+                self.join()
+            if time.monotonic() > deadline:
+                raise ShoalError(
+                    f"no quorum including this worker (member {self.member_id} of run {self.run_id!r}) "
+                    f"within {timeout} s: fewer than min_workers={self.min_workers} workers alive, or the "
+                    "coordinator is unreachable; start more workers or lower min_workers"
+                )
+            time.sleep(_TICK_S / 2)

@@ -1,0 +1,217 @@
+"""What every strategy is: a schedule of what to synchronise, when, how, over which group.
+
+A :class:`Strategy` is given the model, the optimizer and the group once
+(:meth:`Strategy.setup`), returns the module the user trains (shoal's DDP for
+gradient strategies, the module itself for local ones) and is then called
+around each optimizer step by :class:`StrategyOptimizer`, the optimizer proxy
+that :func:`shoal.wrap` returns. The user's loop stays
+``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
+
+Writing a strategy::
+
+    class EveryStep(Strategy):
+        name = "every-step"
+        def setup(self, model, optimizer, group):
+            self._bind(model, optimizer, group)
+            broadcast_module(model, group, tag=f"{self.name}/init")
+            return model
+        def after_step(self):
+            with torch.no_grad():
+                shoal.codecs.Identity().mean(self.params, self.names, self.group, "every-step/params")
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from shoal.comm.group import Group
+from shoal.comm.meter import CommStats, StepMeter
+from shoal.errors import ConfigError, ShoalError
+
+
+def broadcast_module(module: nn.Module, group: Group, tag: str) -> None:
+    """Overwrite ``module``'s parameters and buffers with rank 0's (one flat broadcast per dtype)."""
+    tensors = [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = _flatten_dense_tensors(same)
+            group.broadcast(flat, src=0, tag=tag).wait()
+            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
+                t.copy_(synced)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                            names: Sequence[str], keys: bool | tuple[str, ...]) -> tuple[list[torch.Tensor], list[str]]:
+    """The optimizer's per-parameter state tensors to average (C4), with names ``param:key``.
+
+    ``keys=True`` takes every floating state tensor shaped like its parameter
+    (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``); a
+    tuple takes only those keys. Scalars such as Adam's ``step`` are never
+    averaged (they are equal on every rank).
+    """
+    tensors: list[torch.Tensor] = []
+    out_names: list[str] = []
+    for p, name in zip(params, names):
+        state = optimizer.state.get(p, {})
+        for key in sorted(state):
+            t = state[key]
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == p.shape):
+                continue
+            if keys is True or (isinstance(keys, tuple) and key in keys):
+                tensors.append(t)
+                out_names.append(f"{name}:{key}")
+    return tensors, out_names
+
+
+def check_state_keys(value: bool | tuple[str, ...] | Sequence[str]) -> bool | tuple[str, ...]:
+    """Validate an ``average_optimizer_state`` argument (bool or state keys)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(
+            f"average_optimizer_state must be a bool or a sequence of state keys such as ('exp_avg', 'exp_avg_sq'), got {value!r}"
+        )
+    return tuple(value)
+
+
+class Strategy(abc.ABC):
+    """A synchronisation schedule; single use: one :meth:`setup` per instance.
+
+    Hooks (all optional but :meth:`setup`): :meth:`before_step` and
+    :meth:`after_step` run around every ``optimizer.step()``;
+    :meth:`state_dict` / :meth:`load_state_dict` carry step counters, outer
+    optimizers and codec state so that a resumed run continues exactly;
+    :meth:`close` finishes pending communication.
+    """
+
+    name: ClassVar[str] = "strategy"
+
+    def __init__(self) -> None:
+        self._bound = False
+        self.group: Group | None = None
+        self.module: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.params: list[nn.Parameter] = []
+        self.names: list[str] = []
+        self._meter: StepMeter | None = None
+
+    @abc.abstractmethod
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        """Prepare (collective: every rank calls it); return the module to train."""
+
+    def before_step(self) -> None:
+        """Called before the wrapped optimizer's ``step()``."""
+
+    def after_step(self) -> None:
+        """Called after the wrapped optimizer's ``step()``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after :meth:`setup`, into the same configuration)."""
+
+    def close(self) -> None:
+        """Finish pending communication (nothing to do for blocking strategies)."""
+
+    def comm_stats(self) -> CommStats:
+        """Bytes and waits on the strategy's group: last step and total."""
+        if self._meter is None:
+            raise ShoalError(f"{type(self).__name__} is not set up yet: call shoal.wrap(model, optimizer, strategy) first")
+        return self._meter.stats()
+
+    # --- helpers for subclasses ----------------------------------------
+    def _bind(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> None:
+        if self._bound:
+            raise ShoalError(f"this {type(self).__name__} is already set up; build one strategy per model")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the model has no parameter that requires grad: nothing to synchronise")
+        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in named if id(p) not in in_opt]
+        if missing:
+            raise ConfigError(
+                f"the optimizer does not hold parameter(s) {missing[:3]} of the model; "
+                "build the optimizer over model.parameters() before wrapping"
+            )
+        self._bound = True
+        self.module, self.optimizer, self.group = model, optimizer, group
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self._meter = StepMeter(group.meter, "")
+
+    def _mark_step(self) -> None:
+        if self._meter is not None:
+            self._meter.mark_step()
+
+
+class StrategyOptimizer(torch.optim.Optimizer):
+    """The optimizer :func:`shoal.wrap` returns: ``step()`` runs the strategy around the real step.
+
+    ``param_groups``, ``state``, ``zero_grad`` and hooks are the wrapped
+    optimizer's (LR schedulers work unchanged). ``state_dict()`` is the
+    wrapped optimizer's plus the strategy's under ``"shoal_strategy"``, so one
+    checkpoint of the optimizer resumes the strategy too.
+
+    Example::
+
+        model, opt = shoal.wrap(model, torch.optim.AdamW(model.parameters()), shoal.LocalSGD(period=8))
+        opt.step(); opt.zero_grad()
+        torch.save(opt.state_dict(), "opt.pt")
+    """
+
+    STATE_KEY = "shoal_strategy"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Strategy) -> None:
+        # No super().__init__: the wrapped optimizer owns param_groups and state.
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything not defined here (step hooks, private torch attributes) is the wrapped optimizer's.
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        self.strategy.before_step()
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.strategy.after_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ShoalError("add parameter groups to the optimizer before shoal.wrap: the strategy has already laid out its parameters")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.optimizer.state_dict(), self.STATE_KEY: self.strategy.state_dict()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        inner = dict(state_dict)
+        strategy_state = inner.pop(self.STATE_KEY, None)
+        self.optimizer.load_state_dict(inner)
+        if strategy_state is not None:
+            self.strategy.load_state_dict(strategy_state)
+
+    def __repr__(self) -> str:
+        return f"StrategyOptimizer({type(self.strategy).__name__}, {self.optimizer!r})"

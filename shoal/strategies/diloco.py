@@ -1,0 +1,347 @@
+"""DiLoCo (C5): H local steps of the inner optimizer, then an outer step on the averaged pseudo-gradient.
+
+Each round starts from the *global* parameters ``g`` (kept as a flat fp32
+copy, in host memory when the model is on a GPU). After ``inner_steps`` steps
+of the user's (inner) optimizer, every rank computes the pseudo-gradient
+``g - local``, the codec averages it over the group, the outer optimizer
+steps ``g`` with it as the gradient, and the model restarts from the new
+``g``. The inner optimizer's state stays local.
+
+The machinery is written for fragments (:class:`shoal.StreamingDiLoCo`):
+parameter subsets whose rounds are staggered and whose reduction may run on a
+communication thread for ``overlap_steps`` inner steps; plain DiLoCo is one
+fragment with no overlap.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from shoal.codecs.base import Codec
+from shoal.codecs.identity import Identity
+from shoal.comm.group import Group
+from shoal.errors import ConfigError, ShoalError
+from shoal.strategies.base import Strategy, broadcast_module
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum 0.9 and lr 0.7: the DiLoCo paper's outer optimizer."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """What DiLoCo and streaming DiLoCo are configured with (validated here).
+
+    Attributes:
+        inner_steps: H, inner steps per round of each fragment.
+        outer_optimizer: builds the outer optimizer from a list of fp32 tensors.
+        fragments: number of parameter fragments synchronised at staggered steps.
+        overlap_steps: inner steps a fragment's reduction runs in the background
+            before it is merged (0: blocking, plain DiLoCo).
+        mixing: weight of the local parameters when a fragment is merged
+            (``local <- mixing * local + (1 - mixing) * global``).
+        layout: ``"sequential"`` (contiguous fragments of about equal size) or
+            ``"strided"`` (parameter ``i`` in fragment ``i % fragments``).
+        offload: keep global parameters and outer state in host memory
+            (``None``: when the model is on a GPU).
+    """
+
+    inner_steps: int
+    outer_optimizer: OuterOptimizerFactory = default_outer_optimizer
+    fragments: int = 1
+    overlap_steps: int = 0
+    mixing: float = 0.0
+    layout: str = "sequential"
+    offload: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("inner_steps", "fragments", "overlap_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name} must be an int, got {v!r}")
+        if self.inner_steps < 1:
+            raise ConfigError(f"inner_steps must be >= 1 (local steps per round), got {self.inner_steps}")
+        if not 1 <= self.fragments <= self.inner_steps:
+            raise ConfigError(
+                f"fragments must be between 1 and inner_steps={self.inner_steps} (each fragment needs its "
+                f"own step in the round), got {self.fragments}"
+            )
+        if not 0 <= self.overlap_steps < self.inner_steps:
+            raise ConfigError(
+                f"overlap_steps must be in [0, inner_steps={self.inner_steps}): a fragment's reduction must "
+                f"be merged before its next round starts, got {self.overlap_steps}"
+            )
+        if not 0.0 <= self.mixing < 1.0:
+            raise ConfigError(f"mixing must be in [0, 1) (weight of the local parameters), got {self.mixing}")
+        if self.layout not in ("sequential", "strided"):
+            raise ConfigError(f"layout must be 'sequential' or 'strided', got {self.layout!r}")
+        if not callable(self.outer_optimizer):
+            raise ConfigError("outer_optimizer must be a callable building an optimizer from a list of tensors")
+
+    def launch_offset(self, fragment: int) -> int:
+        """Fragment ``fragment`` launches after steps ``s`` with ``s % inner_steps`` equal to this.
+
+        >>> [DiLoCoConfig(inner_steps=12, fragments=3).launch_offset(p) for p in range(3)]
+        [4, 8, 0]
+        """
+        return (fragment + 1) * self.inner_steps // self.fragments % self.inner_steps
+
+
+def split_fragments(sizes: Sequence[int], n: int, layout: str, modules: Sequence[str] | None = None) -> list[list[int]]:
+    """Indices of parameters per fragment; every fragment non-empty.
+
+    ``sequential``: contiguous runs of about ``sum(sizes) / n`` elements.
+    ``strided``: whole modules (``modules[i]`` names parameter ``i``'s module)
+    dealt round-robin, so each fragment spans the depth of the model (per
+    parameter when there are fewer modules than fragments).
+
+    >>> split_fragments([4, 4, 4, 4], 2, "sequential")
+    [[0, 1], [2, 3]]
+    >>> split_fragments([4, 1, 4, 1, 4, 1], 2, "strided", ["a", "a", "b", "b", "c", "c"])
+    [[0, 1, 4, 5], [2, 3]]
+    """
+    if n > len(sizes):
+        raise ConfigError(f"cannot split {len(sizes)} parameter tensors into {n} non-empty fragments")
+    out: list[list[int]] = [[] for _ in range(n)]
+    if layout == "strided":
+        units = list(modules) if modules is not None else [str(i) for i in range(len(sizes))]
+        order = list(dict.fromkeys(units))
+        if len(order) < n:
+            order, units = [str(i) for i in range(len(sizes))], [str(i) for i in range(len(sizes))]
+        where = {u: j % n for j, u in enumerate(order)}
+        for i, u in enumerate(units):
+            out[where[u]].append(i)
+        return out
+    total, acc, k = sum(sizes), 0, 0
+    for i, size in enumerate(sizes):
+        left = len(sizes) - i  # parameters not placed yet, this one included
+        # Move on when this parameter's midpoint lies past the fragment's share, or to keep later fragments non-empty.
+        if out[k] and k < n - 1 and (acc + size / 2 > (k + 1) * total / n or left == n - 1 - k):
+            k += 1
+        out[k].append(i)
+        acc += size
+    return out
+
+
+def _views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = shapes_numel(shape)
+        out.append(flat.narrow(0, offset, n).view(shape))
+        offset += n
+    return out
+
+
+def shapes_numel(shape: torch.Size) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class _Fragment:
+    """One fragment's global copy, outer optimizer, pseudo-gradient buffer and in-flight reduction."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], offset: int,
+                 offload: bool, factory: OuterOptimizerFactory) -> None:
+        self.index, self.params, self.names, self.offset = index, params, names, offset
+        device = params[0].device
+        shapes = [p.shape for p in params]
+        numel = sum(p.numel() for p in params)
+        host = offload and device.type != "cpu"
+        pin = host and torch.cuda.is_available()
+        where = torch.device("cpu") if host else device
+        self.snapshot = torch.empty(numel, dtype=torch.float32, device=where, pin_memory=pin)
+        self.delta = torch.empty(numel, dtype=torch.float32, device=device)
+        self.global_views = _views(self.snapshot, shapes)
+        self.delta_views = _views(self.delta, shapes)
+        # The outer gradient: the averaged pseudo-gradient, where the global copy lives.
+        self.grad = self.delta if not host else torch.empty(numel, dtype=torch.float32, pin_memory=pin)
+        for g, v in zip(self.global_views, _views(self.grad, shapes)):
+            g.grad = v
+        with torch.no_grad():
+            torch.cat([p.detach().reshape(-1).float() for p in params], out=self.delta)
+            self.snapshot.copy_(self.delta)
+        self.outer = factory(self.global_views)
+        if not isinstance(self.outer, torch.optim.Optimizer):
+            raise ConfigError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer).__name__}")
+        self.future: ThreadFuture | None = None
+        self.merge_at: int | None = None
+
+
+class DiLoCo(Strategy):
+    """DiLoCo: ``inner_steps`` local steps, then an outer step on the averaged pseudo-gradient (C5).
+
+    Args:
+        inner_steps: H, local steps per round (100 to 500 in the paper).
+        outer_optimizer: factory ``list[Tensor] -> Optimizer`` for the outer
+            optimizer (default: SGD, lr 0.7, momentum 0.9, Nesterov).
+        codec: how the pseudo-gradient travels (default exact;
+            ``shoal.codecs.Cast()`` or ``Int8Blockwise()`` cut bytes 2x / ~4x).
+        offload: keep the global copy and outer state in host memory (default:
+            when the model is on a GPU).
+
+    :func:`shoal.wrap` returns the module itself (parameters and buffers
+    broadcast from rank 0). Meter tag: ``diloco/pseudograd``. The outer
+    optimizer's, the codec's and the global copy's state are in
+    :meth:`state_dict` (also inside the wrapped optimizer's ``state_dict()``).
+
+    Example::
+
+        model, opt = shoal.wrap(model, torch.optim.AdamW(model.parameters(), lr=4e-4),
+                                shoal.DiLoCo(inner_steps=100, codec=shoal.codecs.Cast()))
+        for x, y in data:                      # unchanged training loop
+            loss_fn(model(x), y).backward()
+            opt.step(); opt.zero_grad()        # every 100th step also runs the outer step
+    """
+
+    name = "diloco"
+
+    def __init__(self, inner_steps: int, outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
+                 codec: Codec | None = None, offload: bool | None = None) -> None:
+        self._init(DiLoCoConfig(inner_steps, outer_optimizer, offload=offload), codec)
+
+    def _init(self, config: DiLoCoConfig, codec: Codec | None) -> None:
+        super().__init__()
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        self.config = config
+        self.codec: Codec = codec if codec is not None else Identity()
+        self.step = 0
+        self.fragments: list[_Fragment] = []
+        self._thread: ThreadPoolExecutor | None = None
+        self._comm_group: Group | None = None
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}/pseudograd"
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        self._bind(model, optimizer, group)
+        broadcast_module(model, group, tag=f"{self.name}/init")
+        cfg = self.config
+        offload = cfg.offload if cfg.offload is not None else self.params[0].device.type == "cuda"
+        # Background reductions get a process group of their own: a collective the training thread
+        # issues meanwhile (a logged loss, an evaluation) must not interleave with them differently on
+        # different ranks.
+        self._comm_group = group.split([list(range(group.size))]) if cfg.overlap_steps > 0 else group
+        modules = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.names]
+        layout = split_fragments([p.numel() for p in self.params], cfg.fragments, cfg.layout, modules)
+        self.fragments = [
+            _Fragment(k, [self.params[i] for i in idx], [self.names[i] for i in idx], cfg.launch_offset(k),
+                      offload, cfg.outer_optimizer)
+            for k, idx in enumerate(layout)
+        ]
+        self._mark_step()  # the set-up traffic is not the first step's
+        return model
+
+    def after_step(self) -> None:
+        if not self.fragments:
+            raise ShoalError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
+        self.step += 1
+        for f in self.fragments:
+            if self.step % self.config.inner_steps == f.offset:
+                self._launch(f)
+        for f in self.fragments:
+            if f.merge_at == self.step:
+                self._merge(f)
+        self._mark_step()
+
+    # --- one fragment's round ----------------------------------------------
+    @torch.no_grad()
+    def _launch(self, f: _Fragment) -> None:
+        """Pseudo-gradient ``global - local`` into ``f.delta``; start its reduction."""
+        if f.merge_at is not None:  # pragma: no cover - overlap_steps < inner_steps prevents it
+            raise ShoalError(f"fragment {f.index} launched while its previous reduction is pending")
+        f.delta.copy_(f.snapshot, non_blocking=True)
+        torch._foreach_sub_(f.delta_views, [p.detach() for p in f.params])
+        f.merge_at = self.step + self.config.overlap_steps
+        if self.config.overlap_steps == 0:
+            self._reduce(f)
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-diloco")
+        f.future = self._thread.submit(self._reduce, f)
+
+    def _reduce(self, f: _Fragment) -> None:
+        assert self._comm_group is not None  # set up (checked in after_step)
+        with torch.no_grad():
+            self.codec.mean(f.delta_views, f.names, self._comm_group, self.tag)
+
+    @torch.no_grad()
+    def _merge(self, f: _Fragment) -> None:
+        """Outer step on the averaged pseudo-gradient; local parameters move to (or toward) the result."""
+        if f.future is not None:
+            f.future.result()
+            f.future = None
+        f.merge_at = None
+        if f.grad is not f.delta:
+            f.grad.copy_(f.delta)
+        f.outer.step()
+        target = f.global_views
+        if f.snapshot.device != f.delta.device:
+            f.delta.copy_(f.snapshot, non_blocking=True)
+            target = f.delta_views
+        alpha = self.config.mixing
+        for p, g in zip(f.params, target):
+            if alpha == 0.0:
+                p.copy_(g)
+            else:
+                p.lerp_(g.to(p.dtype), 1.0 - alpha)
+
+    def close(self) -> None:
+        """Merge every reduction still in flight now and stop the communication thread."""
+        for f in self.fragments:
+            if f.merge_at is not None:
+                self._merge(f)
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+
+    # --- checkpoints ---------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Step, global copies, outer optimizers, codec, and finished-but-unmerged reductions.
+
+        A reduction still in flight is waited for, so that a run resumed from
+        this state merges it at the same step, with the same values.
+        """
+        frags = []
+        for f in self.fragments:
+            pending = None
+            if f.merge_at is not None:
+                if f.future is not None:
+                    f.future.result()
+                    f.future = None
+                pending = {"merge_at": f.merge_at, "delta": f.delta.detach().cpu().clone()}
+            frags.append({"global": f.snapshot.detach().cpu().clone(),
+                          "outer": copy.deepcopy(f.outer.state_dict()), "pending": pending})
+        return {"step": self.step, "fragments": frags, "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        frags = state["fragments"]
+        if len(frags) != len(self.fragments):
+            raise ConfigError(f"state has {len(frags)} fragments but this {type(self).__name__} has {len(self.fragments)}")
+        self.step = int(state["step"])
+        with torch.no_grad():
+            for f, s in zip(self.fragments, frags):
+                if s["global"].numel() != f.snapshot.numel():
+                    raise ConfigError(
+                        f"fragment {f.index} holds {f.snapshot.numel()} values but the state has {s['global'].numel()}"
+                    )
+                f.snapshot.copy_(s["global"])
+                f.outer.load_state_dict(s["outer"])
+                f.future, f.merge_at = None, None
+                if s["pending"] is not None:
+                    f.delta.copy_(s["pending"]["delta"])
+                    f.merge_at = int(s["pending"]["merge_at"])
+        self.codec.load_state_dict(state["codec"])

@@ -1,0 +1,186 @@
+"""Local SGD: train locally, average parameters periodically (C1), after a synchronous warm-up (C2).
+
+:class:`LocalSGD` is torch's ``PeriodicModelAverager`` as a strategy;
+:class:`PostLocalSGD` is torch's ``post_localSGD_hook`` with
+``PostLocalSGDOptimizer``: gradients all-reduced every step during warm-up,
+then local steps (optionally still averaging gradients inside groups of
+consecutive ranks, e.g. a host) with periodic parameter averaging.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from shoal.averagers import HierarchicalModelAverager, PeriodicModelAverager, Periodic, _Averager
+from shoal.codecs.base import Codec
+from shoal.comm.group import Group
+from shoal.errors import ConfigError
+from shoal.parallel import DistributedDataParallel
+from shoal.reducer import GradBucket
+from shoal.strategies.base import Strategy, broadcast_module, check_state_keys, optimizer_state_tensors
+
+
+class AveragingStrategy(Strategy):
+    """Local training with parameters averaged by an averager after each step (shared base).
+
+    Subclasses build the averager in :meth:`_make_averager`. When
+    ``average_optimizer_state`` is set, the optimizer's per-parameter state
+    (C4) is averaged over the same group at the same steps, under the tag
+    ``<name>/optim_state``.
+    """
+
+    def __init__(self, codec: Codec | None, average_optimizer_state: bool | Sequence[str]) -> None:
+        super().__init__()
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        self.codec = codec
+        self.average_optimizer_state = check_state_keys(average_optimizer_state)
+        self.averager: _Averager | None = None
+
+    def _make_averager(self, group: Group) -> _Averager:
+        raise NotImplementedError
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        self._bind(model, optimizer, group)
+        broadcast_module(model, group, tag=f"{self.name}/init")
+        self.averager = self._quiet_averager(group)
+        self._mark_step()  # the set-up traffic is not the first step's
+        return model
+
+    def _quiet_averager(self, group: Group) -> _Averager:
+        with warnings.catch_warnings():  # the constructor already warned about this configuration
+            warnings.simplefilter("ignore")
+            return self._make_averager(group)
+
+    def after_step(self) -> None:
+        if self.averager is None or self.optimizer is None:
+            raise ConfigError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
+        used = self.averager.average_named(self.params, self.names)
+        if used is not None and self.average_optimizer_state:
+            tensors, names = optimizer_state_tensors(self.optimizer, self.params, self.names,
+                                                     self.average_optimizer_state)
+            with torch.no_grad():
+                self.averager.codec.mean(tensors, names, used, f"{self.name}/optim_state")
+        self._mark_step()
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.averager.step if self.averager is not None else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"averager": self.averager.state_dict() if self.averager is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.averager is None:
+            raise ConfigError(f"load the state of {type(self).__name__} after shoal.wrap (it has no averager yet)")
+        self.averager.load_state_dict(state["averager"])
+
+
+class LocalSGD(AveragingStrategy):
+    """Average parameters every ``period`` steps, from step ``warmup_steps`` on (C1).
+
+    The schedule of torch's ``PeriodicModelAverager``: steps count from 0 and
+    parameters are averaged after the optimizer step numbered
+    ``warmup_steps + k * period``. Nothing is synchronised during warm-up (use
+    :class:`PostLocalSGD` to all-reduce gradients then). :func:`shoal.wrap`
+    returns the module itself, its parameters and buffers broadcast from rank 0.
+
+    Args:
+        period: steps between averagings.
+        warmup_steps: steps before the first averaging.
+        codec: how parameters travel (default exact; ``shoal.codecs.Cast()`` halves the bytes).
+        average_optimizer_state: also average the optimizer's state (``True``:
+            every tensor shaped like its parameter; or keys such as ``("exp_avg",)``).
+
+    Example::
+
+        model, opt = shoal.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                shoal.LocalSGD(period=8))
+    """
+
+    name = "localsgd"
+
+    def __init__(self, period: int, warmup_steps: int = 0, codec: Codec | None = None,
+                 average_optimizer_state: bool | Sequence[str] = False) -> None:
+        super().__init__(codec, average_optimizer_state)
+        self.schedule = Periodic(period, warmup_steps)
+
+    def _make_averager(self, group: Group) -> _Averager:
+        return PeriodicModelAverager(self.schedule.period, self.schedule.warmup_steps, group, self.codec)
+
+
+class PostLocalSGD(AveragingStrategy):
+    """Post-local SGD (C2): synchronous gradient averaging for ``warmup_steps``, then local SGD.
+
+    During the first ``warmup_steps`` optimizer steps gradients are averaged
+    over the whole group during backward (shoal's DDP). After that, gradients
+    stay local, or are averaged inside groups of ``local_group_size``
+    consecutive ranks (set it to the ranks per host to keep the fast links
+    busy), and parameters are averaged over everyone on the schedule of
+    ``period``: an int (as torch's ``PeriodicModelAverager``, first at step
+    ``warmup_steps``) or a ``{period: group_size}`` map (as torch's
+    ``HierarchicalModelAverager``). Equals torch's ``post_localSGD_hook`` with
+    ``PostLocalSGDOptimizer``. :func:`shoal.wrap` returns a
+    :class:`shoal.DistributedDataParallel`.
+
+    Example::
+
+        model, opt = shoal.wrap(model, opt, shoal.PostLocalSGD(period=4, warmup_steps=100,
+                                                               local_group_size=8))
+    """
+
+    name = "postlocalsgd"
+
+    def __init__(self, period: int | Mapping[int, int], warmup_steps: int = 0, codec: Codec | None = None,
+                 local_group_size: int | None = None, average_optimizer_state: bool | Sequence[str] = False,
+                 bucket_cap_mb: float = 25.0) -> None:
+        super().__init__(codec, average_optimizer_state)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if local_group_size is not None and (isinstance(local_group_size, bool)
+                                             or not isinstance(local_group_size, int) or local_group_size < 1):
+            raise ConfigError(f"local_group_size must be None or an int >= 1, got {local_group_size!r}")
+        if not isinstance(period, Mapping):
+            Periodic(period, warmup_steps)  # validate now, not at setup
+        self.period = period
+        self.warmup_steps = warmup_steps
+        self.local_group_size = local_group_size
+        self.bucket_cap_mb = bucket_cap_mb
+        self.local_group: Group | None = None
+
+    def _make_averager(self, group: Group) -> _Averager:
+        if isinstance(self.period, Mapping):
+            return HierarchicalModelAverager(self.period, self.warmup_steps, group, self.codec)
+        return PeriodicModelAverager(self.period, self.warmup_steps, group, self.codec)
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        self._bind(model, optimizer, group)
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=self.bucket_cap_mb)
+        size = self.local_group_size
+        if size is not None:
+            if group.size % size:
+                raise ConfigError(f"local_group_size {size} does not divide the {group.size} ranks")
+            self.local_group = group.split([list(range(s, s + size)) for s in range(0, group.size, size)])
+        self.averager = self._quiet_averager(group)
+        ddp.register_comm_hook(self, _post_local_hook)
+        self._mark_step()
+        return ddp
+
+    def gradient_group(self) -> Group | None:
+        """The group gradients are averaged over at the current step (``None``: local)."""
+        return self.group if self.step < self.warmup_steps else self.local_group
+
+
+def _post_local_hook(state: PostLocalSGD, bucket: GradBucket) -> torch.futures.Future:
+    group = state.gradient_group()
+    if group is None:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+    tag = "postlocalsgd/grad" if group is state.group else "postlocalsgd/local_grad"
+    return group.all_reduce(bucket.buffer(), op="avg", tag=tag).future()

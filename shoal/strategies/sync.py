@@ -1,0 +1,59 @@
+"""The synchronous strategy: shoal's DistributedDataParallel (gradients averaged every step)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from shoal.codecs.base import Codec
+from shoal.comm.group import Group
+from shoal.errors import ConfigError
+from shoal.parallel import DistributedDataParallel
+from shoal.strategies.base import Strategy
+
+
+class Sync(Strategy):
+    """Average gradients during backward, every step: plain data parallelism.
+
+    :func:`shoal.wrap` with this strategy (its default) returns a
+    :class:`shoal.DistributedDataParallel`; ``codec`` compresses the gradients.
+
+    Args:
+        codec: gradient codec (``None``: exact all-reduce).
+        bucket_cap_mb: gradient bucket size cap.
+        broadcast_buffers: broadcast buffers from rank 0 before each forward.
+        find_unused_parameters: see :class:`shoal.DistributedDataParallel`.
+
+    Example::
+
+        model, opt = shoal.wrap(model, opt, shoal.strategies.Sync(codec=shoal.codecs.Cast()))
+    """
+
+    name = "ddp"
+
+    def __init__(self, codec: Codec | None = None, bucket_cap_mb: float = 25.0,
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False) -> None:
+        super().__init__()
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
+        self.codec = codec
+        self._ddp_kwargs: dict[str, Any] = dict(
+            bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+        )
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        self._bind(model, optimizer, group)
+        return DistributedDataParallel(model, process_group=group, codec=self.codec, **self._ddp_kwargs)
+
+    def after_step(self) -> None:
+        self._mark_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec.state_dict() if self.codec is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.codec is not None and state.get("codec") is not None:
+            self.codec.load_state_dict(state["codec"])

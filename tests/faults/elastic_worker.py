@@ -1,0 +1,85 @@
+"""One worker of the elastic fault tests: shoal DDP (plain or PowerSGD) on an ElasticGroup.
+
+Started by harness.py as a plain process (so that it can be SIGKILLed and
+restarted). Writes ``<out>/<rank>-<incarnation>.pt`` at the end: a log of
+every step (committed or not, wall time, a digest of model + optimizer) and
+the final model and optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+from shoal import codecs
+from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
+from shoal.testing import FaultPlan
+
+
+def digest(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    """A position-weighted float64 sum of parameters and optimizer state (differs on any change)."""
+    total = 0.0
+    tensors = [p.detach() for p in model.parameters()]
+    for st in opt.state_dict()["state"].values():
+        tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        flat = t.double().reshape(-1)
+        total += float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum())
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["ddp", "powersgd"], default="ddp")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--op", type=float, default=5.0)
+    ap.add_argument("--min-workers", type=int, default=2)
+    ap.add_argument("--want-size", type=int, default=0,
+                    help="after --steps, go on until a step ran with this many workers (a restart rejoined)")
+    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
+    timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
+                        quorum=a.op + 10, join=a.op + 40)
+    group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers,
+                         backend_factory=FaultPlan.from_env().backend_factory())
+    torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the first heal must equalise
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    codec = codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if a.mode == "powersgd" else None
+    model = shoal.DistributedDataParallel(net, process_group=group, codec=codec, bucket_cap_mb=0.002)
+    opt = ElasticOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), group)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 16, generator=g)
+    y = torch.tanh(x @ torch.randn(16, 4, generator=g))
+    data = ElasticSampler(512, group, batch_size=16)
+    log = []
+    # group.size is the last step's quorum size, the same on every member: all stop together.
+    while group.step < a.steps or (group.size < a.want_size and group.step < a.max_steps):
+        idx = data.next_batch()
+        opt.zero_grad()
+        loss = F.mse_loss(model(x[idx]), y[idx])
+        loss.backward()
+        committed = opt.step()
+        log.append({"t": time.time(), "step": group.step, "committed": committed, "size": group.size,
+                    "digest": digest(model.module, opt.optimizer), "loss": loss.item()})
+        if a.pace:
+            time.sleep(a.pace)
+    result = {"log": log, "model": model.module.state_dict(), "opt": opt.state_dict(),
+              "stats": vars(group.stats), "cursor": data.cursor, "rank": rank, "life": life}
+    path = os.path.join(a.out, f"{rank}-{life}.pt")
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    group.leave()
+
+
+if __name__ == "__main__":
+    main()

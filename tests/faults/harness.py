@@ -1,0 +1,118 @@
+"""Run elastic workers as real processes around an in-process coordinator.
+
+Test code, not shipped: it starts ``elastic_worker.py`` once per rank, can
+SIGKILL one at a chosen time, restarts crashed workers (as
+``shoal run --elastic`` does) and kills everything it started before
+returning, whatever happens: each run has a hard time limit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shoal.elastic import Coordinator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@dataclass
+class Outcome:
+    results: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (rank, life) -> result
+    deaths: list[tuple[int, float]] = field(default_factory=list)                 # (rank, when it died)
+    logs: str = ""
+
+    def final(self) -> list[dict[str, Any]]:
+        """The last incarnation's result of every rank that finished."""
+        best: dict[int, dict[str, Any]] = {}
+        for (rank, life), r in sorted(self.results.items()):
+            best[rank] = r
+        return [best[k] for k in sorted(best)]
+
+
+def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None = None,
+        hard_limit: float = 60.0, restarts: int = 1, kill: tuple[int, float] | None = None) -> Outcome:
+    coord = Coordinator(port=0, initial_workers=world).start()
+    base = {**os.environ, **(env or {}), "SHOAL_COORDINATOR": coord.address,
+            "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
+    outcome = Outcome()
+    log_paths: list[str] = []
+
+    def start(rank: int, life: int) -> None:
+        path = os.path.join(out_dir, f"log-{rank}-{life}.txt")
+        log_paths.append(path)
+        with open(path, "wb") as f:
+            p = subprocess.Popen([sys.executable, os.path.join(HERE, "elastic_worker.py"), "--out", out_dir, *args],
+                                 env={**base, "RANK": str(rank), "SHOAL_RESTART": str(life)},
+                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        procs[rank] = (p, life)
+
+    t0 = time.monotonic()
+    try:
+        for r in range(world):
+            start(r, 0)
+        while [p.poll() for p, _ in procs.values()].count(None):
+            if time.monotonic() - t0 > hard_limit:
+                raise TimeoutError(f"elastic run still going after {hard_limit} s")
+            if kill is not None and time.monotonic() - t0 >= kill[1]:
+                os.killpg(procs[kill[0]][0].pid, signal.SIGKILL)
+                kill = None
+            for rank, (p, life) in list(procs.items()):
+                if p.returncode == -signal.SIGKILL:
+                    outcome.deaths.append((rank, time.time()))
+                    if life < restarts:
+                        start(rank, life + 1)
+                    else:
+                        procs.pop(rank)
+            time.sleep(0.05)
+    finally:
+        for p, _ in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        coord.stop()
+        outcome.logs = "\n".join(f"=== {os.path.basename(lp)}\n{open(lp, errors='replace').read()[-3000:]}"
+                                 for lp in log_paths)
+    for name in os.listdir(out_dir):
+        if name.endswith(".pt"):
+            rank, life = (int(v) for v in name[:-3].split("-"))
+            outcome.results[(rank, life)] = torch.load(os.path.join(out_dir, name), weights_only=False)
+    return outcome
+
+
+def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[str], *,
+                 env: dict[str, str] | None = None, hard_limit: float = 60.0) -> tuple[int, Outcome]:
+    """``shoal run -n WORLD --elastic LAUNCHER_ARGS elastic_worker.py ARGS``; its exit code and outcome."""
+    full_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    cmd = [sys.executable, "-m", "shoal", "run", "-n", str(world), "--elastic", *launcher_args,
+           os.path.join(HERE, "elastic_worker.py"), "--out", out_dir, *args]
+    log = os.path.join(out_dir, "launcher.txt")
+    with open(log, "wb") as f:
+        p = subprocess.Popen(cmd, env=full_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = p.wait(timeout=hard_limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)   # the launcher stops its workers, then we make sure
+        try:
+            p.wait(timeout=8)
+        finally:
+            os.killpg(p.pid, signal.SIGKILL)
+        code = -1
+    outcome = Outcome(logs=open(log, errors="replace").read()[-6000:])
+    for name in os.listdir(out_dir):
+        if name.endswith(".pt"):
+            rank, life = (int(v) for v in name[:-3].split("-"))
+            outcome.results[(rank, life)] = torch.load(os.path.join(out_dir, name), weights_only=False)
+    return code, outcome
