@@ -35,6 +35,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from shoal.comm.group import Group
 from shoal.comm.meter import CommCounters, wire_bytes
 from shoal.errors import ConfigError
 
@@ -71,7 +72,7 @@ class Trainer:
 
 
 # (module, make_optimizer, group) -> Trainer; group is None for single-worker strategies.
-Builder = Callable[[nn.Module, OptimizerFactory, object], Trainer]
+Builder = Callable[[nn.Module, OptimizerFactory, "Group | None"], Trainer]
 
 
 @dataclass(frozen=True)
@@ -141,10 +142,12 @@ def grad_bytes(module: nn.Module) -> int:
 
 
 @register("torch-ddp", description="torch.nn.parallel.DistributedDataParallel (bucket_cap_mb=25)")
-def _torch_ddp(module: nn.Module, make_optimizer: OptimizerFactory, group: object) -> Trainer:
+def _torch_ddp(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
     from torch.nn.parallel import DistributedDataParallel
 
-    size = getattr(group, "size")
+    if group is None:
+        raise ConfigError("strategy 'torch-ddp' needs a process group (it runs on every worker)")
+    size = group.size
     model = DistributedDataParallel(module, bucket_cap_mb=25)
     payload = grad_bytes(module)
     sent, received = wire_bytes("all_reduce", payload, size)
@@ -161,7 +164,7 @@ def _torch_ddp(module: nn.Module, make_optimizer: OptimizerFactory, group: objec
 
 
 @register("ddp", description="shoal.DistributedDataParallel (bucket_cap_mb=25)")
-def _shoal_ddp(module: nn.Module, make_optimizer: OptimizerFactory, group: object) -> Trainer:
+def _shoal_ddp(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
     try:
         from shoal.parallel import DistributedDataParallel
     except ImportError as e:
@@ -175,11 +178,11 @@ def _shoal_ddp(module: nn.Module, make_optimizer: OptimizerFactory, group: objec
 
 @register("local", description="one worker, whole global batch: per-sample quality of a perfect network",
           single_worker=True, communicates=False)
-def _local(module: nn.Module, make_optimizer: OptimizerFactory, group: object) -> Trainer:
+def _local(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
     return Trainer(module, make_optimizer(module.parameters()))
 
 
 @register("nosync", description="all workers, no communication: per-second compute floor",
           communicates=False)
-def _nosync(module: nn.Module, make_optimizer: OptimizerFactory, group: object) -> Trainer:
+def _nosync(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
     return Trainer(module, make_optimizer(module.parameters()))
