@@ -14,11 +14,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/python -m shoal.bench.overhead --workers 2 --steps 10 --rounds 2
-
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The default comparison (docs/BENCHMARKS.md): 4 workers, 150 training seconds
+# per strategy, about 12 minutes in all on 2 CPU cores. Emulated 4 hosts x
+# 20 mbit when run as root (ip, tc); loopback, unshaped, otherwise.
+# Each strategy issue adds its name to BENCH_STRATEGIES.
+BENCH_STRATEGIES := ddp,torch-ddp,local,nosync
+bench: $(STAMP)
+	$(BIN)/shoal bench --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
+		--time-budget 150 --seed 0 --run bench-$$(date +%Y%m%d-%H%M%S)
+
+# A short bench (under 5 minutes): the same comparison, 30 training seconds per strategy.
+demo: $(STAMP)
+	$(BIN)/shoal bench --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
+		--time-budget 30 --seed 0 --run demo-$$(date +%Y%m%d-%H%M%S)
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

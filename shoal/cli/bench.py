@@ -1,0 +1,186 @@
+"""`shoal bench`: train a real task with several strategies and compare them.
+
+Examples::
+
+    shoal bench --task lm --strategies ddp,torch-ddp,local,nosync --hosts 4 \\
+        --bandwidth 20mbit --time-budget 150 --seed 0
+    shoal bench --strategies ddp,local --hosts 2 --loopback --steps 50 --target-loss 3.0
+
+Each strategy runs as its own launch with the same seed and data order; the
+results go to results/<run>/results.json and results/<run>/report.png, and a
+table is printed. See docs/bench.md for how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from shoal.errors import ShoalError
+
+
+def _parser() -> argparse.ArgumentParser:
+    from shoal.bench import strategies
+
+    p = argparse.ArgumentParser(prog="shoal bench", description="Compare training strategies on a real task.")
+    p.add_argument("--task", default="lm", help="task to train (default lm: byte-level GPT on Python's docs)")
+    p.add_argument("--strategies", default="ddp,torch-ddp,local,nosync",
+                   help=f"comma-separated; registered: {', '.join(strategies.available())}")
+    p.add_argument("--hosts", type=int, default=4, help="workers (one per emulated host; default 4)")
+    p.add_argument("--procs-per-host", type=int, default=1)
+    p.add_argument("--bandwidth", default=None, help="per-host link rate, tc units (e.g. 20mbit); emulated only")
+    p.add_argument("--loopback", action="store_true",
+                   help="do not emulate a cluster even as root: all workers on loopback, unshaped")
+    stop = p.add_argument_group("stopping (at least one)")
+    stop.add_argument("--steps", type=int, default=None, help="optimizer steps per strategy")
+    stop.add_argument("--time-budget", type=float, default=None, help="training seconds per strategy")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="validation loss for 'time to target' (default: highest final loss among strategies)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=32, help="global batch in windows (split across workers)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", default=None, metavar="N|Ss",
+                   help="evaluate every N steps, or every S training seconds with an 's' suffix (default: ~12 evals)")
+    p.add_argument("--val-windows", type=int, default=64, help="validation windows evaluated (fixed subset)")
+    p.add_argument("--width", type=int, default=None, help="model width (default 256)")
+    p.add_argument("--layers", type=int, default=None, help="transformer layers (default 4)")
+    p.add_argument("--out", default="results", help="results root (default results/)")
+    p.add_argument("--run", default="", help="run name (default: a timestamp)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--from-results", default=None, metavar="RUN_DIR",
+                   help="train nothing: summarise RUN_DIR/results.json again (e.g. with --target-loss), "
+                        "rewrite it and its plot, print the table")
+    return p
+
+
+def _can_emulate() -> str | None:
+    """None when an emulated cluster can be built here, else why not."""
+    from shoal.cli.cluster import check_can_emulate
+
+    try:
+        check_can_emulate()
+    except ShoalError as e:
+        return str(e)
+    return None
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """A :class:`~shoal.bench.runner.BenchConfig` from parsed arguments (emulating when possible)."""
+    from shoal.bench.runner import BenchConfig
+
+    emulate = not args.loopback and args.hosts * args.procs_per_host > 1
+    if emulate:
+        why_not = _can_emulate()
+        if why_not:
+            print(f"shoal bench: running on loopback, unshaped ({why_not.split('. ')[0]})", file=sys.stderr)
+            emulate = False
+    bandwidth = args.bandwidth if emulate else None
+    if args.bandwidth and not emulate:
+        print(f"shoal bench: --bandwidth {args.bandwidth} ignored on loopback", file=sys.stderr)
+    every_steps = every_s = None
+    if args.eval_every:
+        text = args.eval_every.strip()
+        try:
+            every_s, every_steps = (float(text[:-1]), None) if text.endswith("s") else (None, int(text))
+        except ValueError:
+            raise ShoalError(f"--eval-every must be N (steps) or Ns (seconds), got {args.eval_every!r}") from None
+    model = {k: v for k, v in (("d_model", args.width), ("n_layers", args.layers)) if v is not None}
+    if "d_model" in model:
+        model["n_heads"] = max(1, model["d_model"] // 64)
+    return BenchConfig(
+        task=args.task, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+        hosts=args.hosts, procs_per_host=args.procs_per_host, bandwidth=bandwidth, emulate=emulate,
+        steps=args.steps, time_budget_s=args.time_budget, target_loss=args.target_loss, seed=args.seed,
+        global_batch=args.batch, lr=args.lr, eval_every_steps=every_steps, eval_every_s=every_s,
+        val_windows=args.val_windows, model=model, out_root=args.out, run=args.run,
+    )
+
+
+class _Bar:
+    """A tqdm bar per strategy: steps or training seconds, postfix with the latest loss."""
+
+    def __init__(self, cfg: Any, enabled: bool) -> None:
+        self.cfg, self.enabled, self.bar = cfg, enabled, None
+        self.total_strategies = len(cfg.strategies)
+
+    def start(self, name: str, index: int) -> None:
+        self.close()
+        if not self.enabled:
+            print(f"[{index + 1}/{self.total_strategies}] {name}", file=sys.stderr)
+            return
+        from tqdm import tqdm
+
+        by_time = self.cfg.time_budget_s is not None
+        total = self.cfg.time_budget_s if by_time else self.cfg.steps
+        self.by_time = by_time
+        self.bar = tqdm(total=total, desc=f"[{index + 1}/{self.total_strategies}] {name}",
+                        unit="s" if by_time else "step", file=sys.stderr, leave=True,
+                        bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}]{postfix}")
+
+    def update(self, name: str, info: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = min(info.get("wall_s", 0.0) if self.by_time else info.get("step", 0), self.bar.total)
+        loss = info.get("val_loss") if info.get("val_loss") is not None else info.get("train_loss")
+        kind = "val" if info.get("val_loss") is not None else "train"
+        self.bar.set_postfix_str(f"step {info.get('step', 0)}, {kind} loss {loss:.3f}" if loss is not None else "")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _from_results(run_dir: str, target_loss: float | None) -> int:
+    import json
+
+    from shoal.bench import report
+    from shoal.bench.runner import resummarize
+
+    path = os.path.join(run_dir, "results.json")
+    try:
+        with open(path) as f:
+            loaded = json.load(f)
+        report.validate_results(loaded)
+        results = resummarize(loaded, target_loss)
+    except (OSError, ValueError, ShoalError) as e:
+        print(f"shoal bench: cannot use {path}: {e}", file=sys.stderr)
+        return 2
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    report.plot(results, os.path.join(run_dir, "report.png"))
+    print(f"shoal bench {results['config']['task']} on {results['network']}")
+    print(report.format_table(results))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from shoal.bench import report
+    from shoal.bench.runner import run_bench
+
+    if args.from_results:
+        return _from_results(args.from_results, args.target_loss)
+
+    try:
+        cfg = config_from_args(args)
+    except (ShoalError, ValueError) as e:
+        print(f"shoal bench: {e}", file=sys.stderr)
+        return 2
+    bar = _Bar(cfg, enabled=not args.no_progress)
+    try:
+        results = run_bench(cfg, on_progress=bar.update, on_strategy=bar.start)
+    except ShoalError as e:  # e.g. the emulated cluster could not be built
+        bar.close()
+        print(f"shoal bench: {e}", file=sys.stderr)
+        return 1
+    finally:
+        bar.close()
+    run_dir = os.path.join(cfg.out_root, results["run"])
+    report.plot(results, os.path.join(run_dir, "report.png"))
+    print(f"\nshoal bench {cfg.task} on {results['network']}")
+    print(report.format_table(results))
+    print(f"\nwrote {os.path.join(run_dir, 'results.json')} and {os.path.join(run_dir, 'report.png')}")
+    return 0 if all(s["ok"] for s in results["strategies"].values()) else 1

@@ -1,0 +1,177 @@
+"""results.json schema, the table, and the ideal-curve / efficiency arithmetic on synthetic runs."""
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from shoal.bench import metrics, report, strategies
+from shoal.bench.runner import SCHEMA_VERSION, BenchConfig, merge_ranks, summarize
+from shoal.errors import ConfigError, ShoalError
+
+
+def _points(walls: list[float], samples: list[int], losses: list[float], workers: int, mb_per_step: float = 0.0) -> list[dict[str, Any]]:
+    out = []
+    for i, (w, n, loss) in enumerate(zip(walls, samples, losses)):
+        sent = int(i * mb_per_step * 1e6)
+        out.append({"step": i * 10, "samples": n, "wall_s": w, "val_loss": loss,
+                    "meter_sent": [sent] * workers, "meter_received": [sent] * workers,
+                    "iface_sent": None, "iface_received": None})
+    return out
+
+
+def _run(points: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+    return {"workers": workers, "returncode": 0, "ok": True, "launch_s": 9.0, "host_bytes": None,
+            "steps": points[-1]["step"], "wall_s": points[-1]["wall_s"], "points": points, "log": "x/log.txt"}
+
+
+def _synthetic() -> dict[str, Any]:
+    runs = {
+        "ddp": _run(_points([0, 40, 80], [0, 100, 200], [5.0, 4.0, 3.5], 4, 10.0), 4),
+        "torch-ddp": _run(_points([0, 50, 100], [0, 100, 200], [5.0, 4.0, 3.6], 4, 10.0), 4),
+        "local": _run(_points([0, 30, 60], [0, 100, 200], [5.0, 4.0, 3.0], 1), 1),
+        "nosync": _run(_points([0, 10, 20], [0, 100, 200], [5.0, 4.5, 4.2], 4), 4),
+    }
+    results = {"schema": SCHEMA_VERSION, "run": "synthetic", "started": "2026-11-21T00:00:00+00:00",
+               "config": {"task": "lm"}, "network": "4 hosts x 20mbit (emulated)"}
+    results.update(summarize(runs, None))
+    results["strategies"] = runs
+    return results
+
+
+def test_auto_target_is_the_worst_final_loss_among_connected_strategies() -> None:
+    r = _synthetic()
+    assert r["target_loss"] == pytest.approx(3.6)  # nosync's 4.2 does not count: disconnected replicas
+    assert r["target_source"] == "auto"
+
+
+def test_time_to_target_speedup_and_efficiency_by_hand() -> None:
+    s = _synthetic()["strategies"]
+    # ddp crosses 3.6 between (40 s, 4.0) and (80 s, 3.5): 40 + 40 * 0.4 / 0.5 = 72 s.
+    assert s["ddp"]["time_to_target_s"] == pytest.approx(72.0)
+    assert s["torch-ddp"]["time_to_target_s"] == pytest.approx(100.0)
+    # local needs 140 samples; nosync does 10 samples/s -> ideal 14 s.
+    assert _synthetic()["ideal"]["time_to_target_s"] == pytest.approx(14.0)
+    assert s["ddp"]["efficiency"] == pytest.approx(14 / 72)
+    assert s["torch-ddp"]["speedup_vs_ddp"] == pytest.approx(0.72)
+    assert s["ddp"]["speedup_vs_ddp"] == pytest.approx(1.0)
+    assert s["local"]["efficiency"] == pytest.approx(14 / 42)
+    assert s["nosync"]["time_to_target_s"] is None and s["nosync"]["efficiency"] is None
+    assert s["ddp"]["mb_sent_per_worker"] == pytest.approx(20.0)
+
+
+def test_given_target_and_missing_baselines() -> None:
+    runs = {"ddp": _run(_points([0, 10], [0, 10], [5.0, 4.0], 2), 2)}
+    out = summarize(runs, 4.5)
+    assert out["target_source"] == "given" and out["ideal"] is None
+    assert runs["ddp"]["time_to_target_s"] == pytest.approx(5.0)
+    assert runs["ddp"]["efficiency"] is None
+
+
+def test_ideal_curve_is_local_loss_at_nosync_samples() -> None:
+    r = _synthetic()
+    ideal = r["ideal"]["points"]
+    assert [p["wall_s"] for p in ideal] == [0, 10, 20]
+    assert [p["val_loss"] for p in ideal] == [5.0, 4.0, 3.0]
+
+
+def test_nosync_extrapolates_beyond_its_last_point() -> None:
+    assert metrics.nosync_seconds_for(400, _points([0, 20], [0, 200], [5, 4], 1)) == pytest.approx(40.0)
+
+
+def test_synthetic_results_pass_the_schema_and_survive_json() -> None:
+    r = json.loads(json.dumps(_synthetic()))
+    report.validate_results(r)
+
+
+@pytest.mark.parametrize("breakage", ["missing", "wrong-type", "short-bytes", "step-order", "bytes-decrease"])
+def test_schema_rejects_broken_results(breakage: str) -> None:
+    r = copy.deepcopy(_synthetic())
+    pts = r["strategies"]["ddp"]["points"]
+    if breakage == "missing":
+        del r["strategies"]["ddp"]["final_val_loss"]
+    elif breakage == "wrong-type":
+        pts[1]["wall_s"] = "12"
+    elif breakage == "short-bytes":
+        pts[1]["meter_sent"] = pts[1]["meter_sent"][:2]
+    elif breakage == "step-order":
+        pts[2]["step"] = pts[1]["step"]
+    else:
+        pts[2]["meter_sent"] = [0, 0, 0, 0]
+    with pytest.raises(ShoalError):
+        report.validate_results(r)
+
+
+def test_table_has_every_strategy_and_the_issue_columns() -> None:
+    text = report.format_table(_synthetic())
+    header = text.splitlines()[0]
+    for col in ("strategy", "steps", "wall s", "time to target", "final val loss", "MB sent/worker",
+                "speed-up vs DDP", "efficiency"):
+        assert col in header
+    assert "72.0 s" in text and "0.72x" in text and "(ideal)" in text
+    assert "target loss 3.600" in text
+    md = report.markdown_table(_synthetic())
+    assert md.count("\n") == 6  # header, rule, 4 strategies, ideal
+
+
+def test_failed_strategy_is_reported_not_hidden() -> None:
+    r = _synthetic()
+    r["strategies"]["ddp"].update(ok=False, returncode=1, points=[])
+    assert "failed (exit 1" in report.format_table(r)
+
+
+def test_plot_writes_a_png(tmp_path: Any) -> None:
+    path = tmp_path / "report.png"
+    report.plot(_synthetic(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_merge_ranks_takes_loss_from_rank0_and_bytes_per_rank() -> None:
+    def rec(rank: int, loss: Any, sent: int) -> dict[str, Any]:
+        p = {"step": 1, "samples": 8, "wall_s": 1.0 + rank, "val_loss": loss, "meter_sent": sent,
+             "meter_received": sent, "iface_sent": None, "iface_received": None, "comm_wait_s": 0.0}
+        return {"rank": rank, "points": [p]}
+
+    merged = merge_ranks([rec(1, None, 7), rec(0, 3.0, 5)])
+    assert merged == [{"step": 1, "samples": 8, "wall_s": 1.0, "val_loss": 3.0, "meter_sent": [5, 7],
+                       "meter_received": [5, 7], "iface_sent": None, "iface_received": None}]
+
+
+def test_registry_and_config_validation() -> None:
+    assert {"ddp", "torch-ddp", "local", "nosync"} <= set(strategies.available())
+    with pytest.raises(ConfigError, match="unknown strategy 'nope'"):
+        strategies.get("nope")
+    with pytest.raises(ConfigError, match="already registered"):
+        strategies.register("ddp", description="x")(lambda m, o, g: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ConfigError, match="divisible"):
+        BenchConfig(hosts=3, global_batch=32, steps=5)
+    with pytest.raises(ConfigError, match="stopping rule"):
+        BenchConfig()
+    with pytest.raises(ConfigError, match="emulated"):
+        BenchConfig(steps=5, bandwidth="20mbit")
+    with pytest.raises(ConfigError, match="twice"):
+        BenchConfig(steps=5, strategies=("ddp", "ddp"))
+
+
+def test_disconnected_replicas_get_no_speedup_or_efficiency() -> None:
+    runs = _synthetic()["strategies"]
+    summarize(runs, 4.5)
+    assert runs["nosync"]["time_to_target_s"] == pytest.approx(10.0)  # its replica did reach 4.5
+    assert runs["nosync"]["speedup_vs_ddp"] is None and runs["nosync"]["efficiency"] is None
+    assert runs["local"]["efficiency"] is not None
+
+
+def test_cli_from_results_resummarises_with_a_new_target(tmp_path: Any, capsys: Any) -> None:
+    from shoal.cli.bench import main
+
+    (tmp_path / "results.json").write_text(json.dumps(_synthetic()))
+    assert main(["--from-results", str(tmp_path), "--target-loss", "4.5"]) == 0
+    again = json.loads((tmp_path / "results.json").read_text())
+    report.validate_results(again)
+    assert again["target_loss"] == 4.5 and again["target_source"] == "given"
+    assert again["strategies"]["ddp"]["time_to_target_s"] == pytest.approx(20.0)
+    assert (tmp_path / "report.png").exists()
+    assert "target loss 4.500 (given)" in capsys.readouterr().out
+    (tmp_path / "results.json").write_text("{}")
+    assert main(["--from-results", str(tmp_path)]) == 2
