@@ -216,6 +216,8 @@ def train(cfg: WorkerConfig, rank: int, world: int) -> dict[str, Any]:
         trainer.before_step(step)
         trainer.optimizer.step()
         trainer.after_step(step)
+        if trainer.report_loss is not None:
+            trainer.report_loss(loss.item())
         wall += time.perf_counter() - t0
         step += 1
         if progress is not None:

@@ -251,7 +251,7 @@ class NonBlockingModule(nn.Module):
         self._first_forward = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.group.size > 1:
+        if self.broadcast_buffers and self.training and self.group.size > 1:  # eval may run on one rank
             buffers = list(self.module.buffers())
             if buffers:
                 _broadcast_tensors(buffers, self.group)
