@@ -47,8 +47,7 @@ def _worker(mb: float, iters: int, warmup: int, hierarchical: bool, chunk_mb: fl
     group = shoal.init(backend="gloo", timeout=900)
     t = torch.ones(int(mb * 2**20) // 4)
     two_level = Hierarchical(chunk_mb=chunk_mb)
-    if hierarchical:
-        two_level.setup(group)
+    hosts_found = two_level.setup(group).topology.num_hosts if hierarchical else 0
     for _ in range(warmup):
         group.all_reduce(t, tag="bench/warmup").wait()
         if hierarchical:
@@ -71,7 +70,7 @@ def _worker(mb: float, iters: int, warmup: int, hierarchical: bool, chunk_mb: fl
             hier_times.append(time.perf_counter() - t0)
             ok = ok and bool(torch.all(t == mean))
     c = group.meter.counters()
-    print(_TAG + json.dumps({"rank": group.rank, "times": times, "hier_times": hier_times,
+    print(_TAG + json.dumps({"rank": group.rank, "times": times, "hier_times": hier_times, "hosts_found": hosts_found,
                              "sent": c.bytes_sent, "received": c.bytes_received, "correct": ok}), flush=True)
     torch.distributed.destroy_process_group()
 
@@ -115,6 +114,7 @@ def _report_hierarchical(results: list[dict[str, Any]], ns: argparse.Namespace, 
     per_iter = [max(r["hier_times"][i] for r in results) for i in range(ns.iters)]
     hier = statistics.median(per_iter)
     bound = 2 * (ns.hosts - 1) / ns.hosts * seconds_per_s
+    print(f"  hosts found by topology discovery: {results[0]['hosts_found']}")
     print(f"  two-level (hierarchical) seconds: {', '.join(f'{t:.2f}' for t in per_iter)} (median {hier:.2f})")
     print(f"  leaders' ring bound 2(H-1)/H*S/B: {bound:.2f} s; bound/measured = {bound / hier:.1%}")
     print(f"  speed-up of two-level over flat: {flat / hier:.2f}x "
