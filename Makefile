@@ -21,7 +21,7 @@ test: $(STAMP)
 # per strategy, about 12 minutes in all on 2 CPU cores. Emulated 4 hosts x
 # 20 mbit when run as root (ip, tc); loopback, unshaped, otherwise.
 # Each strategy issue adds its name to BENCH_STRATEGIES.
-BENCH_STRATEGIES := ddp,torch-ddp,local,nosync
+BENCH_STRATEGIES := ddp,torch-ddp,local,nosync,powersgd,diloco-h20
 bench: $(STAMP)
 	$(BIN)/shoal bench --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
 		--time-budget 150 --seed 0 --run bench-$$(date +%Y%m%d-%H%M%S)

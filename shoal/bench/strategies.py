@@ -186,3 +186,7 @@ def _local(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | N
           communicates=False)
 def _nosync(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
     return Trainer(module, make_optimizer(module.parameters()))
+
+
+# The library's own strategies register themselves on import (after the built-ins above).
+from shoal.bench import entries as _entries  # noqa: E402,F401
