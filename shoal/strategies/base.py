@@ -27,7 +27,6 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
@@ -36,16 +35,7 @@ from shoal.errors import ConfigError, ShoalError
 
 def broadcast_module(module: nn.Module, group: Group, tag: str) -> None:
     """Overwrite ``module``'s parameters and buffers with rank 0's (one flat broadcast per dtype)."""
-    tensors = [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for same in by_dtype.values():
-            flat = _flatten_dense_tensors(same)
-            group.broadcast(flat, src=0, tag=tag).wait()
-            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
-                t.copy_(synced)
+    group.broadcast_coalesced(list(module.parameters()) + list(module.buffers()), src=0, tag=tag)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
