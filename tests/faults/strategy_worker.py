@@ -3,8 +3,8 @@
 Started by harness.py as a plain process (so that it can be SIGKILLed and
 restarted). The loop is the user's: ``loss.backward(); opt.step();
 opt.zero_grad()``. Every worker stops at the first synchronised step (right
-after a round) at or past ``--steps`` at which the last round had
-``--want-size`` members, so all members stop together. Writes
+after a round) at or past ``--steps`` once the last four rounds had
+``--want-size`` members (a count healed into newcomers), so all members stop together. Writes
 ``<out>/<rank>-<incarnation>.pt``: a log of every step (time, optimizer
 step, committed rounds, quorum size, digest of the synchronised state) and
 the final model, optimizer and strategy state.
@@ -98,7 +98,14 @@ def main() -> None:
     torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the first heal must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     strategy = make_strategy(a.strategy)
-    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=group)
+    # Consecutive committed rounds with at least --want-size members, healed into newcomers so that all agree when to stop.
+    full = {"rounds": 0}
+    group.register_state("test/full_rounds", lambda: dict(full), full.update)
+    group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size >= a.want_size else 0))
+    inner = torch.optim.Adam(net.parameters(), lr=1e-2)
+    pre: list[float] = []   # digest after the inner step, before the strategy's round
+    model, opt = shoal.wrap(net, inner, strategy, process_group=group)
+    inner.register_step_post_hook(lambda *_: pre.append(digest(synced_state(strategy, model, opt))))
     log = [{"t": time.time(), "step": strategy.step, "round": group.step, "size": group.size, "joined": True,
             "digest": digest(synced_state(strategy, model, opt))}]
     g = torch.Generator().manual_seed(7)
@@ -106,13 +113,14 @@ def main() -> None:
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
     pick = torch.Generator().manual_seed(1000 * rank + life)   # each worker its own stream of samples
     while not (strategy.step >= a.steps and synced(strategy)
-               and (group.size >= a.want_size or strategy.step >= a.max_steps)):
+               and (full["rounds"] >= 4 or not a.want_size or strategy.step >= a.max_steps)):
         idx = torch.randint(0, 512, (16,), generator=pick)
         loss = F.mse_loss(model(x[idx]), y[idx])
         loss.backward()
         opt.step()
         opt.zero_grad()
         log.append({"t": time.time(), "step": strategy.step, "round": group.step, "size": group.size,
+                    "pre": pre[-1] if pre else None, "contributed": strategy.rounds.contributed,
                     "digest": digest(synced_state(strategy, model, opt)), "loss": loss.item()})
         if a.pace:
             time.sleep(a.pace)
