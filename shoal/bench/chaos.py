@@ -96,13 +96,16 @@ def worker(a: argparse.Namespace) -> None:
     net = CausalLM(vocab=VOCAB, d=64, layers=2)
     strategy = _strategy(a.strategy, a.period)
     model, opt = shoal.wrap(net, torch.optim.AdamW(net.parameters(), lr=3e-3), strategy, process_group=group)
+
+    def step_of() -> int:   # optimizer steps (local-step strategies) or committed steps (DDP)
+        return int(getattr(strategy, "step", group.step))
+
     log = open(os.path.join(a.out, f"log-{rank}-{life}.jsonl"), "a", buffering=1)
-    log.write(json.dumps({"event": "joined", "t": time.time(), "started": started, "step": strategy.step,
+    log.write(json.dumps({"event": "joined", "t": time.time(), "started": started, "step": step_of(),
                           "heal_s": group.stats.heal_s, "heal_bytes": group.stats.heal_bytes,
                           "healed": group.stats.heals_received,
                           "params": sum(q.numel() for q in net.parameters())}) + "\n")
     g = torch.Generator().manual_seed(1000 * rank + 17 * life + 1)
-    step_of = (lambda: strategy.step) if hasattr(strategy, "step") else (lambda: group.step)
     # Stop right after a round, so that every worker holds the same parameters.
     after_round = {"localsgd": 1, "diloco": 0}.get(a.strategy)
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
