@@ -4,7 +4,7 @@ Started by harness.py as a plain process (so that it can be SIGKILLed and
 restarted). The loop is the user's: ``loss.backward(); opt.step();
 opt.zero_grad()``. Every worker stops at the first synchronised step (right
 after a round) at or past ``--steps`` once the last four rounds had
-``--want-size`` members (a count healed into newcomers), so all members stop together. Writes
+exactly ``--want-size`` members (and some round ``--want-max``) (a count healed into newcomers), so all members stop together. Writes
 ``<out>/<rank>-<incarnation>.pt``: a log of every step (time, optimizer
 step, committed rounds, quorum size, digest of the synchronised state) and
 the final model, optimizer and strategy state.
@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--min-workers", type=int, default=2)
     ap.add_argument("--want-size", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--want-max", type=int, default=0, help="and a round had at least this many members")
+    ap.add_argument("--leave-rank", type=int, default=-1, help="this RANK leaves after its third round of three")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -99,9 +101,12 @@ def main() -> None:
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     strategy = make_strategy(a.strategy)
     # Consecutive committed rounds with at least --want-size members, healed into newcomers so that all agree when to stop.
-    full = {"rounds": 0}
+    full = {"rounds": 0, "max": 0}
     group.register_state("test/full_rounds", lambda: dict(full), full.update)
-    group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size >= a.want_size else 0))
+    group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size == a.want_size else 0,
+                                        max=max(full["max"], group.size)))
+    threes = [0]   # this worker's own count of committed rounds of three (when to leave)
+    group.on_commit(lambda: threes.__setitem__(0, threes[0] + int(group.size == 3)))
     inner = torch.optim.Adam(net.parameters(), lr=1e-2)
     pre: list[float] = []   # digest after the inner step, before the strategy's round
     model, opt = shoal.wrap(net, inner, strategy, process_group=group)
@@ -112,8 +117,10 @@ def main() -> None:
     x = torch.randn(512, 16, generator=g)
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
     pick = torch.Generator().manual_seed(1000 * rank + life)   # each worker its own stream of samples
-    while not (strategy.step >= a.steps and synced(strategy)
+    while not (strategy.step >= a.steps and synced(strategy) and full["max"] >= a.want_max
                and (full["rounds"] >= 4 or not a.want_size or strategy.step >= a.max_steps)):
+        if rank == a.leave_rank and synced(strategy) and threes[0] >= 3:
+            break    # a graceful leave() right after a round
         idx = torch.randint(0, 512, (16,), generator=pick)
         loss = F.mse_loss(model(x[idx]), y[idx])
         loss.backward()

@@ -5,7 +5,7 @@ is run again with the survivors (AVERAGE_SURVIVORS), whose parameters and
 averaged/outer optimizer state end bitwise equal; `shoal run --elastic`
 restarts the worker, which heals and equals them right after its first
 round. A newcomer started with `--join @S` is admitted, heals, and then
-contributes. Every run has a hard limit below its pytest timeout; the
+contributes; a worker that calls `leave()` costs the others no round. Every run has a hard limit below its pytest timeout; the
 harness kills whatever it started.
 """
 
@@ -89,22 +89,28 @@ def test_sigkill_mid_round_survivors_agree_and_restart_heals(strategy: str, tmp_
 
 
 @pytest.mark.timeout(110)
-def test_join_newcomer_heals_and_contributes(tmp_path: Any) -> None:
-    args = ["--strategy", "localsgd", "--steps", "24", "--op", str(OP), "--pace", "0.05", "--want-size", "3"]
+def test_join_newcomer_heals_and_contributes_then_one_leaves(tmp_path: Any) -> None:
+    # Two workers; a third joins at 4 s (shoal run --join), heals, contributes; after three rounds of
+    # three, worker 1 leaves gracefully; the other two go on as two and stop after four rounds of two.
+    args = ["--strategy", "localsgd", "--steps", "24", "--op", str(OP), "--pace", "0.05", "--want-size", "2",
+            "--want-max", "3", "--leave-rank", "1"]
     code, out = harness.run_launcher(str(tmp_path), 2, ["--min-workers", "2", "--join", "@4"], args,
                                      hard_limit=95, script=WORKER)
     assert code == 0, out.logs
     final = out.final()
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], out.logs
-    old, newcomer = final[:2], final[2]
+    stayer, leaver, newcomer = final
     assert newcomer["stats"]["heals_received"] == 1, out.logs
     first = newcomer["log"][0]
-    a, b = _by_step(old[0]), _by_step(old[1])
+    a, b = _by_step(stayer), _by_step(leaver)
     assert first["digest"] == a[first["step"]]["digest"], out.logs
     # Its admission round averaged the two established workers only (the newcomer held a copy of one).
     joined = a[first["step"]]
     if joined["contributed"] > a.get(first["step"] - 1, {"contributed": 0})["contributed"]:
         _assert_mean_of(joined["digest"], [joined["pre"], b[first["step"]]["pre"]])
-    # Then it contributed to later rounds of three, and everyone ended equal.
-    assert newcomer["contributed"] >= 1 and newcomer["log"][-1]["size"] == 3, out.logs
-    _assert_equal_synced(final)
+    assert newcomer["contributed"] >= 2, out.logs
+    # The leaver's last state is the group's at that step; the others lost no round to its leave.
+    last = leaver["log"][-1]
+    assert last["size"] == 3 and last["digest"] == a[last["step"]]["digest"], out.logs
+    assert stayer["skipped"] == 0 and stayer["log"][-1]["size"] == 2, out.logs
+    _assert_equal_synced([stayer, newcomer])
