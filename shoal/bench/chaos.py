@@ -148,7 +148,10 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
             now = time.monotonic()
             if now - t0 > a.limit:
                 raise TimeoutError(f"run still going after {a.limit} s")
-            if chaos and now >= next_kill and now - t0 < a.chaos_for:
+            # Once one worker has finished, the run is over: no more kills, no restarts (a worker
+            # restarted now would find nobody to heal from and train alone from scratch).
+            finished = any(pr.poll() == 0 for pr, _ in procs.values())
+            if chaos and not finished and now >= next_kill and now - t0 < a.chaos_for:
                 rank = rng.randrange(a.workers)
                 pr, life = procs[rank]
                 if pr.poll() is None:
