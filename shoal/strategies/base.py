@@ -97,8 +97,12 @@ class Strategy(abc.ABC):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         """Prepare (collective: every rank calls it); return the module to train."""
 
-    def before_step(self) -> None:
-        """Called before the wrapped optimizer's ``step()``."""
+    def before_step(self) -> bool | None:
+        """Called before the wrapped optimizer's ``step()``; returning False skips that step.
+
+        (An elastic step discarded on every member: the gradients are dropped.)
+        """
+        return None
 
     def after_step(self) -> None:
         """Called after the wrapped optimizer's ``step()``."""
@@ -182,7 +186,9 @@ class StrategyOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        self.strategy.before_step()
+        if self.strategy.before_step() is False:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self.strategy.after_step()
         return loss
