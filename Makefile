@@ -17,19 +17,21 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# The default comparison (docs/BENCHMARKS.md): 4 workers, 150 training seconds
-# per strategy, about 12 minutes in all on 2 CPU cores. Emulated 4 hosts x
-# 20 mbit when run as root (ip, tc); loopback, unshaped, otherwise.
+# The default comparison (docs/BENCHMARKS.md): 4 workers, 90 training seconds
+# per strategy (plus ~40 s of start-up each), about 14 minutes on 2 CPU cores.
+# Emulated 4 hosts x 20 mbit when run as root (ip, tc); loopback otherwise.
 # Each strategy issue adds its name to BENCH_STRATEGIES.
-BENCH_STRATEGIES := ddp,torch-ddp,local,nosync
+BENCH_STRATEGIES := ddp,torch-ddp,local,nosync,powersgd,diloco-h20
 bench: $(STAMP)
 	$(BIN)/shoal bench --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
-		--time-budget 150 --seed 0 --run bench-$$(date +%Y%m%d-%H%M%S)
+		--time-budget 90 --seed 0 --run bench-$$(date +%Y%m%d-%H%M%S)
 
-# A short bench (under 5 minutes): the same comparison, 30 training seconds per strategy.
+# A short bench (under 5 minutes): DDP, the ideal's two baselines (local,
+# nosync) and PowerSGD, 25 training seconds each.
+DEMO_STRATEGIES := ddp,local,nosync,powersgd
 demo: $(STAMP)
-	$(BIN)/shoal bench --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
-		--time-budget 30 --seed 0 --run demo-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/shoal bench --task lm --strategies $(DEMO_STRATEGIES) --hosts 4 --bandwidth 20mbit \
+		--time-budget 25 --seed 0 --run demo-$$(date +%Y%m%d-%H%M%S)
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

@@ -20,7 +20,6 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
@@ -203,7 +202,8 @@ class DistributedDataParallel(nn.Module):
             return
         group.register_state("ddp/module", self.module.state_dict, self.module.load_state_dict)
         if codec is not None:  # a failed step may have half-updated it: roll back on discard
-            group.register_state("ddp/codec", codec.state_dict, codec.load_state_dict, rollback=True)
+            group.register_state("ddp/codec", codec.state_dict, codec.load_state_dict, rollback=True,
+                                 heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)))
 
     @staticmethod
     def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:
@@ -221,39 +221,17 @@ class DistributedDataParallel(nn.Module):
 
     # --- state broadcast ------------------------------------------------------
     def _broadcast_state(self) -> None:
-        tensors = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
-        self._broadcast_coalesced(tensors, tag="ddp/init")
-
-    def _broadcast_coalesced(self, tensors: list[torch.Tensor], tag: str) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for dtype, group in by_dtype.items():
-                flat = self._flat_for(dtype, group, reuse=tag == "ddp/buffers")
-                self.group.broadcast(flat, src=0, tag=tag).wait()
-                for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
-                    t.copy_(synced)
-
-    def _flat_for(self, dtype: torch.dtype, tensors: list[torch.Tensor], reuse: bool) -> torch.Tensor:
-        if not reuse:
-            return _flatten_dense_tensors(tensors)
-        total = sum(t.numel() for t in tensors)
-        flat = self._flat_buffers.get(dtype)
-        if flat is None or flat.numel() != total:
-            flat = torch.empty(total, dtype=dtype, device=tensors[0].device)
-            self._flat_buffers[dtype] = flat
-        torch.cat([t.reshape(-1) for t in tensors], out=flat)
-        return flat
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        self.group.broadcast_coalesced(tensors, src=0, tag="ddp/init")
 
     # --- training ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.elastic:  # adopt the latest quorum (rebuild, heal) before any collective
             self.group.start_step()  # type: ignore[attr-defined]
         if self._require_forward_param_sync and self.broadcast_buffers and self.group.size > 1:
-            buffers = [b.detach() for b in self.module.buffers()]
+            buffers = list(self.module.buffers())
             if buffers:
-                self._broadcast_coalesced(buffers, tag="ddp/buffers")
+                self.group.broadcast_coalesced(buffers, src=0, tag="ddp/buffers", cache=self._flat_buffers)
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._require_forward_param_sync = True

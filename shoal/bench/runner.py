@@ -180,6 +180,8 @@ def run_strategy(cfg: BenchConfig, name: str, run_dir: str, on_progress: Progres
         if poller:
             poller.done.set()
             poller.join()
+    if res.interrupted:  # Ctrl-C / SIGTERM stops the whole bench, not just this strategy
+        raise KeyboardInterrupt(f"interrupted while running {name!r}")
     workers = 1 if spec.single_worker else cfg.world
     records = []
     for r in range(workers):

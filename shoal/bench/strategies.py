@@ -191,33 +191,5 @@ def _nosync(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | 
     return Trainer(module, make_optimizer(module.parameters()))
 
 
-@register("ddp-hier", description="shoal DDP forcing the two-level all-reduce (reduce in host, leaders, broadcast)")
-def _shoal_ddp_hier(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
-    from shoal.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(module, process_group=group, bucket_cap_mb=25, hierarchical=True)
-    return Trainer(model, make_optimizer(model.parameters()), comm=lambda: model.comm_stats().total)
-
-
-@register("nonblocking", description="shoal.NonBlocking: per-layer all-reduce in backward, update in the next forward")
-def _nonblocking(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
-    import shoal
-
-    strategy = shoal.NonBlocking()
-    model, opt = shoal.wrap(module, make_optimizer(module.parameters()), strategy, process_group=group)
-    # Evaluate the bare module, one update behind: finalising for the evaluation would move
-    # that update's communication off the clock (evaluation is not timed) and flatter the strategy.
-    return Trainer(model, opt, comm=lambda: strategy.comm_stats().total, eval_module=module)
-
-
-@register("daso", description="shoal.DASO (10-step epochs, 1 warm-up epoch, no cool-down, max_global_skips=8)")
-def _daso(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
-    import shoal
-
-    # The bench stops on a step count or a time budget, not after a known number of epochs:
-    # an open-ended total and no cool-down; epochs of 10 steps let the skips adapt within minutes.
-    strategy = shoal.DASO(total_epochs=10**6, steps_per_epoch=10, warmup_epochs=1, cooldown_epochs=0,
-                          max_global_skips=8, stability_level=0.05)
-    model, opt = shoal.wrap(module, make_optimizer(module.parameters()), strategy, process_group=group)
-    return Trainer(model, opt, comm=lambda: strategy.comm_stats().total, eval_module=module,
-                   report_loss=strategy.report_loss)
+# The library's own strategies register themselves on import (after the built-ins above).
+from shoal.bench import entries as _entries  # noqa: E402,F401

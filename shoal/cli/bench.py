@@ -176,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
         print(f"shoal bench: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        bar.close()
+        print(f"shoal bench: stopped ({e or 'interrupted'}); workers stopped and the cluster removed", file=sys.stderr)
+        return 130
     finally:
         bar.close()
     run_dir = os.path.join(cfg.out_root, results["run"])

@@ -62,12 +62,15 @@ class LaunchResult:
             of its link from the interface counters; ``None`` unemulated.
         failed_rank: the rank whose exit decided ``returncode`` (``None`` if
             none failed).
+        interrupted: the launcher itself got SIGINT/SIGTERM (a caller running
+            several launches should stop, not go on to the next).
     """
 
     returncode: int
     duration_s: float
     host_bytes: list[dict[str, int]] | None = None
     failed_rank: int | None = None
+    interrupted: bool = False
 
 
 @dataclass
@@ -370,7 +373,7 @@ def launch(
         duration = time.monotonic() - t0
         if emu is not None:
             host_bytes = emu.host_bytes()
-    return LaunchResult(sup.result_code, duration, host_bytes, sup.failed_rank)
+    return LaunchResult(sup.result_code, duration, host_bytes, sup.failed_rank, interrupted=bool(sup.signals))
 
 
 def _elastic_supervisor(stack: ExitStack, spec: "ElasticLaunch", world: int, base_env: dict[str, str],

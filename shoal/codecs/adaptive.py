@@ -62,6 +62,10 @@ class SizeAdaptive(LossyCodec):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "small": self.small.state_dict(), "large": self.large.state_dict()}
 
+    def newcomer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, "small": self.small.newcomer_state(state["small"]),
+                "large": self.large.newcomer_state(state["large"])}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.small.load_state_dict(state["small"])

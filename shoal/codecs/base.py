@@ -71,6 +71,20 @@ class Codec(abc.ABC):
         c = state["counters"]
         self._steps, self._numel_in, self._payload_bytes = int(c["steps"]), int(c["numel_in"]), int(c["payload_bytes"])
 
+    def newcomer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What a worker joining a run loads from a peer's :meth:`state_dict` (elastic healing).
+
+        Shared state (PowerSGD's warm-start Qs, counters) is kept; state that
+        is the peer's own (an error-feedback residual: what *that* worker
+        still owes the mean) is zeroed, so that one residual does not count
+        twice. The default keeps everything.
+
+        >>> from shoal.codecs import Identity
+        >>> Identity().newcomer_state(Identity().state_dict())["type"]
+        'Identity'
+        """
+        return state
+
     def stats(self) -> dict[str, float]:
         """Counters since construction: calls, elements in, bytes this rank handed to collectives.
 

@@ -112,6 +112,11 @@ class ErrorFeedback(Codec):
             "inner": self.codec.state_dict(),
         }
 
+    def newcomer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The inner codec's newcomer state, with this worker's residuals at zero."""
+        return {**state, "residuals": {n: torch.zeros_like(r) for n, r in state["residuals"].items()},
+                "inner": self.codec.newcomer_state(state["inner"])}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.codec.load_state_dict(state["inner"])

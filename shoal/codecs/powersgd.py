@@ -297,6 +297,10 @@ class PowerSGD(LossyCodec):
             "nonfinite_steps": self.nonfinite_steps,
         }
 
+    def newcomer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The peer's warm-start Qs and counters, with this worker's residuals at zero."""
+        return {**state, "errors": {k: torch.zeros_like(v) for k, v in state["errors"].items()}}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if state["config"] != self.config():

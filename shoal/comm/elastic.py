@@ -102,6 +102,7 @@ class _State:
     get: Callable[[], Any]
     load: Callable[[Any], Any]
     rollback: bool
+    heal_load: Callable[[Any], Any] | None = None
 
 
 class _ElasticHandle(Handle):
@@ -189,6 +190,7 @@ class ElasticGroup(Group):
         self._in_step = False
         self._after = 0              # adopt a quorum newer than this one at the next start_step
         self._fresh = True           # holds no state received from the run yet
+        self.newcomers: tuple[int, ...] = ()  # ranks healed at this step's start_step
         if min_workers is None:
             min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid()}
@@ -204,7 +206,7 @@ class ElasticGroup(Group):
 
     # --- state --------------------------------------------------------------
     def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
-                       rollback: bool = False) -> None:
+                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None) -> None:
         """Add state that newcomers receive when they heal.
 
         ``get()`` returns something ``torch.save`` can write; ``load(x)``
@@ -214,21 +216,41 @@ class ElasticGroup(Group):
         ``get()`` must return a copy, not views of live tensors (codecs'
         ``state_dict()`` do), because it is called every step and copying
         it again would double the cost.
+        ``heal_load(x)``, if given, replaces ``load`` when the state comes
+        from a peer rather than from a rollback snapshot: state that is the
+        peer's own and must not be copied (an error-feedback residual, see
+        :meth:`shoal.codecs.Codec.newcomer_state`) is dropped there.
         Every member must register the same keys.
         """
         if key in self._states:
             raise ConfigError(f"state {key!r} is already registered on this group")
-        self._states[key] = _State(get, load, rollback)
+        self._states[key] = _State(get, load, rollback, heal_load)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
         self._on_commit.append(fn)
 
+    @property
+    def quorum_pending(self) -> bool:
+        """Whether the next :meth:`start_step` adopts a new quorum (the same answer on every member).
+
+        Strategies that vote only every few steps (local SGD, DiLoCo) run an
+        extra, empty round when it is True so that a newcomer waiting to be
+        admitted does not wait for another period.
+        """
+        return self.quorum is None or self._after >= self.quorum.qid
+
     # --- the step ------------------------------------------------------------
     def start_step(self) -> None:
-        """Begin a step: adopt a newer quorum if one is due (rebuild + heal). Idempotent per step."""
+        """Begin a step: adopt a newer quorum if one is due (rebuild + heal). Idempotent per step.
+
+        Afterwards :attr:`newcomers` lists the ranks that received the run's
+        state in this call (empty when no quorum was adopted): they bring no
+        progress of their own to this step.
+        """
         if self._in_step:
             return
+        self.newcomers = ()
         self._release_abandoned()
         if self.client.member_id == 0:
             self.client.join()
@@ -366,6 +388,7 @@ class ElasticGroup(Group):
             if self.error is not None:
                 return
             self.stats.heal_bytes = blob.numel()
+            self.newcomers = tuple(needy)
             if self.rank in needy:
                 self._load_blob(blob)
                 self.step = top
@@ -384,7 +407,7 @@ class ElasticGroup(Group):
             raise ShoalError(f"healing peer sent state {sorted(states)} but this worker registered "
                              f"{sorted(self._states)}: every worker must run the same program")
         for k, s in self._states.items():
-            s.load(states[k])
+            (s.heal_load or s.load)(states[k])
 
     def _abandon(self) -> None:
         if self.pg is not None:

@@ -258,6 +258,31 @@ class Group:
         work = dist.reduce(tensor, dst=self.global_rank(dst), op=_REDUCE_OPS[op], group=self.pg, async_op=True)
         return Handle(work, tensor, self.meter, tag, self.timeout)
 
+    def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0, tag: str = "misc",
+                            cache: dict[torch.dtype, torch.Tensor] | None = None) -> None:
+        """Blocking: overwrite ``tensors`` with rank ``src``'s, one flat broadcast per dtype.
+
+        ``cache`` keeps the flat buffers between calls (pass the same dict
+        each time on hot paths, e.g. buffers broadcast before every forward).
+        """
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t.detach())
+        with torch.no_grad():
+            for dtype, same in by_dtype.items():
+                total = sum(t.numel() for t in same)
+                flat = cache.get(dtype) if cache is not None else None
+                if flat is None or flat.numel() != total:
+                    flat = torch.empty(total, dtype=dtype, device=same[0].device)
+                    if cache is not None:
+                        cache[dtype] = flat
+                torch.cat([t.reshape(-1) for t in same], out=flat)
+                self.broadcast(flat, src=src, tag=tag).wait()
+                offset = 0
+                for t in same:
+                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
+                    offset += t.numel()
+
     def barrier(self, tag: str = "control") -> None:
         self.meter.record(tag, "barrier", 0, self.size, self.rank)
         if self.size > 1:

@@ -27,7 +27,6 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
@@ -36,16 +35,7 @@ from shoal.errors import ConfigError, ShoalError
 
 def broadcast_module(module: nn.Module, group: Group, tag: str) -> None:
     """Overwrite ``module``'s parameters and buffers with rank 0's (one flat broadcast per dtype)."""
-    tensors = [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for same in by_dtype.values():
-            flat = _flatten_dense_tensors(same)
-            group.broadcast(flat, src=0, tag=tag).wait()
-            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
-                t.copy_(synced)
+    group.broadcast_coalesced(list(module.parameters()) + list(module.buffers()), src=0, tag=tag)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
@@ -107,8 +97,12 @@ class Strategy(abc.ABC):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         """Prepare (collective: every rank calls it); return the module to train."""
 
-    def before_step(self) -> None:
-        """Called before the wrapped optimizer's ``step()``."""
+    def before_step(self) -> bool | None:
+        """Called before the wrapped optimizer's ``step()``; returning False skips that step.
+
+        (An elastic step discarded on every member: the gradients are dropped.)
+        """
+        return None
 
     def after_step(self) -> None:
         """Called after the wrapped optimizer's ``step()``."""
@@ -203,7 +197,9 @@ class StrategyOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        self.strategy.before_step()
+        if self.strategy.before_step() is False:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         loss = self.strategy.optimizer_step(self.optimizer, closure)
         self.strategy.after_step()
         return loss

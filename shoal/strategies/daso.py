@@ -262,6 +262,11 @@ class DASO(Strategy):
         self._loss_count = 0
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        from shoal.comm.elastic import ElasticGroup
+
+        if isinstance(group, ElasticGroup):
+            raise ConfigError("DASO does not run on an elastic group yet (its per-host subgroups and "
+                              "in-flight reductions would outlive a quorum change); use a static group")
         from shoal.parallel import DistributedDataParallel, check_same_model
 
         self._bind(model, optimizer, group)

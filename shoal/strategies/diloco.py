@@ -26,9 +26,11 @@ from torch import nn
 
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
+from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy, broadcast_module
+from shoal.strategies.elastic import ADOPT, ElasticRounds
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -196,6 +198,14 @@ class DiLoCo(Strategy):
     optimizer's, the codec's and the global copy's state are in
     :meth:`state_dict` (also inside the wrapped optimizer's ``state_dict()``).
 
+    On an :class:`~shoal.elastic.ElasticGroup` each round is an elastic
+    round (:class:`~shoal.strategies.elastic.ElasticRounds`): a failed one is
+    run again with the survivors of the next quorum, the pseudo-gradient mean
+    divides by the live contributors, and global copies, outer optimizer
+    state, counters and codec state heal into newcomers. The inner
+    optimizer's state stays each worker's own, as in the paper (a newcomer
+    starts from a peer's).
+
     Example::
 
         model, opt = shoal.wrap(model, torch.optim.AdamW(model.parameters(), lr=4e-4),
@@ -221,14 +231,23 @@ class DiLoCo(Strategy):
         self.fragments: list[_Fragment] = []
         self._thread: ThreadPoolExecutor | None = None
         self._comm_group: Group | None = None
+        self.rounds: ElasticRounds | None = None
 
     @property
     def tag(self) -> str:
         return f"{self.name}/pseudograd"
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        elastic = isinstance(group, ElasticGroup)
+        if elastic and self.config.overlap_steps > 0:
+            raise ConfigError(
+                f"overlap_steps={self.config.overlap_steps} runs reductions on a background process group split "
+                "from the main one, which an elastic group cannot provide (its members change between rounds); "
+                "on an ElasticGroup use overlap_steps=0 (fragments still cut the peak bandwidth)"
+            )
         self._bind(model, optimizer, group)
-        broadcast_module(model, group, tag=f"{self.name}/init")
+        if not elastic:
+            broadcast_module(model, group, tag=f"{self.name}/init")
         cfg = self.config
         offload = cfg.offload if cfg.offload is not None else self.params[0].device.type == "cuda"
         # Background reductions get a process group of their own: a collective the training thread
@@ -242,6 +261,12 @@ class DiLoCo(Strategy):
                       offload, cfg.outer_optimizer)
             for k, idx in enumerate(layout)
         ]
+        if isinstance(group, ElasticGroup):
+            # No broadcast above: the first round's heal copies rank 0's model, global copies and outer
+            # state everywhere (a newcomer's, a peer's).
+            self.rounds = ElasticRounds(group, self.name, model, optimizer, self.codec, self._core_state,
+                                        self._load_core_state, self._elastic_reduce, self._elastic_apply)
+            self.rounds.join()
         self._mark_step()  # the set-up traffic is not the first step's
         return model
 
@@ -251,6 +276,9 @@ class DiLoCo(Strategy):
         self.step += 1
         for f in self.fragments:
             if self.step % self.config.inner_steps == f.offset:
+                if self.rounds is not None:
+                    self.rounds.run(f"fragment:{f.index}")
+                    continue
                 self._launch(f)
         for f in self.fragments:
             if f.merge_at == self.step:
@@ -299,6 +327,21 @@ class DiLoCo(Strategy):
             else:
                 p.lerp_(g.to(p.dtype), 1.0 - alpha)
 
+    # --- elastic rounds (overlap_steps == 0) -------------------------------------
+    def _elastic_reduce(self, kind: str, contribute: bool) -> None:
+        """The pseudo-gradient of ``fragment:<k>`` into its delta buffer, averaged over live contributors."""
+        if kind == ADOPT or self.rounds is None:
+            return
+        f = self.fragments[int(kind.partition(":")[2])]
+        with torch.no_grad():
+            f.delta.copy_(f.snapshot, non_blocking=True)
+            torch._foreach_sub_(f.delta_views, [p.detach() for p in f.params])
+        self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
+
+    def _elastic_apply(self, kind: str) -> None:
+        if kind != ADOPT:
+            self._merge(self.fragments[int(kind.partition(":")[2])])
+
     def close(self) -> None:
         """Merge every reduction still in flight now and stop the communication thread."""
         for f in self.fragments:
@@ -327,7 +370,17 @@ class DiLoCo(Strategy):
                           "outer": copy.deepcopy(f.outer.state_dict()), "pending": pending})
         return {"step": self.step, "fragments": frags, "codec": self.codec.state_dict()}
 
+    def _core_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` without the codec (healed separately, as a newcomer's state)."""
+        state = self.state_dict()
+        del state["codec"]
+        return state
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._load_core_state(state)
+        self.codec.load_state_dict(state["codec"])
+
+    def _load_core_state(self, state: Mapping[str, Any]) -> None:
         frags = state["fragments"]
         if len(frags) != len(self.fragments):
             raise ConfigError(f"state has {len(frags)} fragments but this {type(self).__name__} has {len(self.fragments)}")
@@ -344,4 +397,3 @@ class DiLoCo(Strategy):
                 if s["pending"] is not None:
                     f.delta.copy_(s["pending"]["delta"])
                     f.merge_at = int(s["pending"]["merge_at"])
-        self.codec.load_state_dict(state["codec"])

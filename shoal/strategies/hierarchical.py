@@ -5,8 +5,13 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from shoal.averagers import HierarchicalModelAverager, Hierarchy, _Averager
+import torch
+from torch import nn
+
 from shoal.codecs.base import Codec
+from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
+from shoal.errors import ConfigError
 from shoal.strategies.localsgd import AveragingStrategy
 
 
@@ -20,6 +25,9 @@ class Hierarchical(AveragingStrategy):
     schedule of torch's ``HierarchicalModelAverager``. Nothing is synchronised
     during warm-up (:class:`shoal.PostLocalSGD` accepts the same map and
     all-reduces gradients then).
+
+    Not available on an :class:`~shoal.elastic.ElasticGroup` (its membership
+    changes, so fixed subgroups cannot be kept): a ConfigError says what to use.
 
     Raises :class:`~shoal.errors.ConfigError` for an empty map, a non-positive
     smallest period, negative ``warmup_steps`` (here) and a last group size
@@ -38,6 +46,15 @@ class Hierarchical(AveragingStrategy):
                  codec: Codec | None = None, average_optimizer_state: bool | Sequence[str] = False) -> None:
         super().__init__(codec, average_optimizer_state)
         self.hierarchy = Hierarchy.from_dict(period_group_size, warmup_steps)
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        if isinstance(group, ElasticGroup):
+            raise ConfigError(
+                "Hierarchical needs fixed groups of consecutive ranks whose sizes tile the world; an elastic "
+                "group's members and size change from one quorum to the next, so the levels cannot be kept. "
+                "On an ElasticGroup use shoal.LocalSGD or shoal.DiLoCo (one level over whoever is live)"
+            )
+        return super().setup(model, optimizer, group)
 
     def _make_averager(self, group: Group) -> _Averager:
         return HierarchicalModelAverager(dict(self.hierarchy.levels), self.hierarchy.warmup_steps, group, self.codec)

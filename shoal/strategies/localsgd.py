@@ -17,11 +17,14 @@ from torch import nn
 
 from shoal.averagers import HierarchicalModelAverager, PeriodicModelAverager, Periodic, _Averager
 from shoal.codecs.base import Codec
+from shoal.codecs.identity import Identity
+from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 from shoal.parallel import DistributedDataParallel
 from shoal.reducer import GradBucket
 from shoal.strategies.base import Strategy, broadcast_module, check_state_keys, optimizer_state_tensors
+from shoal.strategies.elastic import ADOPT, ElasticRounds
 
 
 class AveragingStrategy(Strategy):
@@ -31,6 +34,11 @@ class AveragingStrategy(Strategy):
     ``average_optimizer_state`` is set, the optimizer's per-parameter state
     (C4) is averaged over the same group at the same steps, under the tag
     ``<name>/optim_state``.
+
+    On an :class:`~shoal.elastic.ElasticGroup` every averaging is an elastic
+    round (:class:`~shoal.strategies.elastic.ElasticRounds`): a failed one is
+    run again with the survivors of the next quorum, and the average divides
+    by the live contributors; local steps need no vote.
     """
 
     def __init__(self, codec: Codec | None, average_optimizer_state: bool | Sequence[str]) -> None:
@@ -40,16 +48,80 @@ class AveragingStrategy(Strategy):
         self.codec = codec
         self.average_optimizer_state = check_state_keys(average_optimizer_state)
         self.averager: _Averager | None = None
+        self.rounds: ElasticRounds | None = None
+        self._grad_codec = Identity()  # post-local SGD's warm-up gradients travel exact, as in its DDP
+        self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (live, averaged scratch)
 
     def _make_averager(self, group: Group) -> _Averager:
         raise NotImplementedError
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
+        if isinstance(group, ElasticGroup):
+            return self._setup_elastic(group)
         broadcast_module(model, group, tag=f"{self.name}/init")
         self.averager = self._quiet_averager(group)
         self._mark_step()  # the set-up traffic is not the first step's
         return model
+
+    # --- elastic groups ---------------------------------------------------------
+    def _setup_elastic(self, group: ElasticGroup) -> nn.Module:
+        """No broadcast: the first round's heal copies rank 0's state (or a peer's, for a newcomer)."""
+        if self.module is None or self.optimizer is None:  # pragma: no cover - _bind set them
+            raise ConfigError("bind the strategy first")
+        self.averager = self._quiet_averager(group)
+        averager = self.averager
+
+        def load(state: dict[str, Any]) -> None:
+            averager.step = int(state["step"])
+
+        self.rounds = ElasticRounds(group, self.name, self.module, self.optimizer, averager.codec,
+                                    lambda: {"step": averager.step}, load, self._elastic_reduce, self._elastic_apply)
+        self._finish_joined(self.rounds.join())
+        self._mark_step()
+        return self.module
+
+    def _finish_joined(self, kind: str) -> None:
+        """A newcomer admitted in a round: do what its peers do after that round."""
+
+    def _elastic_reduce(self, kind: str, contribute: bool) -> None:
+        self._pending = None
+        if kind == ADOPT or self.rounds is None or self.optimizer is None:
+            return
+        live: list[torch.Tensor] = list(self.params)
+        names = list(self.names)
+        if kind == "grad":
+            live = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        elif self.average_optimizer_state:
+            extra, extra_names = optimizer_state_tensors(self.optimizer, self.params, self.names,
+                                                         self.average_optimizer_state)
+            live, names = live + extra, names + extra_names
+        scratch = [t.detach().clone() for t in live]
+        tag = f"{self.name}/grad" if kind == "grad" else f"{self.name}/params"
+        self.rounds.mean(scratch, names, self.rounds.codec if kind != "grad" else self._grad_codec, tag)
+        self._pending = (live, scratch)
+
+    @torch.no_grad()
+    def _elastic_apply(self, kind: str) -> None:
+        if self._pending is None:
+            return
+        live, scratch = self._pending
+        self._pending = None
+        if kind == "grad":
+            for p, g in zip(self.params, scratch):
+                p.grad = g
+            return
+        for t, avg in zip(live, scratch):
+            t.copy_(avg)
+
+    def _elastic_after_step(self) -> None:
+        if self.averager is None or self.rounds is None:  # pragma: no cover - set up together
+            raise ConfigError("not set up")
+        due = self.averager._group_at(self.averager.step)
+        self.averager.step += 1
+        if due is not None:
+            self.rounds.run("params")
+        self._mark_step()
 
     def _quiet_averager(self, group: Group) -> _Averager:
         with warnings.catch_warnings():  # the constructor already warned about this configuration
@@ -59,6 +131,9 @@ class AveragingStrategy(Strategy):
     def after_step(self) -> None:
         if self.averager is None or self.optimizer is None:
             raise ConfigError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
+        if self.rounds is not None:
+            self._elastic_after_step()
+            return
         used = self.averager.average_named(self.params, self.names)
         if used is not None and self.average_optimizer_state:
             tensors, names = optimizer_state_tensors(self.optimizer, self.params, self.names,
@@ -126,7 +201,9 @@ class PostLocalSGD(AveragingStrategy):
     ``warmup_steps``) or a ``{period: group_size}`` map (as torch's
     ``HierarchicalModelAverager``). Equals torch's ``post_localSGD_hook`` with
     ``PostLocalSGDOptimizer``. :func:`shoal.wrap` returns a
-    :class:`shoal.DistributedDataParallel`.
+    :class:`shoal.DistributedDataParallel` (on an
+    :class:`~shoal.elastic.ElasticGroup`: the module itself; warm-up gradients
+    are then averaged in a round at ``optimizer.step()``, an int ``period`` only).
 
     Example::
 
@@ -159,6 +236,15 @@ class PostLocalSGD(AveragingStrategy):
         return PeriodicModelAverager(self.period, self.warmup_steps, group, self.codec)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        if isinstance(group, ElasticGroup):
+            if isinstance(self.period, Mapping) or self.local_group_size is not None:
+                raise ConfigError(
+                    "PostLocalSGD with a {period: group_size} map or local_group_size needs fixed subgroups of "
+                    "consecutive ranks, which an elastic group cannot keep (its members change from one quorum "
+                    "to the next); on an ElasticGroup use an int period and no local_group_size"
+                )
+            self._bind(model, optimizer, group)
+            return self._setup_elastic(group)
         self._bind(model, optimizer, group)
         ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=self.bucket_cap_mb)
         size = self.local_group_size
@@ -170,6 +256,17 @@ class PostLocalSGD(AveragingStrategy):
         ddp.register_comm_hook(self, _post_local_hook)
         self._mark_step()
         return ddp
+
+    def before_step(self) -> bool | None:
+        """On an elastic group, warm-up gradients are averaged here, in a round (skipped if it fails)."""
+        if self.rounds is not None and self.step < self.warmup_steps:
+            return self.rounds.run("grad")
+        return None
+
+    def _finish_joined(self, kind: str) -> None:
+        if kind == "grad" and self.optimizer is not None:  # its peers now step with these gradients
+            self.optimizer.step()
+            self.after_step()
 
     def gradient_group(self) -> Group | None:
         """The group gradients are averaged over at the current step (``None``: local)."""

@@ -340,6 +340,11 @@ class NonBlocking(Strategy):
         self._exchange: _Exchange | None = None
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
+        from shoal.comm.elastic import ElasticGroup
+
+        if isinstance(group, ElasticGroup):
+            raise ConfigError("NonBlocking does not run on an elastic group yet (its per-host subgroups and "
+                              "in-flight reductions would outlive a quorum change); use a static group")
         reason, single = _fallback_reason(model, optimizer)
         if single is None:
             return self._fall_back(model, group, reason)

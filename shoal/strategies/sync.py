@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from shoal.codecs.base import Codec
+from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 from shoal.parallel import DistributedDataParallel
@@ -19,6 +20,10 @@ class Sync(Strategy):
 
     :func:`shoal.wrap` with this strategy (its default) returns a
     :class:`shoal.DistributedDataParallel`; ``codec`` compresses the gradients.
+    On an :class:`~shoal.elastic.ElasticGroup` each ``optimizer.step()``
+    ends the elastic step: it votes, and a step discarded on every member
+    (a peer was lost) is skipped with its gradients dropped
+    (``FailurePolicy.DISCARD``); the optimizer's state heals into newcomers.
 
     Args:
         codec: gradient codec (``None``: exact all-reduce).
@@ -46,7 +51,16 @@ class Sync(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
-        return DistributedDataParallel(model, process_group=group, codec=self.codec, **self._ddp_kwargs)
+        ddp = DistributedDataParallel(model, process_group=group, codec=self.codec, **self._ddp_kwargs)
+        if isinstance(group, ElasticGroup):
+            group.register_state("ddp/optimizer", optimizer.state_dict, optimizer.load_state_dict)
+        return ddp
+
+    def before_step(self) -> bool | None:
+        if isinstance(self.group, ElasticGroup):
+            self.group.start_step()   # a step with no collective still needs a quorum to vote in
+            return self.group.should_commit()
+        return None
 
     def after_step(self) -> None:
         self._mark_step()

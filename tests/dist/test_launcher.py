@@ -172,3 +172,18 @@ def _read_ready_pids(proc: subprocess.Popen[str], n: int) -> list[int]:
         if m:
             pids.append(int(m.group(1)))
     return pids
+
+
+@pytest.mark.timeout(60)
+def test_launch_reports_that_it_was_interrupted() -> None:
+    """A caller running several launches (shoal bench) must know to stop."""
+    import threading
+
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        res = launch([sys.executable, "-c", "import time; time.sleep(30)"], nprocs=2, quiet=True,
+                     stdout=io.StringIO())
+    finally:
+        timer.cancel()
+    assert res.interrupted and res.returncode == 143

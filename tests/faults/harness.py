@@ -40,7 +40,8 @@ class Outcome:
 
 
 def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None = None,
-        hard_limit: float = 60.0, restarts: int = 1, kill: tuple[int, float] | None = None) -> Outcome:
+        hard_limit: float = 60.0, restarts: int = 1, kill: tuple[int, float] | None = None,
+        script: str = "elastic_worker.py") -> Outcome:
     coord = Coordinator(port=0, initial_workers=world).start()
     base = {**os.environ, **(env or {}), "SHOAL_COORDINATOR": coord.address,
             "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -53,7 +54,7 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
         path = os.path.join(out_dir, f"log-{rank}-{life}.txt")
         log_paths.append(path)
         with open(path, "wb") as f:
-            p = subprocess.Popen([sys.executable, os.path.join(HERE, "elastic_worker.py"), "--out", out_dir, *args],
+            p = subprocess.Popen([sys.executable, os.path.join(HERE, script), "--out", out_dir, *args],
                                  env={**base, "RANK": str(rank), "SHOAL_RESTART": str(life)},
                                  stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         procs[rank] = (p, life)
@@ -92,12 +93,13 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
 
 
 def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[str], *,
-                 env: dict[str, str] | None = None, hard_limit: float = 60.0) -> tuple[int, Outcome]:
+                 env: dict[str, str] | None = None, hard_limit: float = 60.0,
+                 script: str = "elastic_worker.py") -> tuple[int, Outcome]:
     """``shoal run -n WORLD --elastic LAUNCHER_ARGS elastic_worker.py ARGS``; its exit code and outcome."""
     full_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
     cmd = [sys.executable, "-m", "shoal", "run", "-n", str(world), "--elastic", *launcher_args,
-           os.path.join(HERE, "elastic_worker.py"), "--out", out_dir, *args]
+           os.path.join(HERE, script), "--out", out_dir, *args]
     log = os.path.join(out_dir, "launcher.txt")
     with open(log, "wb") as f:
         p = subprocess.Popen(cmd, env=full_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,0 +1,145 @@
+"""One worker of the elastic strategy fault tests: shoal.wrap(..., process_group=ElasticGroup).
+
+Started by harness.py as a plain process (so that it can be SIGKILLed and
+restarted). The loop is the user's: ``loss.backward(); opt.step();
+opt.zero_grad()``. Every worker stops at the first synchronised step (right
+after a round) at or past ``--steps`` once the last four rounds had
+exactly ``--want-size`` members (and some round ``--want-max``) (a count healed into newcomers), so all members stop together. Writes
+``<out>/<rank>-<incarnation>.pt``: a log of every step (time, optimizer
+step, committed rounds, quorum size, digest of the synchronised state) and
+the final model, optimizer and strategy state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+from shoal.elastic import ElasticGroup, Timeouts
+from shoal.testing import FaultPlan
+
+PERIOD = 4
+
+
+def digest(tensors: list[torch.Tensor]) -> float:
+    """A position-weighted float64 sum (differs on any change)."""
+    total = 0.0
+    for t in tensors:
+        flat = t.detach().double().reshape(-1)
+        total += float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum())
+    return total
+
+
+def synced_state(strategy: Any, model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What every member holds equal after a round.
+
+    Averaging: parameters and the (averaged) Adam moments. DiLoCo: global
+    copies and outer optimizer state, and parameters unless fragments are
+    staggered (the inner optimizer's state is each worker's own by design).
+    """
+    if isinstance(strategy, shoal.DiLoCo):
+        out = [p.detach() for p in model.parameters()] if strategy.config.fragments == 1 else []
+        for f in strategy.fragments:
+            out.append(f.snapshot)
+            for st in f.outer.state_dict()["state"].values():
+                out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return out
+    out = [p.detach() for p in model.parameters()]
+    for st in opt.state_dict()["state"].values():
+        out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def make_strategy(name: str) -> Any:
+    if name == "localsgd":
+        return shoal.LocalSGD(period=PERIOD, average_optimizer_state=True)
+    if name == "postlocal":
+        return shoal.PostLocalSGD(period=PERIOD, warmup_steps=6, average_optimizer_state=True)
+    if name == "diloco":
+        return shoal.DiLoCo(inner_steps=PERIOD, codec=shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0,
+                                                                            start_iter=0))
+    if name == "streaming":
+        return shoal.StreamingDiLoCo(inner_steps=PERIOD, fragments=2, overlap_steps=0, mixing=0.0)
+    raise SystemExit(f"unknown strategy {name}")
+
+
+def synced(strategy: Any) -> bool:
+    """Right after a round (so every member holds the same synced_state)."""
+    if isinstance(strategy, shoal.DiLoCo):
+        return strategy.step % PERIOD == 0
+    w = strategy.schedule.warmup_steps if isinstance(strategy, shoal.LocalSGD) else strategy.warmup_steps
+    return strategy.step <= w or (strategy.step - w - 1) % PERIOD == 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", choices=["localsgd", "postlocal", "diloco", "streaming"], default="localsgd")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--op", type=float, default=5.0)
+    ap.add_argument("--min-workers", type=int, default=2)
+    ap.add_argument("--want-size", type=int, default=0)
+    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--want-max", type=int, default=0, help="and a round had at least this many members")
+    ap.add_argument("--leave-rank", type=int, default=-1, help="this RANK leaves after its third round of three")
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
+    timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
+                        quorum=a.op + 10, join=a.op + 60)
+    group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers,
+                         backend_factory=FaultPlan.from_env().backend_factory())
+    torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the first heal must equalise
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    strategy = make_strategy(a.strategy)
+    # Consecutive committed rounds with at least --want-size members, healed into newcomers so that all agree when to stop.
+    full = {"rounds": 0, "max": 0}
+    group.register_state("test/full_rounds", lambda: dict(full), full.update)
+    group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size == a.want_size else 0,
+                                        max=max(full["max"], group.size)))
+    threes = [0]   # this worker's own count of committed rounds of three (when to leave)
+    group.on_commit(lambda: threes.__setitem__(0, threes[0] + int(group.size == 3)))
+    inner = torch.optim.Adam(net.parameters(), lr=1e-2)
+    pre: list[float] = []   # digest after the inner step, before the strategy's round
+    model, opt = shoal.wrap(net, inner, strategy, process_group=group)
+    inner.register_step_post_hook(lambda *_: pre.append(digest(synced_state(strategy, model, opt))))
+    log = [{"t": time.time(), "step": strategy.step, "round": group.step, "size": group.size, "joined": True,
+            "digest": digest(synced_state(strategy, model, opt))}]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 16, generator=g)
+    y = torch.tanh(x @ torch.randn(16, 4, generator=g))
+    pick = torch.Generator().manual_seed(1000 * rank + life)   # each worker its own stream of samples
+    while not (strategy.step >= a.steps and synced(strategy) and full["max"] >= a.want_max
+               and (full["rounds"] >= 4 or not a.want_size or strategy.step >= a.max_steps)):
+        if rank == a.leave_rank and synced(strategy) and threes[0] >= 3:
+            break    # a graceful leave() right after a round
+        idx = torch.randint(0, 512, (16,), generator=pick)
+        loss = F.mse_loss(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log.append({"t": time.time(), "step": strategy.step, "round": group.step, "size": group.size,
+                    "pre": pre[-1] if pre else None, "contributed": strategy.rounds.contributed,
+                    "digest": digest(synced_state(strategy, model, opt)), "loss": loss.item()})
+        if a.pace:
+            time.sleep(a.pace)
+    rounds = strategy.rounds
+    result = {"log": log, "model": net.state_dict(), "synced": [t.clone() for t in synced_state(strategy, model, opt)],
+              "stats": vars(group.stats), "rank": rank, "life": life,
+              "contributed": rounds.contributed, "skipped": rounds.skipped}
+    path = os.path.join(a.out, f"{rank}-{life}.pt")
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    group.leave()
+
+
+if __name__ == "__main__":
+    main()

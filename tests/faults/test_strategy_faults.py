@@ -1,0 +1,116 @@
+"""Local SGD and DiLoCo on elastic groups under real faults: real processes, gloo, world 3.
+
+A worker is SIGKILLed inside an averaging round at a random round; the round
+is run again with the survivors (AVERAGE_SURVIVORS), whose parameters and
+averaged/outer optimizer state end bitwise equal; `shoal run --elastic`
+restarts the worker, which heals and equals them right after its first
+round. A newcomer started with `--join @S` is admitted, heals, and then
+contributes; a worker that calls `leave()` costs the others no round. Every run has a hard limit below its pytest timeout; the
+harness kills whatever it started.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import harness  # noqa: E402
+
+from shoal.testing import FaultPlan  # noqa: E402
+
+OP = 5.0
+WORKER = "strategy_worker.py"
+
+
+def _rounds(result: dict[str, Any]) -> list[tuple[int, int, int]]:
+    return [(e["step"], e["round"], e["size"]) for e in result["log"] if "pre" in e]
+
+
+def _assert_equal_synced(results: list[dict[str, Any]]) -> None:
+    ref = results[0]
+    for r in results[1:]:
+        assert len(r["synced"]) == len(ref["synced"])
+        for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
+            assert torch.equal(a, b), f"synced tensor {i} differs between rank {ref['rank']} and {r['rank']}"
+
+
+def _by_step(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {e["step"]: e for e in result["log"] if "pre" in e}
+
+
+def _assert_mean_of(post: float, pres: list[float]) -> None:
+    want = sum(pres) / len(pres)
+    assert abs(post - want) <= 1e-4 * max(1.0, abs(want)), (post, pres)
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+def test_sigkill_mid_round_survivors_agree_and_restart_heals(strategy: str, tmp_path: Any) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    step = rng.randrange(2, 5)   # committed rounds before the fatal one (round 0 is the set-up round)
+    plan = FaultPlan().crash(rank=2, step=step, nth=0)
+    args = ["--strategy", strategy, "--steps", "24", "--op", str(OP), "--pace", "0.02", "--want-size", "3"]
+    code, out = harness.run_launcher(str(tmp_path), 3, ["--min-workers", "2", "--max-restarts", "1"], args,
+                                     env={"SHOAL_FAULT_PLAN": plan.to_json()}, hard_limit=95, script=WORKER)
+    why = f"(seed {seed}: crash in round {step})\n{out.logs}"
+    assert code == 0, why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    survivors, reborn = final[:2], final[2]
+    # Survivors went through the same rounds, re-ran the failed one among themselves, lost no round.
+    assert _rounds(survivors[0]) == _rounds(survivors[1]), why
+    assert survivors[0]["stats"]["discards"] >= 1 and survivors[0]["skipped"] == 0, why
+    assert any(size == 2 for _, _, size in _rounds(survivors[0])), why
+    for s in survivors:
+        times = [e["t"] for e in s["log"]]
+        assert max(b - a for a, b in zip(times, times[1:])) <= OP + 5, why
+    _assert_equal_synced(final)
+    # The restarted worker healed and equalled the survivors right after its first round.
+    assert reborn["stats"]["heals_received"] >= 1, why
+    first = reborn["log"][0]
+    assert first["joined"] and first["digest"] == _by_step(survivors[0])[first["step"]]["digest"], why
+    assert reborn["contributed"] >= 1, why
+    if strategy == "localsgd":
+        # A round's result is the mean of its live contributors' states: the survivors' in the re-run round.
+        a, b = _by_step(survivors[0]), _by_step(survivors[1])
+        for s, e in a.items():
+            if (s - 1) % 4 == 0 and e["size"] == 2 and e["contributed"] > a.get(s - 1, e)["contributed"]:
+                _assert_mean_of(e["digest"], [e["pre"], b[s]["pre"]])
+                break
+        else:
+            raise AssertionError(f"no round averaged by the two survivors alone {why}")
+
+
+@pytest.mark.timeout(110)
+def test_join_newcomer_heals_and_contributes_then_one_leaves(tmp_path: Any) -> None:
+    # Two workers; a third joins at 4 s (shoal run --join), heals, contributes; after three rounds of
+    # three, worker 1 leaves gracefully; the other two go on as two and stop after four rounds of two.
+    args = ["--strategy", "localsgd", "--steps", "24", "--op", str(OP), "--pace", "0.05", "--want-size", "2",
+            "--want-max", "3", "--leave-rank", "1"]
+    code, out = harness.run_launcher(str(tmp_path), 2, ["--min-workers", "2", "--join", "@4"], args,
+                                     hard_limit=95, script=WORKER)
+    assert code == 0, out.logs
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], out.logs
+    stayer, leaver, newcomer = final
+    assert newcomer["stats"]["heals_received"] == 1, out.logs
+    first = newcomer["log"][0]
+    a, b = _by_step(stayer), _by_step(leaver)
+    assert first["digest"] == a[first["step"]]["digest"], out.logs
+    # Its admission round averaged the two established workers only (the newcomer held a copy of one).
+    joined = a[first["step"]]
+    if joined["contributed"] > a.get(first["step"] - 1, {"contributed": 0})["contributed"]:
+        _assert_mean_of(joined["digest"], [joined["pre"], b[first["step"]]["pre"]])
+    assert newcomer["contributed"] >= 2, out.logs
+    # The leaver's last state is the group's at that step; the others lost no round to its leave.
+    last = leaver["log"][-1]
+    assert last["size"] == 3 and last["digest"] == a[last["step"]]["digest"], out.logs
+    assert stayer["skipped"] == 0 and stayer["log"][-1]["size"] == 2, out.logs
+    _assert_equal_synced([stayer, newcomer])
