@@ -12,6 +12,7 @@ or, for any strategy (DDP, local SGD, hierarchical, DiLoCo, ...)::
 """
 
 from shoal import errors
+from shoal.collaborative import CollaborativeConfig, CollaborativeOptimizer
 from shoal.averagers import HierarchicalModelAverager, PeriodicModelAverager
 from shoal.comm import CommCounters, CommStats, Group, Meter, init
 from shoal.parallel import DistributedDataParallel
@@ -39,6 +40,8 @@ __all__ = [
     "Hierarchical",
     "DiLoCo",
     "StreamingDiLoCo",
+    "CollaborativeOptimizer",
+    "CollaborativeConfig",
     "PeriodicModelAverager",
     "HierarchicalModelAverager",
     "Group",

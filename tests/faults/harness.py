@@ -40,8 +40,10 @@ class Outcome:
 
 
 def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None = None,
-        hard_limit: float = 60.0, restarts: int = 1, kill: tuple[int, float] | None = None) -> Outcome:
-    coord = Coordinator(port=0, initial_workers=world).start()
+        hard_limit: float = 60.0, restarts: int = 1, kill: tuple[int, float] | None = None,
+        script: str = "elastic_worker.py", token: str | None = None, initial_workers: int | None = None) -> Outcome:
+    coord = Coordinator(port=0, initial_workers=world if initial_workers is None else initial_workers,
+                        token=token).start()
     base = {**os.environ, **(env or {}), "SHOAL_COORDINATOR": coord.address,
             "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
@@ -53,7 +55,7 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
         path = os.path.join(out_dir, f"log-{rank}-{life}.txt")
         log_paths.append(path)
         with open(path, "wb") as f:
-            p = subprocess.Popen([sys.executable, os.path.join(HERE, "elastic_worker.py"), "--out", out_dir, *args],
+            p = subprocess.Popen([sys.executable, os.path.join(HERE, script), "--out", out_dir, *args],
                                  env={**base, "RANK": str(rank), "SHOAL_RESTART": str(life)},
                                  stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         procs[rank] = (p, life)
