@@ -73,6 +73,7 @@ class RoundReport:
     seconds: float = 0.0
     excluded: tuple[int, ...] = ()   # member ids excluded from the round
     own_samples: int = 0             # this peer's weight in the round (0: auxiliary, behind, NaN)
+    source: int | None = None        # member id that sent state in this round, if any did
 
 
 class CollaborativeOptimizer:
@@ -410,17 +411,18 @@ class CollaborativeOptimizer:
             self._average_state()
         ex = tuple(sorted({members[r] for r in bad} | excluded))
         took = time.monotonic() - t0
-        peers, samples = sum(1 for w in verdict.weights if w > 0), sum(verdict.weights)
+        peers, samples = g.size, sum(verdict.weights)
+        src = members[verdict.source] if verdict.behind and verdict.source is not None else None
         if behind and not loaded:
-            return RoundReport(verdict.epoch, "behind", peers, samples, took, ex), None
+            return RoundReport(verdict.epoch, "behind", peers, samples, took, ex, 0, src), None
         if stale:
             self._fresh = False
-            return RoundReport(verdict.epoch, "loaded", peers, samples, took, ex), averaged
+            return RoundReport(verdict.epoch, "loaded", peers, samples, took, ex, 0, src), averaged
         if loaded:
             log.info("epoch %d: loaded the parameters of member %d (this peer started fresh)", epoch,
                      members[verdict.source or 0])
         self._fresh = False
-        return RoundReport(verdict.epoch, "averaged", g.size, samples, took, ex, verdict.weights[g.rank]), averaged
+        return RoundReport(verdict.epoch, "averaged", g.size, samples, took, ex, verdict.weights[g.rank], src), averaged
 
     def _robust_mean(self, contrib: torch.Tensor, weights: list[int], codec: Codec,
                      tag: str) -> tuple[torch.Tensor | None, list[int]]:

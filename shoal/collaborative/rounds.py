@@ -6,7 +6,7 @@ hold the others. Under ``<run_id>/mm/<epoch>/<attempt>/`` each ready peer
 takes a slot (``n`` counter, ``s/<k>`` = its id and role). The window opens
 when the first contributing peer registers and closes when every live peer
 (the coordinator's current members, less those whose heartbeat has stopped
-for ``probe`` seconds) is ready, or after ``matchmaking_time``. Whoever
+for half the heartbeat timeout) is ready, or after ``matchmaking_time``. Whoever
 closes it writes the member list with compare-and-set, so every peer reads
 the same list. Peers left out were too late: the swarm moved on without them.
 
@@ -32,12 +32,15 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.membership import MemberClient, Quorum, Timeouts
 from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.collaborative")
 
 _POLL_S = 0.002
 _QID = 1 << 60     # above any coordinator quorum id: ElasticGroup gives up a rendezvous when a newer one exists
@@ -58,6 +61,9 @@ class RoundGroup(ElasticGroup):
         self._members_cache: tuple[int, set[int]] = (-1, set())
         self._hb_seen: dict[int, tuple[bytes, float]] = {}
         self.last_wait = 0.0
+        # A heartbeat thread can starve for a while on a loaded machine: half the heartbeat
+        # timeout tells a dead peer from a busy one without waiting for the coordinator's verdict.
+        self.silence = max(timeouts.probe, timeouts.heartbeat_timeout / 2)
         self.gave_up = False
         self._admitted_ids: set[int] = set()
 
@@ -84,7 +90,7 @@ class RoundGroup(ElasticGroup):
             prev = self._hb_seen.get(i)
             if prev is None or prev[0] != b:
                 self._hb_seen[i] = (b, now)
-            elif now - prev[1] > self.timeouts.probe:
+            elif now - prev[1] > self.silence:
                 out.add(i)
             if b.strip() == b"-1":
                 out.add(i)
@@ -111,6 +117,7 @@ class RoundGroup(ElasticGroup):
         rec = {"id": me, "c": int(contributing), "cl": int(bool(self.role.get("client")))}
         st.set(base + f"s/{slot}", json.dumps(rec))
         opened: float | None = None
+        recent = self._last_members()
         while not st.check([base + "members"]):
             now = time.monotonic()
             n = int(st.add(base + "n", 0))
@@ -125,9 +132,13 @@ class RoundGroup(ElasticGroup):
             ready = {i: r for i, r in ready.items() if (i in live or self._admitted(i)) and i not in excluded}
             if opened is None and any(r["c"] for r in ready.values()):
                 opened = now
-            expected = live - excluded - self._silent(live - set(ready) - {me}, now)
+            # The coordinator's list lags a join by its grace period: peers of the last round are expected too.
+            known = live | recent
+            expected = known - excluded - self._silent(known - set(ready) - {me}, now)
             everyone = expected <= set(ready)
             if opened is not None and (everyone or now - opened >= self.matchmaking_time):
+                log.debug("closing %s: ready %s, live %s (quorum %d), expected %s", base, sorted(ready), sorted(live), self._members_cache[0],
+                          sorted(expected))
                 self._close(base, ready, None)
                 break
             if now > deadline:
@@ -141,6 +152,15 @@ class RoundGroup(ElasticGroup):
         if me not in members:
             return None
         return Quorum(_QID + epoch * 1000 + attempt, members, str(record["prefix"]))
+
+    def _last_members(self) -> set[int]:
+        last = self.key("mm/last")
+        if not self.mm_store.check([last]):
+            return set()
+        try:
+            return {int(m) for m in json.loads(self.mm_store.get(last).decode() or "{}").get("members", [])}
+        except (ValueError, TypeError, AttributeError):
+            return set()
 
     def _close(self, base: str, ready: dict[int, dict[str, int]], without: int | None) -> None:
         members = sorted((i for i in ready if i != without), key=lambda i: (ready[i]["cl"], i))

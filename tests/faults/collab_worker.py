@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -38,15 +39,24 @@ def main() -> None:
     ap.add_argument("--matchmaking", type=float, default=3.0)
     ap.add_argument("--averaging-timeout", type=float, default=20.0)
     ap.add_argument("--token", default="run-token-123")
+    ap.add_argument("--load-timeout", type=float, default=10.0)
     ap.add_argument("--state-every", type=int, default=0)
     ap.add_argument("--delay", action="store_true")
     ap.add_argument("--max-seconds", type=float, default=40.0)
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds of pretend compute per step")
+    ap.add_argument("--until-peers", type=int, default=0,
+                    help="stop 3 epochs after the swarm is back to this many peers after a round with fewer")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if os.environ.get("SHOAL_COLLAB_DEBUG"):
+        import logging
+        logging.basicConfig(level=logging.DEBUG, format="%(relativeCreated)d %(message)s")
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
     roles = {int(r.split(":")[0]): r.split(":")[1] for r in a.role}
     role = roles.get(rank, "peer")
-    if role == "late":
+    if life > 0:
+        role = "late"       # a restarted peer joins a running swarm
+    if role == "late" and life == 0:
         time.sleep(4.0)
     torch.manual_seed(0)
     width = 33 if role == "shape" else 32
@@ -55,7 +65,7 @@ def main() -> None:
     cfg = shoal.CollaborativeConfig(
         run_id=os.environ["SHOAL_RUN_ID"], target_batch_size=a.target, batch_size_per_step=bs,
         coordinator=os.environ["SHOAL_COORDINATOR"], token=a.token, matchmaking_time=a.matchmaking,
-        averaging_timeout=a.averaging_timeout, load_state_timeout=30.0, auxiliary=role == "aux",
+        averaging_timeout=a.averaging_timeout, load_state_timeout=a.load_timeout, auxiliary=role == "aux",
         client_mode=role == "client", average_state_every=a.state_every, heartbeat_timeout=3.0,
         delay_optimizer_step=a.delay, delay_grad_averaging=a.delay, offload_optimizer=a.delay,
         average_opt_statistics=("exp_avg_sq",) if a.state_every else ())
@@ -67,6 +77,14 @@ def main() -> None:
             c, w, _ = real()
             return torch.full_like(c, float("nan")), max(w, 1), True
         opt._contribution = poisoned  # type: ignore[method-assign]
+    if role == "die":   # SIGKILLed in the middle of epoch 2's averaging
+        real_mean = opt._robust_mean
+
+        def die(*args, **kw):  # type: ignore[no-untyped-def]
+            if opt.local_epoch == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_mean(*args, **kw)
+        opt._robust_mean = die  # type: ignore[method-assign]
     if role == "stall":  # hangs inside the round for longer than the averaging timeout, heartbeat alive
         real_attempt = opt._attempt
 
@@ -83,7 +101,9 @@ def main() -> None:
     w_true = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
     log: list[dict[str, object]] = []
     t_end = time.monotonic() + a.max_seconds
-    while opt.local_epoch < a.epochs and time.monotonic() < t_end:
+    stop_at = a.epochs
+    seen_fewer = life > 0   # --until-peers counts only a full round after one with fewer peers
+    while opt.local_epoch < stop_at and time.monotonic() < t_end:
         if role != "aux":
             x = torch.randn(bs, 16, generator=g)
             loss = F.mse_loss(net(x), torch.tanh(x @ w_true))
@@ -91,12 +111,21 @@ def main() -> None:
         report = opt.step()
         if role != "aux":
             opt.zero_grad()
+        if a.pace:
+            time.sleep(a.pace)
         if report is not None:
             opt.wait_pending()
+            if report.outcome == "averaged" and report.peers < a.until_peers:
+                seen_fewer = True
+            if a.until_peers and seen_fewer and report.outcome in ("averaged", "loaded") \
+                    and report.peers >= a.until_peers \
+                    and stop_at == a.epochs:
+                stop_at = report.epoch + 3
             log.append({"epoch": report.epoch, "outcome": report.outcome, "peers": report.peers,
-                        "samples": report.samples, "own": report.own_samples, "excluded": report.excluded,
+                        "samples": report.samples, "own": report.own_samples, "excluded": report.excluded, "source": report.source,
                         "local_epoch": opt.local_epoch, "digest": digest(list(net.parameters())),
-                        "finite": all(bool(torch.isfinite(p).all()) for p in net.parameters()), "t": time.time()})
+                        "finite": all(bool(torch.isfinite(p).all()) for p in net.parameters()), "t": time.time(),
+                        "took": report.seconds})
     opt.wait_pending()
     sd = opt.state_dict()
     result = {"rank": rank, "role": role, "member": opt.member_id, "log": log, "epoch": opt.local_epoch,

@@ -84,7 +84,7 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         coord.stop()
-        outcome.logs = "\n".join(f"=== {os.path.basename(lp)}\n{open(lp, errors='replace').read()[-3000:]}"
+        outcome.logs = (f"=== coordinator error: {coord.error!r}\n" if coord.error else "") + "\n".join(f"=== {os.path.basename(lp)}\n{open(lp, errors='replace').read()[-3000:]}"
                                  for lp in log_paths)
     for name in os.listdir(out_dir):
         if name.endswith(".pt"):
