@@ -12,6 +12,7 @@ or, for any strategy (DDP, local SGD, hierarchical, DiLoCo, ...)::
 """
 
 from shoal import errors
+from shoal.collaborative import CollaborativeConfig, CollaborativeOptimizer
 from shoal.averagers import HierarchicalModelAverager, PeriodicModelAverager
 from shoal.comm import CommCounters, CommStats, Group, Meter, init
 from shoal.optim import ZeroRedundancyOptimizer
@@ -44,6 +45,8 @@ __all__ = [
     "StreamingDiLoCo",
     "NonBlocking",
     "DASO",
+    "CollaborativeOptimizer",
+    "CollaborativeConfig",
     "PeriodicModelAverager",
     "HierarchicalModelAverager",
     "ZeroRedundancyOptimizer",

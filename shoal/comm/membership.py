@@ -30,6 +30,12 @@ Protocol (keys under ``<run_id>/``; ``runs/n`` and ``runs/<k>`` list the runs):
 - a member silent for ``heartbeat_timeout`` is dropped without any request,
   and ``<prefix>abort`` of the current quorum is set, so that members blocked
   in one of its collectives give up at once.
+- authentication (a coordinator started with a ``token``; it sets
+  ``auth/required``): after taking its id the joiner waits for
+  ``auth/<id>/nonce``, answers ``auth/<id>/proof = HMAC(token, run/id, nonce)``
+  and reads ``auth/<id>/verdict``. The coordinator admits only ids whose
+  proof it verified, and signs each quorum record (``mac``) so members can
+  reject records it did not write. The token never travels.
 
 Example::
 
@@ -51,7 +57,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shoal.errors import ConfigError, ShoalError
+from shoal.comm import auth
+from shoal.errors import AuthError, ConfigError, ShoalError
 
 _TICK_S = 0.02  # coordinator poll period: membership changes are seen within it
 
@@ -167,6 +174,8 @@ class _Run:
         self.probe_since: float | None = None
         self.probe_base: dict[int, int] = {}
         self.last_join = 0.0
+        self.nonces: dict[int, str] = {}        # challenges sent, by member id
+        self.authed: set[int] = set()           # ids whose proof was verified
 
     def key(self, k: str) -> str:
         return f"{self.run_id}/{k}"
@@ -192,6 +201,9 @@ class Coordinator:
         initial_workers: a run's first quorum waits for this many workers (the
             launcher passes the number it starts); later quorums need only
             the workers' ``min_workers``.
+        token: the run token; when given, only workers that prove they hold
+            it (an HMAC challenge, see the module docstring) are admitted, and
+            quorum records are signed with it.
 
     Timeouts and ``min_workers`` come from the workers' join records, so the
     coordinator needs no configuration of its own.
@@ -204,7 +216,8 @@ class Coordinator:
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", join_grace: float = 0.25,
-                 initial_workers: int = 1) -> None:
+                 initial_workers: int = 1, token: str | None = None) -> None:
+        self.token = auth.check_token(token)
         if not 0 <= port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {port}")
         if isinstance(initial_workers, bool) or not isinstance(initial_workers, int) or initial_workers < 1:
@@ -217,6 +230,8 @@ class Coordinator:
         self._server = connect(f"{host}:{port}", timeout=30.0, is_master=True)
         self.port = int(self._server.port)
         self._store = connect(f"{host}:{self.port}", timeout=30.0)
+        if self.token is not None:
+            self._store.set("auth/required", "1")
         self._runs: dict[str, _Run] = {}
         self._runs_seen = 0
         self._stop = threading.Event()
@@ -267,6 +282,8 @@ class Coordinator:
             run.pending_join.add(i)
         run.next_seen = top
         for i in sorted(run.pending_join):
+            if self.token is not None and i not in run.authed and not self._challenge(run, i):
+                continue
             if st.check([run.key(f"join/{i}")]):
                 run.pending_join.discard(i)
                 run.members[i] = _Member(seen=now, info=json.loads(_s(st.get(run.key(f"join/{i}")))))
@@ -289,6 +306,26 @@ class Coordinator:
         if gone and set(gone) & set(run.current):
             st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
         self._maybe_publish(run, now, t, bool(gone))
+
+    def _challenge(self, run: _Run, i: int) -> bool:
+        """Advance member ``i``'s HMAC challenge; True once its proof is verified."""
+        if self.token is None:
+            return True
+        st, base = self._store, run.key(f"auth/{i}/")
+        nonce = run.nonces.get(i)
+        if nonce is None:
+            run.nonces[i] = auth.new_nonce()
+            st.set(base + "nonce", run.nonces[i])
+            return False
+        if not st.check([base + "proof"]):
+            return False
+        ok = auth.verify(self.token, f"{run.run_id}/{i}", nonce, _s(st.get(base + "proof")))
+        st.set(base + "verdict", "ok" if ok else "denied")
+        if ok:
+            run.authed.add(i)
+        else:
+            run.pending_join.discard(i)   # never admitted, never asked again
+        return ok
 
     def _maybe_publish(self, run: _Run, now: float, t: Timeouts, lost: bool) -> None:
         st = self._store
@@ -316,9 +353,15 @@ class Coordinator:
             return
         run.qid += 1
         run.current = members
-        record = {"members": list(members), "prefix": f"{run.key(f'q{run.qid}')}/"}
+        record: dict[str, Any] = {"members": list(members), "prefix": f"{run.key(f'q{run.qid}')}/"}
+        if self.token is not None:
+            record["mac"] = auth.sign(self.token, _quorum_text(run.qid, members, record["prefix"]))
         self._store.set(run.key(f"q/{run.qid}"), json.dumps(record))
         self._store.add(run.key("q/latest"), 1)  # only the coordinator writes it: it equals qid
+
+
+def _quorum_text(qid: int, members: tuple[int, ...] | list[int], prefix: str) -> str:
+    return f"{qid}|{','.join(str(m) for m in members)}|{prefix}"
 
 
 class MemberClient:
@@ -333,7 +376,7 @@ class MemberClient:
     """
 
     def __init__(self, address: str, run_id: str, timeouts: Timeouts, min_workers: int = 1,
-                 info: dict[str, Any] | None = None) -> None:
+                 info: dict[str, Any] | None = None, token: str | None = None) -> None:
         if not run_id or "/" in run_id:
             raise ConfigError(f"run_id must be a non-empty string without '/', got {run_id!r}")
         if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
@@ -343,6 +386,7 @@ class MemberClient:
         self.timeouts = timeouts
         self.min_workers = min_workers
         self.info = dict(info or {})
+        self.token = auth.check_token(token)
         self.store = connect(address, timeouts.quorum)
         self.member_id = 0
         self.watched_prefix: str | None = None   # the heartbeat thread watches <prefix>abort
@@ -361,6 +405,7 @@ class MemberClient:
             st.set(f"runs/{st.add('runs/n', 1)}", self.run_id)
         self.leave()
         self.member_id = st.add(self.key("next_id"), 1)
+        self._authenticate(self.member_id)
         st.add(self.key(f"hb/{self.member_id}"), 1)
         record = {"timeouts": asdict(self.timeouts), "min_workers": self.min_workers, **self.info}
         st.set(self.key(f"join/{self.member_id}"), json.dumps(record))
@@ -369,6 +414,31 @@ class MemberClient:
                                     name="shoal-heartbeat", daemon=True)
         self._hb.start()
         return self.member_id
+
+    def _authenticate(self, member_id: int) -> None:
+        """Answer the coordinator's challenge; AuthError if refused or if the two sides disagree on auth."""
+        st, base = self.store, self.key(f"auth/{member_id}/")
+        required = st.check(["auth/required"])
+        if self.token is None:
+            if required:
+                raise AuthError(f"the coordinator at {self.address} requires a run token and this worker "
+                                "has none: pass the run's token (e.g. CollaborativeConfig(token=...))")
+            return
+        if not required:
+            raise AuthError(f"this worker has a run token but the coordinator at {self.address} does not "
+                            "authenticate workers: start it with the same token (Coordinator(token=...))")
+        wait = datetime.timedelta(seconds=self.timeouts.quorum)
+        try:
+            st.wait([base + "nonce"], wait)
+            nonce = _s(st.get(base + "nonce"))
+            st.set(base + "proof", auth.answer(self.token, f"{self.run_id}/{member_id}", nonce))
+            st.wait([base + "verdict"], wait)
+        except RuntimeError as e:   # the store's wait timed out
+            raise ShoalError(f"the coordinator at {self.address} did not complete the join challenge "
+                             f"within {self.timeouts.quorum} s: {e}") from e
+        if _s(st.get(base + "verdict")) != "ok":
+            raise AuthError(f"the coordinator at {self.address} refused this worker: its proof of the run "
+                            f"token for run {self.run_id!r} was wrong (a different token?)")
 
     def _beat(self, member_id: int, stop: threading.Event) -> None:
         # Its own store client: the training thread may be inside a store call.
@@ -399,7 +469,12 @@ class MemberClient:
 
     def quorum(self, qid: int) -> Quorum:
         rec = json.loads(_s(self.store.get(self.key(f"q/{qid}"))))
-        return Quorum(qid, tuple(int(m) for m in rec["members"]), str(rec["prefix"]))
+        members, prefix = tuple(int(m) for m in rec["members"]), str(rec["prefix"])
+        if self.token is not None and not auth.verify(self.token, "record", _quorum_text(qid, members, prefix),
+                                                      str(rec.get("mac", ""))):
+            raise AuthError(f"quorum record {qid} of run {self.run_id!r} is not signed with the run token: "
+                            "someone other than the coordinator wrote it")
+        return Quorum(qid, members, prefix)
 
     def request_quorum(self, failed_qid: int) -> None:
         """Ask for a quorum to replace ``failed_qid``; the coordinator probes liveness first."""

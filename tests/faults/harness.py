@@ -41,8 +41,9 @@ class Outcome:
 
 def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None = None,
         hard_limit: float = 60.0, restarts: int = 1, kill: tuple[int, float] | None = None,
-        script: str = "elastic_worker.py") -> Outcome:
-    coord = Coordinator(port=0, initial_workers=world).start()
+        script: str = "elastic_worker.py", token: str | None = None, initial_workers: int | None = None) -> Outcome:
+    coord = Coordinator(port=0, initial_workers=world if initial_workers is None else initial_workers,
+                        token=token).start()
     base = {**os.environ, **(env or {}), "SHOAL_COORDINATOR": coord.address,
             "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
@@ -83,7 +84,7 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         coord.stop()
-        outcome.logs = "\n".join(f"=== {os.path.basename(lp)}\n{open(lp, errors='replace').read()[-3000:]}"
+        outcome.logs = (f"=== coordinator error: {coord.error!r}\n" if coord.error else "") + "\n".join(f"=== {os.path.basename(lp)}\n{open(lp, errors='replace').read()[-3000:]}"
                                  for lp in log_paths)
     for name in os.listdir(out_dir):
         if name.endswith(".pt"):

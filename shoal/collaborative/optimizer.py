@@ -1,0 +1,609 @@
+"""CollaborativeOptimizer: hivemind-style training across unreliable peers.
+
+Each ``step()`` adds this peer's gradients to a local accumulator and its
+batch to the swarm's sample counter. When the swarm's samples for the epoch
+reach ``target_batch_size``, the peers ready within ``matchmaking_time``
+average their accumulated gradients, weighted by samples, through the
+gradient codec, and all step their optimizers: the epoch advances. What can
+go wrong, and what happens:
+
+- a peer dies mid-round: the collective fails at once, the vote discards,
+  and the survivors match again and average among themselves (within
+  ``averaging_timeout``);
+- averaging cannot finish in ``averaging_timeout``: this peer steps with its
+  own gradients and logs it;
+- a peer is behind (joined late, missed rounds): it takes part in the next
+  round with weight 0 and receives parameters, optimizer state, scheduler
+  state and epoch from an up-to-date, non-client peer;
+- a peer sends a header it cannot back (wrong shapes or dtypes, absurd
+  weight) or non-finite data: it is excluded from the round (see
+  :mod:`shoal.collaborative.validate` for how) and logged;
+- this peer's own gradients are NaN/Inf: its contribution is dropped (weight 0).
+
+Example::
+
+    opt = shoal.CollaborativeOptimizer(
+        lambda params: torch.optim.Adam(params, lr=1e-3), params=model.named_parameters(),
+        config=shoal.CollaborativeConfig(run_id="mlp", target_batch_size=4096, batch_size_per_step=64,
+                                         coordinator="10.0.0.1:29400", token="s3cret-token"))
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        opt.step()              # accumulates; steps the optimizer when the swarm reaches 4096 samples
+        opt.zero_grad()
+    opt.shutdown()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import io
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from shoal.codecs.base import Codec
+from shoal.codecs.cast import Cast
+from shoal.codecs.identity import Identity
+from shoal.collaborative.config import CollaborativeConfig
+from shoal.collaborative.progress import ProgressTracker, SwarmProgress
+from shoal.collaborative.rounds import RoundGroup
+from shoal.collaborative.validate import (FLAG_AUX, FLAG_CLIENT, FLAG_FRESH, HEADER_LEN, Verdict,
+                                          check_finite_tree, check_state, encode_header, judge_headers,
+                                          layout_digest)
+from shoal.errors import ConfigError, PeerLostError, ShoalError
+
+log = logging.getLogger("shoal.collaborative")
+
+OptimizerOrFactory = torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+@dataclass
+class RoundReport:
+    """What one epoch's averaging did (``CollaborativeOptimizer.last_round``)."""
+
+    epoch: int
+    outcome: str                 # "averaged", "local" (timed out or alone), "loaded" (state received)
+    peers: int = 1
+    samples: int = 0
+    seconds: float = 0.0
+    excluded: tuple[int, ...] = ()   # member ids excluded from the round
+    own_samples: int = 0             # this peer's weight in the round (0: auxiliary, behind, NaN)
+    source: int | None = None        # member id that sent state in this round, if any did
+
+
+class CollaborativeOptimizer:
+    """Wraps a torch optimizer for training with peers that come and go; see the module docstring.
+
+    Args:
+        optimizer_or_factory: a torch optimizer, or ``f(params) -> optimizer``
+            (needed with ``offload_optimizer``, which hands it host copies).
+        params: the parameters, as ``named_parameters()`` pairs (names are
+            the codec's state keys) or tensors; default: the optimizer's.
+        config: a :class:`CollaborativeConfig`.
+        scheduler: a learning-rate scheduler or ``f(optimizer) -> scheduler``; stepped once per epoch.
+        extra_tensors: tensors averaged with the state and sent to peers that load
+            state (e.g. batch-norm statistics).
+    """
+
+    def __init__(self, optimizer_or_factory: OptimizerOrFactory,
+                 params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                 config: CollaborativeConfig, scheduler: Any = None,
+                 extra_tensors: Sequence[torch.Tensor] = ()) -> None:
+        if not isinstance(config, CollaborativeConfig):
+            raise ConfigError(f"config must be a shoal.CollaborativeConfig, got {type(config).__name__}")
+        self.config = cfg = config
+        self.names, self.params = self._params(optimizer_or_factory, params)
+        self.extra = [t for t in extra_tensors]
+        if cfg.offload_optimizer:
+            if isinstance(optimizer_or_factory, torch.optim.Optimizer):
+                raise ConfigError("offload_optimizer=True needs an optimizer factory (params -> optimizer): the "
+                                  "optimizer must be built over the host copies, not the model's parameters")
+            self.opt_params = [p.detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
+                               for p in self.params]
+        else:
+            self.opt_params = self.params
+        self.optimizer = optimizer_or_factory if isinstance(optimizer_or_factory, torch.optim.Optimizer) \
+            else optimizer_or_factory(self.opt_params)
+        self.scheduler = scheduler(self.optimizer) if callable(scheduler) and not hasattr(scheduler, "step") \
+            else scheduler
+        self.grad_codec: Codec = cfg.grad_codec or Identity()
+        self.state_codec: Codec = cfg.state_averaging_codec or Identity()
+        self.local_epoch = 0
+        self.last_round: RoundReport | None = None
+        self.rounds: list[RoundReport] = []
+        self._numel = sum(p.numel() for p in self.params)
+        self._acc = torch.zeros(self._numel, dtype=torch.float32)
+        self._acc_views = self._views(self._acc)
+        self._samples = 0
+        self._micro = 0
+        self._fresh = True
+        self._scaler_good = 0
+        self._digest = layout_digest(self.names, self.params)
+        role = {"aux": cfg.auxiliary, "client": cfg.client_mode, "pid": os.getpid()}
+        if cfg.verbose and not log.handlers:
+            h = logging.StreamHandler()
+            h.setFormatter(logging.Formatter("%(asctime)s shoal.collaborative: %(message)s", "%H:%M:%S"))
+            log.addHandler(h)
+            log.setLevel(logging.INFO)
+        self.group = RoundGroup(cfg.run_id, cfg.coordinator, cfg.timeouts(), cfg.token, cfg.matchmaking_time, role)
+        self.member_id = self.group.client.member_id
+        self.tracker = ProgressTracker(self.group.client.store.clone(),  # type: ignore[attr-defined]
+                                       cfg.run_id, self.member_id, cfg.target_batch_size,
+                                       role="auxiliary" if cfg.auxiliary else "client" if cfg.client_mode else "peer")
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="shoal-collab") if cfg.delay_optimizer_step else None
+        self._pending: cf.Future[None] | None = None
+
+    # --- construction helpers --------------------------------------------------
+    @staticmethod
+    def _params(opt: Any, params: Any) -> tuple[list[str], list[torch.Tensor]]:
+        if params is None:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError("params are required when an optimizer factory is given")
+            items: list[Any] = [p for g in opt.param_groups for p in g["params"]]
+        else:
+            items = list(params)
+        named = [(f"p{i}", x) if isinstance(x, torch.Tensor) else x for i, x in enumerate(items)]
+        for n, p in named:
+            if not isinstance(n, str) or not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                raise ConfigError(f"params must be floating tensors or (name, tensor) pairs, got {n!r}")
+        if not named:
+            raise ConfigError("CollaborativeOptimizer got no parameters to train")
+        return [n for n, _ in named], [p for _, p in named]
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, off = [], 0
+        for p in self.params:
+            out.append(flat[off: off + p.numel()].view(p.shape))
+            off += p.numel()
+        return out
+
+    # --- the user's API ----------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients (not allowed with ``reuse_grad_buffers``: shoal owns them then)."""
+        if self.config.reuse_grad_buffers:
+            raise ShoalError("zero_grad() with reuse_grad_buffers=True would erase the accumulated gradients: "
+                             "shoal zeroes .grad itself after each epoch; remove the zero_grad() call")
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None,
+             grad_scaler: Any = None) -> RoundReport | None:
+        """Accumulate this step's gradients; average and step when the swarm reaches the target.
+
+        Returns the round's report at the steps that end an epoch, else None.
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._apply_pending()
+        if self.config.auxiliary:
+            return self._aux_step()
+        bs = batch_size if batch_size is not None else self.config.batch_size_per_step
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ConfigError(f"batch size must be an integer >= 1 (pass batch_size= or set "
+                              f"CollaborativeConfig.batch_size_per_step), got {bs!r}")
+        if self._fresh and self.local_epoch < self.tracker.global_epoch():
+            return self._catch_up()
+        if not self._accumulate(bs, grad_scaler):
+            return None
+        total = self.tracker.add_samples(self.local_epoch, bs)
+        self.tracker.on_step(bs, self.local_epoch, self._samples)
+        if total < self.config.target_batch_size or self._pending is not None:
+            return None
+        return self._end_epoch()
+
+    def _accumulate(self, bs: int, scaler: Any) -> bool:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        inv = 1.0
+        if scaler is not None and scaler.is_enabled():
+            scale = float(scaler.get_scale())
+            if not all(bool(torch.isfinite(g).all()) for g in grads):
+                scaler.update(scale * scaler.get_backoff_factor())   # overflow: skip this batch, as torch does
+                self._scaler_good = 0
+                return False
+            self._scaler_good += 1
+            if self._scaler_good >= scaler.get_growth_interval():
+                scaler.update(scale * scaler.get_growth_factor())
+                self._scaler_good = 0
+            inv = 1.0 / scale
+        if self.config.reuse_grad_buffers:
+            self._micro += 1            # .grad sums the batches' mean gradients; read at the epoch's end
+        else:
+            torch._foreach_add_(self._acc_views, [g.detach().float() for g in grads], alpha=bs * inv)
+        self._samples += bs
+        return True
+
+    def _contribution(self) -> tuple[torch.Tensor, int, bool]:
+        """This peer's weighted gradient sum (flat fp32), its weight in samples, and whether it is finite."""
+        if self.config.reuse_grad_buffers and self._micro:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            torch._foreach_add_(self._acc_views, [g.detach().float() for g in grads],
+                                alpha=self._samples / self._micro)
+        finite = bool(torch.isfinite(self._acc).all())
+        if not finite:
+            log.warning("epoch %d: this peer's gradients contain NaN/Inf; its contribution is dropped this round",
+                        self.local_epoch)
+            return torch.zeros_like(self._acc), 0, False
+        return self._acc.clone(), self._samples, True
+
+    def _reset_accumulators(self) -> None:
+        self._acc.zero_()
+        self._samples = self._micro = 0
+        if self.config.reuse_grad_buffers:
+            for p in self.params:
+                p.grad = None
+
+    # --- epoch end ----------------------------------------------------------------
+    def _end_epoch(self) -> RoundReport | None:
+        contrib, weight, finite = self._contribution()
+        epoch = self.local_epoch
+        self._reset_accumulators()
+        if self._pool is not None and self.config.delay_grad_averaging:
+            self.local_epoch += 1        # the next batches count towards the next epoch already
+            self._pending = self._pool.submit(self._finish_round, epoch, contrib, weight, finite)
+            return None
+        report, averaged = self._round(epoch, epoch, contrib, weight, finite, self.config.averaging_timeout)
+        if self._pool is not None and report.outcome != "behind":
+            self.local_epoch = report.epoch + 1
+            self._pending = self._pool.submit(self._apply, report, averaged, contrib, weight)
+        else:
+            self._apply(report, averaged, contrib, weight)
+            self._copy_back()
+        return report
+
+    def _finish_round(self, epoch: int, contrib: torch.Tensor, weight: int, finite: bool) -> None:
+        report, averaged = self._round(epoch, epoch, contrib, weight, finite, self.config.averaging_timeout)
+        self._apply(report, averaged, contrib, weight)
+
+    def _apply(self, report: RoundReport, averaged: torch.Tensor | None, contrib: torch.Tensor, weight: int) -> None:
+        """Step with the round's mean (or, after a failed round, this peer's own gradients); advance the epoch."""
+        if report.outcome == "local" and averaged is None and weight > 0:
+            averaged = contrib / weight
+        if report.outcome != "behind":
+            if averaged is not None:
+                for p, g in zip(self.opt_params, self._views(averaged)):
+                    p.grad = g.to(p.dtype).clone()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.local_epoch = report.epoch + 1
+        self._after_epoch(report)
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None and self._pending.done():
+            fut, self._pending = self._pending, None
+            fut.result()
+            self._copy_back()
+
+    def _copy_back(self) -> None:
+        if self.opt_params is not self.params:
+            with torch.no_grad():
+                for p, q in zip(self.params, self.opt_params):
+                    p.copy_(q)
+
+    def _after_epoch(self, report: RoundReport) -> None:
+        self.tracker.raise_epoch(self.local_epoch)
+        self.tracker.on_step(0, self.local_epoch, self._samples, force=True)
+        self.tracker.ema.pause()
+        self.last_round = report
+        self.rounds.append(report)
+        if self.config.verbose:
+            view = self.swarm_progress()
+            log.info("epoch %d: %d peers, %d/%d samples, %.0f samples/s, %s with %d peers in %.1f s",
+                     report.epoch, view.num_peers, report.samples, self.config.target_batch_size,
+                     view.samples_per_second, report.outcome, report.peers, report.seconds)
+
+    def _catch_up(self) -> RoundReport | None:
+        """This peer is behind: take part in the swarm's next round with weight 0 and load its state."""
+        deadline = time.monotonic() + self.config.load_state_timeout
+        zeros = torch.zeros_like(self._acc)
+        while time.monotonic() < deadline:
+            epoch = self.tracker.global_epoch()
+            report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, deadline - time.monotonic())
+            if report.outcome == "loaded":
+                self._reset_accumulators()
+                self._apply(report, averaged, zeros, 0)
+                self._copy_back()
+                return report
+            while self.tracker.global_epoch() == epoch and time.monotonic() < deadline:
+                time.sleep(0.01)     # that round closed without this peer: wait for the swarm's next one
+        log.warning("could not load the swarm's state within load_state_timeout=%.1f s; will retry at the next step",
+                    self.config.load_state_timeout)
+        self._reset_accumulators()
+        return None
+
+    def _aux_step(self) -> RoundReport | None:
+        """An auxiliary peer: wait for the swarm to reach the target, then average with weight 0."""
+        deadline = time.monotonic() + self.config.averaging_timeout
+        while time.monotonic() < deadline:
+            epoch = max(self.tracker.global_epoch(), self.local_epoch)
+            if self.tracker.add_samples(epoch, 0) >= self.config.target_batch_size:
+                zeros = torch.zeros_like(self._acc)
+                report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, self.config.averaging_timeout)
+                if report.outcome in ("averaged", "loaded"):
+                    self._apply(report, averaged, zeros, 0)
+                    self._copy_back()
+                elif report.outcome == "behind":
+                    self._fresh = True
+                else:
+                    self.local_epoch = max(self.local_epoch, epoch + 1)   # nothing to apply: follow the swarm
+                return report
+            self.tracker.on_step(0, self.local_epoch, 0)
+            time.sleep(0.01)
+        return None
+
+    # --- rounds ---------------------------------------------------------------------
+    def _round(self, epoch: int, my_epoch: int, contrib: torch.Tensor, weight: int, finite: bool,
+               timeout: float) -> tuple[RoundReport, torch.Tensor | None]:
+        """Average ``contrib`` with the peers ready for ``epoch``; retry without lost peers until ``timeout``."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        excluded: set[int] = set()
+        attempt = 0
+        while time.monotonic() < deadline:
+            q = self.group.matchmake(epoch, attempt, weight > 0, excluded, deadline)
+            attempt += 1
+            if q is None and not self.group.gave_up:
+                log.warning("epoch %d: the swarm averaged without this peer (too late); it will load the "
+                            "swarm's state", epoch)
+                self._fresh = True
+                return RoundReport(epoch, "behind", 0, 0, time.monotonic() - t0), None
+            if q is None:
+                log.warning("epoch %d: no averaging group formed within %.1f s; stepping with local gradients",
+                            epoch, timeout)
+                break
+            if not self.group.enter(q, deadline):
+                continue
+            outcome = self._attempt(epoch, my_epoch, contrib, weight, finite, excluded, t0)
+            if outcome is not None:
+                return outcome
+        else:
+            log.warning("epoch %d: averaging did not finish within %.1f s; stepping with local gradients",
+                        epoch, timeout)
+        return RoundReport(epoch, "local", 1, weight, time.monotonic() - t0, own_samples=weight), None
+
+    def _header(self, my_epoch: int, weight: int, finite: bool) -> torch.Tensor:
+        flags = (FLAG_AUX if self.config.auxiliary else 0) | (FLAG_CLIENT if self.config.client_mode else 0) \
+            | (FLAG_FRESH if self._fresh else 0)
+        return encode_header(self.member_id, my_epoch, weight, finite, self._digest, self._numel, flags)
+
+    def _attempt(self, epoch: int, my_epoch: int, contrib: torch.Tensor, weight: int, finite: bool,
+                 excluded: set[int], t0: float) -> tuple[RoundReport, torch.Tensor | None] | None:
+        g = self.group
+        table = torch.empty(HEADER_LEN * g.size, dtype=torch.int64)
+        g.all_gather_into(table, self._header(my_epoch, weight, finite), tag="collab/header").wait()
+        if g.error is not None:
+            g.vote()
+            return None
+        members = g.quorum.members if g.quorum else ()
+        verdict = judge_headers(list(table.view(g.size, HEADER_LEN)), members, 4 * self.config.target_batch_size)
+        if verdict.violators:
+            for r in verdict.violators:
+                log.warning("epoch %d: excluding member %d from the round: it %s", epoch, members[r], verdict.reasons[r])
+            excluded.update(members[r] for r in verdict.violators)
+            g.drop()
+            if g.rank in verdict.violators:
+                return RoundReport(epoch, "local", 1, weight, time.monotonic() - t0, (self.member_id,)), None
+            return None
+        behind = g.rank in verdict.behind           # receives state (behind, or fresh)
+        stale = behind and verdict.weights[g.rank] == 0   # behind: its gradients are for old parameters
+        loaded = self._exchange_state(verdict)
+        if verdict.weights[g.rank] == 0:
+            contrib = torch.zeros_like(contrib)
+        averaged, bad = self._robust_mean(contrib, verdict.weights, self.grad_codec, "collab/grad")
+        if not g.vote():
+            return None
+        if self.config.average_state_every and (verdict.epoch + 1) % self.config.average_state_every == 0:
+            self._average_state()
+        ex = tuple(sorted({members[r] for r in bad} | excluded))
+        took = time.monotonic() - t0
+        peers, samples = g.size, sum(verdict.weights)
+        src = members[verdict.source] if verdict.behind and verdict.source is not None else None
+        if behind and not loaded:
+            return RoundReport(verdict.epoch, "behind", peers, samples, took, ex, 0, src), None
+        if stale:
+            self._fresh = False
+            return RoundReport(verdict.epoch, "loaded", peers, samples, took, ex, 0, src), averaged
+        if loaded:
+            log.info("epoch %d: loaded the parameters of member %d (this peer started fresh)", epoch,
+                     members[verdict.source or 0])
+        self._fresh = False
+        return RoundReport(verdict.epoch, "averaged", g.size, samples, took, ex, verdict.weights[g.rank], src), averaged
+
+    def _robust_mean(self, contrib: torch.Tensor, weights: list[int], codec: Codec,
+                     tag: str) -> tuple[torch.Tensor | None, list[int]]:
+        """Weighted mean of the members' ``contrib`` (each a weight-scaled sum); see validate.py for the checks."""
+        g, total = self.group, sum(weights)
+        if total == 0:
+            return None, []
+        w = weights[g.rank]
+        work = contrib * (g.size / total) if w > 0 else torch.zeros_like(contrib)
+        with torch.no_grad():
+            codec.mean(self._views(work), self.names, g, tag)
+        if g.error is not None or bool(torch.isfinite(work).all()):
+            return work, []
+        # Someone sent NaN/Inf into the sum: gather everyone's raw contribution to find them.
+        mine = contrib if w > 0 else torch.zeros_like(contrib)
+        everyone = torch.empty(g.size * self._numel, dtype=torch.float32)
+        g.all_gather_into(everyone, mine, tag=tag + "/check").wait()
+        rows = everyone.view(g.size, self._numel)
+        finite = torch.isfinite(rows).all(dim=1).tolist()
+        bad = [r for r in range(g.size) if not finite[r] or (weights[r] == 0 and bool(rows[r].any()))]
+        good = [r for r in range(g.size) if r not in bad and weights[r] > 0]
+        members = g.quorum.members if g.quorum else ()
+        for r in bad:
+            log.warning("member %d sent non-finite or unweighted data in %s; excluded from this round's mean",
+                        members[r], tag)
+        if not good:
+            return None, bad
+        return rows[good].sum(dim=0) / sum(weights[r] for r in good), bad
+
+    # --- state: loading and averaging -------------------------------------------------
+    def _exchange_state(self, verdict: Verdict) -> bool:
+        """The source sends its state to the members that are behind or fresh; True if this peer loaded it."""
+        g = self.group
+        if not verdict.behind or verdict.source is None:
+            return False
+        blob = self._state_blob() if g.rank == verdict.source else torch.empty(0, dtype=torch.uint8)
+        n = torch.tensor([blob.numel()], dtype=torch.int64)
+        g.broadcast(n, src=verdict.source, tag="collab/state").wait()
+        size = int(n.item())
+        if g.error is None and not 0 < size <= self.config.max_state_bytes:
+            g.report_error(PeerLostError(f"state source announced {size} bytes, outside (0, max_state_bytes="
+                                         f"{self.config.max_state_bytes}]"))
+        if g.error is not None:
+            return False
+        if g.rank != verdict.source:
+            blob = torch.empty(size, dtype=torch.uint8)
+        g.broadcast(blob, src=verdict.source, tag="collab/state").wait(timeout=self.config.load_state_timeout)
+        if g.error is not None or g.rank not in verdict.behind:
+            return False
+        return self._load_blob(blob, g.quorum.members[verdict.source] if g.quorum else -1)
+
+    def _full_state(self) -> dict[str, Any]:
+        return {"params": [p.detach() for p in self.opt_params], "extra": [t.detach() for t in self.extra],
+                "optimizer": self.optimizer.state_dict(), "local_epoch": self.local_epoch,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {}}
+
+    def _state_blob(self) -> torch.Tensor:
+        state = self._full_state()
+        codec = self.config.state_loading_codec
+        if isinstance(codec, Cast):   # floating state travels in the codec's dtype
+            state = _map_tensors(state, lambda t: t.to(codec.dtype) if t.is_floating_point() else t)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+    def _load_blob(self, blob: torch.Tensor, source: int) -> bool:
+        try:
+            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - anything a peer sends may be malformed
+            log.warning("state from member %d is not a valid state blob (%s); not loaded", source, e)
+            return False
+        local = self._full_state()
+        why = None if isinstance(state, dict) and set(state) == set(local) else "unexpected keys"
+        why = why or check_state(state["params"], local["params"], "params") \
+            or check_state(state["extra"], local["extra"], "extra") or check_finite_tree(state["optimizer"], "optimizer")
+        epoch = state.get("local_epoch") if isinstance(state, dict) else None
+        if why is None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+            why = f"local_epoch {epoch!r} is not an epoch"
+        if why is not None:
+            log.warning("state from member %d rejected: %s", source, why)
+            return False
+        with torch.no_grad():
+            for p, v in zip(self.opt_params + self.extra, state["params"] + state["extra"]):
+                p.copy_(v)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"]:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.local_epoch = int(state["local_epoch"])
+        log.info("loaded state of epoch %d from member %d", epoch, source)
+        return True
+
+    def _stat_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
+        tensors, names = list(self.opt_params) + list(self.extra), list(self.names) + [f"extra{i}" for i in range(len(self.extra))]
+        for p, n in zip(self.opt_params, self.names):
+            st = self.optimizer.state.get(p, {})
+            for k in self.config.average_opt_statistics:
+                t = st.get(k)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == p.shape:
+                    tensors.append(t)
+                    names.append(f"{n}:{k}")
+        return tensors, names
+
+    def _average_state(self) -> None:
+        """Average parameters, chosen optimizer statistics and extra tensors (equal weights); apply on commit."""
+        g = self.group
+        tensors, names = self._stat_tensors()
+        numel = sum(t.numel() for t in tensors)
+        sizes = torch.empty(g.size, dtype=torch.int64)
+        g.all_gather_into(sizes, torch.tensor([numel], dtype=torch.int64), tag="collab/state-avg").wait()
+        if g.error is not None or len(set(sizes.tolist())) != 1:
+            log.warning("state averaging skipped: the members' optimizer statistics differ in size")
+            g.vote(keep=False)
+            return
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        work = flat.clone()
+        with torch.no_grad():
+            self.state_codec.mean(_split(work, tensors), names, g, "collab/state-avg")
+        finite = bool(torch.isfinite(work).all())
+        if not finite:
+            g.report_error(PeerLostError("state averaging produced NaN/Inf"))
+        if g.vote() and finite:
+            with torch.no_grad():
+                for t, v in zip(tensors, _split(work, tensors)):
+                    t.copy_(v)
+
+    # --- progress, checkpoints, shutdown -------------------------------------------------
+    def swarm_progress(self) -> SwarmProgress:
+        """The swarm's global view: epoch, samples, peers, samples/s, estimated time to the next epoch."""
+        return self.tracker.swarm(sorted(self.group.live_members()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state plus ``local_epoch`` (and the scheduler's)."""
+        self.wait_pending()
+        return {"optimizer": self.optimizer.state_dict(), "local_epoch": self.local_epoch,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the argument is not modified)."""
+        if not isinstance(state, dict) or "optimizer" not in state or "local_epoch" not in state:
+            raise ConfigError("expected a dict from CollaborativeOptimizer.state_dict() with 'optimizer' and "
+                              f"'local_epoch', got {type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else '-'}")
+        state = copy.deepcopy(state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.local_epoch = int(state["local_epoch"])
+        self._fresh = False
+
+    def wait_pending(self) -> None:
+        """Wait for a background averaging or optimizer step, and apply it."""
+        if self._pending is not None:
+            self._pending.result()
+            self._apply_pending()
+
+    def shutdown(self) -> None:
+        """Finish background work and leave the swarm (the others go on without this peer)."""
+        try:
+            self.wait_pending()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self.group.leave()
+
+    def __repr__(self) -> str:
+        return (f"CollaborativeOptimizer(run={self.config.run_id!r}, member={self.member_id}, "
+                f"epoch={self.local_epoch}, samples={self._samples})")
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for t in like:
+        out.append(flat[off: off + t.numel()].view(t.shape))
+        off += t.numel()
+    return out
+
+
+def _map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(v, fn) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    return x

@@ -1,0 +1,208 @@
+"""Matchmaking: who averages an epoch, and the gloo group they do it in.
+
+An epoch's averaging is done by the peers that are *ready* within the
+matchmaking window, not by a fixed membership: a slow or dead peer must not
+hold the others. Under ``<run_id>/mm/<epoch>/<attempt>/`` each ready peer
+takes a slot (``n`` counter, ``s/<k>`` = its id and role). The window opens
+when the first contributing peer registers and closes when every live peer
+(the coordinator's current members, less those whose heartbeat has stopped
+for half the heartbeat timeout) is ready, or after ``matchmaking_time``. Whoever
+closes it writes the member list with compare-and-set, so every peer reads
+the same list. Peers left out were too late: the swarm moved on without them.
+
+Members are ordered full peers first, then client-mode peers, each by id, so
+that the lowest-ranked up-to-date member, which sends state to peers that
+need it, is a client only when nobody else can.
+
+The group itself is an :class:`~shoal.comm.elastic.ElasticGroup` entered
+with the round's member list as its quorum: it rendezvous under a fresh
+prefix, records failures instead of raising, and votes commit/discard
+through the store. When a round has the same members as the last committed
+one, the closer names that round's prefix and everybody reuses the group
+already built (no reconnection on a steady swarm).
+
+Example::
+
+    group = RoundGroup(cfg, info={"role": "peer"})
+    q = group.matchmake(epoch=3, attempt=0, contributing=True, excluded=set(), deadline=t)
+    if q is not None and group.enter(q, deadline=t):
+        ...collectives...; group.vote()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from shoal.comm.elastic import ElasticGroup
+from shoal.comm.membership import MemberClient, Quorum, Timeouts
+from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.collaborative")
+
+_POLL_S = 0.002
+_QID = 1 << 60     # above any coordinator quorum id: ElasticGroup gives up a rendezvous when a newer one exists
+
+
+class RoundGroup(ElasticGroup):
+    """An ElasticGroup whose quorums come from matchmaking (see the module docstring)."""
+
+    def __init__(self, run_id: str, coordinator: str | None, timeouts: Timeouts, token: str | None,
+                 matchmaking_time: float, role: dict[str, Any]) -> None:
+        super().__init__(run_id, coordinator=coordinator, timeouts=timeouts, min_workers=1)
+        self.client = MemberClient(self.client.address, run_id, timeouts, 1, role, token=token)
+        self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
+        self.mm_store = self.client.store.clone()  # type: ignore[attr-defined]
+        self.matchmaking_time = matchmaking_time
+        self.role = role
+        self.client.join()
+        self._members_cache: tuple[int, set[int]] = (-1, set())
+        self._hb_seen: dict[int, tuple[bytes, float]] = {}
+        self.last_wait = 0.0
+        # A heartbeat thread can starve for a while on a loaded machine: half the heartbeat
+        # timeout tells a dead peer from a busy one without waiting for the coordinator's verdict.
+        self.silence = max(timeouts.probe, timeouts.heartbeat_timeout / 2)
+        self.gave_up = False
+        self._admitted_ids: set[int] = set()
+
+    def key(self, k: str) -> str:
+        return self.client.key(k)
+
+    # --- who is alive ------------------------------------------------------
+    def live_members(self) -> set[int]:
+        """The coordinator's current members (authenticated, heartbeating), this peer included."""
+        latest = self.client.latest()
+        if latest != self._members_cache[0]:
+            members = set(self.client.quorum(latest).members) if latest > 0 else set()
+            self._members_cache = (latest, members)
+        return self._members_cache[1] | {self.client.member_id}
+
+    def _silent(self, ids: set[int], now: float) -> set[int]:
+        """Ids whose heartbeat has not advanced for ``probe`` seconds (or that left)."""
+        order = sorted(ids)
+        if not order:
+            return set()
+        beats = self.mm_store.multi_get([self.key(f"hb/{i}") for i in order])
+        out = set()
+        for i, b in zip(order, beats):
+            prev = self._hb_seen.get(i)
+            if prev is None or prev[0] != b:
+                self._hb_seen[i] = (b, now)
+            elif now - prev[1] > self.silence:
+                out.add(i)
+            if b.strip() == b"-1":
+                out.add(i)
+        return out
+
+    def _admitted(self, i: int) -> bool:
+        """Whether member ``i`` was admitted by the coordinator (its quorum record may lag by ``join_grace``)."""
+        if i in self._admitted_ids:
+            return True
+        key = self.key(f"auth/{i}/verdict") if self.client.token is not None else self.key(f"join/{i}")
+        ok = self.mm_store.check([key]) and (self.client.token is None or self.mm_store.get(key) == b"ok")
+        if ok:
+            self._admitted_ids.add(i)
+        return ok
+
+    # --- matchmaking ---------------------------------------------------------
+    def matchmake(self, epoch: int, attempt: int, contributing: bool, excluded: set[int],
+                  deadline: float) -> Quorum | None:
+        """Register as ready for the round and wait for its member list; None if left out."""
+        st, base, me = self.mm_store, self.key(f"mm/{epoch}/{attempt}/"), self.client.member_id
+        t0 = time.monotonic()
+        self.gave_up = False
+        slot = int(st.add(base + "n", 1))
+        rec = {"id": me, "c": int(contributing), "cl": int(bool(self.role.get("client")))}
+        st.set(base + f"s/{slot}", json.dumps(rec))
+        opened: float | None = None
+        recent = self._last_members()
+        while not st.check([base + "members"]):
+            now = time.monotonic()
+            n = int(st.add(base + "n", 0))
+            ready: dict[int, dict[str, int]] = {}
+            for raw in st.multi_get([base + f"s/{k}" for k in range(1, n + 1)]):
+                try:
+                    r = json.loads(raw.decode())
+                    ready[int(r["id"])] = {"c": int(r["c"]), "cl": int(r["cl"])}
+                except (ValueError, KeyError, TypeError):
+                    continue   # a malformed slot is ignored, not trusted
+            live = self.live_members()
+            ready = {i: r for i, r in ready.items() if (i in live or self._admitted(i)) and i not in excluded}
+            if opened is None and any(r["c"] for r in ready.values()):
+                opened = now
+            # The coordinator's list lags a join by its grace period: peers of the last round are expected too.
+            known = live | recent
+            expected = known - excluded - self._silent(known - set(ready) - {me}, now)
+            everyone = expected <= set(ready)
+            if opened is not None and (everyone or now - opened >= self.matchmaking_time):
+                log.debug("closing %s: ready %s, live %s (quorum %d), expected %s", base, sorted(ready), sorted(live), self._members_cache[0],
+                          sorted(expected))
+                self._close(base, ready, None)
+                break
+            if now > deadline:
+                self._close(base, ready, me)   # give up: close the round without this peer
+                self.gave_up = True
+                break
+            time.sleep(_POLL_S)
+        self.last_wait = time.monotonic() - t0
+        record = json.loads(st.get(base + "members").decode())
+        members = tuple(int(m) for m in record["members"])
+        if me not in members:
+            return None
+        return Quorum(_QID + epoch * 1000 + attempt, members, str(record["prefix"]))
+
+    def _last_members(self) -> set[int]:
+        last = self.key("mm/last")
+        if not self.mm_store.check([last]):
+            return set()
+        try:
+            return {int(m) for m in json.loads(self.mm_store.get(last).decode() or "{}").get("members", [])}
+        except (ValueError, TypeError, AttributeError):
+            return set()
+
+    def _close(self, base: str, ready: dict[int, dict[str, int]], without: int | None) -> None:
+        members = sorted((i for i in ready if i != without), key=lambda i: (ready[i]["cl"], i))
+        prefix = f"{base}g/"
+        last = self.key("mm/last")
+        if self.mm_store.check([last]):
+            prev = json.loads(self.mm_store.get(last).decode() or "{}")
+            if prev.get("members") == members:
+                prefix = str(prev["prefix"])          # same peers as the last good round: reuse its group
+        self.mm_store.compare_set(base + "members", "", json.dumps({"members": members, "prefix": prefix}))
+
+    # --- the group of a round ------------------------------------------------
+    def enter(self, q: Quorum, deadline: float) -> bool:
+        """Use the round's group: the current one if the prefix is the same, else build it."""
+        self._release_abandoned()
+        if self.quorum is not None and q.prefix == self.quorum.prefix and q.members == self.quorum.members \
+                and (self.pg is not None or self.size == 1) and self.error is None:
+            self.quorum = q
+            return True
+        self.error = None
+        return bool(self._enter(q, deadline))
+
+    def vote(self, keep: bool = True) -> bool:
+        """Commit (True) or discard, the same on every member; on discard the group is dropped.
+
+        ``keep``: a committed round's group is published for reuse by the next round.
+        """
+        if self.quorum is None:
+            raise ShoalError("vote() outside a round")
+        q = self.quorum
+        verdict = self._vote(q)
+        self.step += 1
+        if verdict.startswith("commit"):
+            if keep and self.rank == 0:
+                self.mm_store.set(self.key("mm/last"), json.dumps({"members": list(q.members), "prefix": q.prefix}))
+            return True
+        self.drop()
+        return False
+
+    def drop(self) -> None:
+        """Abandon the current group (never reused again)."""
+        if self.quorum is not None and self.rank == 0:
+            self.mm_store.set(self.key("mm/last"), "{}")
+        self._abandon()
+        self.quorum = None

@@ -1,0 +1,124 @@
+"""CollaborativeConfig validation, header judgement, auth refusal and state_dict, in one process."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+import shoal
+from shoal.codecs import Cast, Int8Blockwise
+from shoal.collaborative.validate import (FLAG_CLIENT, FLAG_FRESH, check_state, encode_header, judge_headers,
+                                          layout_digest)
+from shoal.comm.membership import Coordinator
+from shoal.errors import AuthError, ConfigError
+
+TOKEN = "unit-token-123"
+
+
+@pytest.mark.parametrize("kw, word", [
+    ({"target_batch_size": 0}, "target_batch_size"),
+    ({"batch_size_per_step": -1}, "batch_size_per_step"),
+    ({"run_id": "a/b"}, "run_id"),
+    ({"matchmaking_time": 0}, "matchmaking_time"),
+    ({"matchmaking_time": 70.0}, "matchmaking_time"),
+    ({"average_state_every": -1}, "average_state_every"),
+    ({"average_opt_statistics": "exp_avg"}, "average_opt_statistics"),
+    ({"delay_grad_averaging": True}, "delay_optimizer_step"),
+    ({"delay_optimizer_step": True}, "offload_optimizer"),
+    ({"auxiliary": True, "client_mode": True}, "auxiliary"),
+    ({"token": "short"}, "token"),
+    ({"state_loading_codec": Int8Blockwise()}, "state_loading_codec"),
+    ({"grad_codec": "fp16"}, "grad_codec"),
+])
+def test_config_errors_name_the_value(kw: dict, word: str) -> None:
+    base = {"run_id": "r", "target_batch_size": 64}
+    with pytest.raises(ConfigError, match=word):
+        shoal.CollaborativeConfig(**{**base, **kw})
+
+
+def test_config_timeouts_form_a_valid_hierarchy() -> None:
+    cfg = shoal.CollaborativeConfig(run_id="r", target_batch_size=64, averaging_timeout=30, load_state_timeout=90,
+                                    state_loading_codec=Cast(torch.float16))
+    t = cfg.timeouts()
+    assert t.op == 30 and t.quorum > 90 and t.join > t.quorum
+
+
+def _h(member: int, epoch: int = 3, weight: int = 32, finite: bool = True, numel: int = 6, flags: int = 0,
+       digest: int | None = None) -> torch.Tensor:
+    d = layout_digest(["w"], [torch.zeros(numel)]) if digest is None else digest
+    return encode_header(member, epoch, weight, finite, d, numel, flags)
+
+
+def test_headers_majority_layout_and_bounds() -> None:
+    v = judge_headers([_h(1), _h(2), _h(3, numel=7)], [1, 2, 3], max_weight=256)
+    assert v.violators == [2] and "layout" in v.reasons[2]
+    v = judge_headers([_h(1), _h(2, weight=10_000)], [1, 2], max_weight=256)
+    assert v.violators == [1] and "weight" in v.reasons[1]
+    v = judge_headers([_h(1), _h(5)], [1, 2], max_weight=256)
+    assert v.violators == [1] and "member id" in v.reasons[1]
+    v = judge_headers([_h(1), _h(2, finite=False)], [1, 2], max_weight=256)
+    assert v.violators == [1]
+    v = judge_headers([_h(1), _h(2, finite=False, weight=0)], [1, 2], max_weight=256)
+    assert v.violators == [] and v.weights == [32, 0]
+
+
+def test_headers_behind_peers_get_weight_zero_and_a_non_client_source() -> None:
+    v = judge_headers([_h(1, flags=FLAG_CLIENT), _h(2), _h(3, epoch=1)], [1, 2, 3], max_weight=256)
+    assert v.epoch == 3 and v.behind == [2] and v.source == 1 and v.weights == [32, 32, 0]
+    # only a client is up to date: nobody serves
+    v = judge_headers([_h(1, flags=FLAG_CLIENT), _h(2, epoch=1)], [1, 2], max_weight=256)
+    assert v.source is None and v.behind == []
+    # all fresh at the start: the lowest non-client rank sends its parameters, everyone keeps its weight
+    v = judge_headers([_h(1, flags=FLAG_FRESH | FLAG_CLIENT), _h(2, flags=FLAG_FRESH), _h(3, flags=FLAG_FRESH)],
+                      [1, 2, 3], max_weight=256)
+    assert v.source == 1 and v.behind == [0, 2] and v.weights == [32, 32, 32]
+
+
+def test_check_state_rejects_shape_dtype_and_nan() -> None:
+    local = {"a": torch.zeros(2, 3)}
+    assert check_state({"a": torch.zeros(2, 3)}, local) is None
+    assert "shape" in str(check_state({"a": torch.zeros(3, 2)}, local))
+    assert "NaN" in str(check_state({"a": torch.full((2, 3), float("nan"))}, local))
+    assert "dtype" in str(check_state({"a": torch.zeros(2, 3, dtype=torch.int64)}, local))
+
+
+def _opt(address: str, token: str | None, run: str) -> shoal.CollaborativeOptimizer:
+    net = nn.Linear(4, 2)
+    cfg = shoal.CollaborativeConfig(run_id=run, target_batch_size=8, batch_size_per_step=4, coordinator=address,
+                                    token=token, matchmaking_time=0.5, averaging_timeout=10)
+    return shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=0.1), net.named_parameters(), config=cfg)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_token_is_refused_and_state_dict_round_trips() -> None:
+    torch.set_num_threads(1)
+    coord = Coordinator(port=0, token=TOKEN).start()
+    try:
+        with pytest.raises(AuthError, match="refused"):
+            _opt(coord.address, "not-the-token", "r" + uuid.uuid4().hex[:6])
+        opt = _opt(coord.address, TOKEN, "r" + uuid.uuid4().hex[:6])
+        params = opt.params
+        for _ in range(4):          # alone: 2 steps of 4 samples make an epoch of 8
+            (params[0].sum() + params[1].sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.local_epoch == 2 and opt.last_round is not None and opt.last_round.samples == 8
+        sd = opt.state_dict()
+        assert sd["local_epoch"] == 2
+        frozen = copy.deepcopy(sd)
+        other = _opt(coord.address, TOKEN, "r" + uuid.uuid4().hex[:6])
+        other.load_state_dict(sd)
+        assert other.local_epoch == 2
+        assert torch.equal(other.optimizer.state_dict()["state"][0]["exp_avg"], sd["optimizer"]["state"][0]["exp_avg"])
+        assert sd.keys() == frozen.keys() and sd["local_epoch"] == frozen["local_epoch"]
+        assert torch.equal(sd["optimizer"]["state"][0]["exp_avg"], frozen["optimizer"]["state"][0]["exp_avg"])
+        with pytest.raises(ConfigError, match="local_epoch"):
+            other.load_state_dict({"optimizer": {}})
+        opt.shutdown()
+        other.shutdown()
+    finally:
+        coord.stop()
