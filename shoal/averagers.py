@@ -20,6 +20,7 @@ Example (after ``loss.backward(); opt.step()`` in each step)::
 
 from __future__ import annotations
 
+import abc
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -182,7 +183,7 @@ def level_groups(group: Group, hierarchy: Hierarchy) -> list[Group]:
     return out
 
 
-class _Averager:
+class ModelAverager(abc.ABC):
     """Step counter, codec and the flat mean shared by both averagers."""
 
     tag = "averager/params"
@@ -195,8 +196,9 @@ class _Averager:
         self.step = 0
         self.last_group: Group | None = None  # the group that averaged at the last call, if any
 
+    @abc.abstractmethod
     def _group_at(self, step: int) -> tuple[Group, str] | None:
-        raise NotImplementedError
+        """The group that averages at ``step`` and its tag, or None."""
 
     def average_parameters(self, params: Iterable[Any]) -> None:
         """Average ``params`` (a model's parameters or an optimizer's param groups) if due, then count the step."""
@@ -224,7 +226,7 @@ class _Averager:
         self.codec.load_state_dict(dict(state["codec"]))
 
 
-class PeriodicModelAverager(_Averager):
+class PeriodicModelAverager(ModelAverager):
     """Average parameters every ``period`` steps, starting at step ``warmup_steps``.
 
     Same arguments and schedule as torch's
@@ -255,7 +257,7 @@ class PeriodicModelAverager(_Averager):
         return (self.group, self.tag) if self.schedule.due(step) else None
 
 
-class HierarchicalModelAverager(_Averager):
+class HierarchicalModelAverager(ModelAverager):
     """Hierarchical SGD: groups of each size average every ``period`` steps (C3).
 
     Same arguments and schedule as torch's ``HierarchicalModelAverager``: at a

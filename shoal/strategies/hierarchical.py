@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from shoal.averagers import HierarchicalModelAverager, Hierarchy, _Averager
+from shoal.averagers import HierarchicalModelAverager, Hierarchy, ModelAverager
 import torch
 from torch import nn
 
@@ -56,5 +56,5 @@ class Hierarchical(AveragingStrategy):
             )
         return super().setup(model, optimizer, group)
 
-    def _make_averager(self, group: Group) -> _Averager:
+    def _make_averager(self, group: Group) -> ModelAverager:
         return HierarchicalModelAverager(dict(self.hierarchy.levels), self.hierarchy.warmup_steps, group, self.codec)

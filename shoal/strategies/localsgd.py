@@ -9,13 +9,14 @@ consecutive ranks, e.g. a host) with periodic parameter averaging.
 
 from __future__ import annotations
 
+import abc
 import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from shoal.averagers import HierarchicalModelAverager, PeriodicModelAverager, Periodic, _Averager
+from shoal.averagers import HierarchicalModelAverager, PeriodicModelAverager, Periodic, ModelAverager
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.comm.elastic import ElasticGroup
@@ -47,13 +48,14 @@ class AveragingStrategy(Strategy):
             raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
         self.codec = codec
         self.average_optimizer_state = check_state_keys(average_optimizer_state)
-        self.averager: _Averager | None = None
+        self.averager: ModelAverager | None = None
         self.rounds: ElasticRounds | None = None
         self._grad_codec = Identity()  # post-local SGD's warm-up gradients travel exact, as in its DDP
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (live, averaged scratch)
 
-    def _make_averager(self, group: Group) -> _Averager:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _make_averager(self, group: Group) -> ModelAverager:
+        """The averager that runs this strategy's schedule over ``group``."""
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
@@ -123,7 +125,7 @@ class AveragingStrategy(Strategy):
             self.rounds.run("params")
         self._mark_step()
 
-    def _quiet_averager(self, group: Group) -> _Averager:
+    def _quiet_averager(self, group: Group) -> ModelAverager:
         with warnings.catch_warnings():  # the constructor already warned about this configuration
             warnings.simplefilter("ignore")
             return self._make_averager(group)
@@ -185,7 +187,7 @@ class LocalSGD(AveragingStrategy):
         super().__init__(codec, average_optimizer_state)
         self.schedule = Periodic(period, warmup_steps)
 
-    def _make_averager(self, group: Group) -> _Averager:
+    def _make_averager(self, group: Group) -> ModelAverager:
         return PeriodicModelAverager(self.schedule.period, self.schedule.warmup_steps, group, self.codec)
 
 
@@ -230,7 +232,7 @@ class PostLocalSGD(AveragingStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.local_group: Group | None = None
 
-    def _make_averager(self, group: Group) -> _Averager:
+    def _make_averager(self, group: Group) -> ModelAverager:
         if isinstance(self.period, Mapping):
             return HierarchicalModelAverager(self.period, self.warmup_steps, group, self.codec)
         return PeriodicModelAverager(self.period, self.warmup_steps, group, self.codec)
