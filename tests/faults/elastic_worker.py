@@ -45,6 +45,9 @@ def main() -> None:
                     help="after --steps, go on until a step ran with this many workers (a restart rejoined)")
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
+    ap.add_argument("--park-at", type=int, default=0,
+                    help="rank 1's first incarnation stops at this committed step, writes <out>/parked-1 "
+                         "(its pid) and waits to be killed: a kill at a known step, whatever the machine's speed")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -64,6 +67,12 @@ def main() -> None:
     log = []
     # group.size is the last step's quorum size, the same on every member: all stop together.
     while group.step < a.steps or (group.size < a.want_size and group.step < a.max_steps):
+        if a.park_at and rank == 1 and life == 0 and group.step == a.park_at:
+            with open(os.path.join(a.out, "parked-1.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(os.path.join(a.out, "parked-1.tmp"), os.path.join(a.out, "parked-1"))
+            while True:
+                time.sleep(1)
         idx = data.next_batch()
         opt.zero_grad()
         loss = F.mse_loss(model(x[idx]), y[idx])
