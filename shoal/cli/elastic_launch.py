@@ -179,6 +179,7 @@ class NamespacedCoordinator:
         self.lines: list[str] = []
         self._ready = threading.Event()
         self._pump: threading.Thread | None = None
+        self._started = 0.0
 
     @property
     def address(self) -> str:
@@ -195,14 +196,27 @@ class NamespacedCoordinator:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def start(self) -> None:
-        """Start it and wait until it serves; raises ShoalError with its output if it does not."""
+    def start(self, wait: bool = True) -> None:
+        """Start it and (``wait``) wait until it serves; see :meth:`wait_ready`.
+
+        Workers may start before it serves (their store clients retry
+        connecting until ``Timeouts.quorum``), so a launcher can overlap its
+        start-up with theirs and call :meth:`wait_ready` afterwards.
+        """
         self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self._pump = threading.Thread(target=self._read, args=(self.proc,), name="shoal-coordinator-out",
                                       daemon=True)
         self._pump.start()
-        deadline = time.monotonic() + self.ready_s
+        self._started = time.monotonic()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once it serves; raise ShoalError with its output if it exited or ``ready_s`` passed."""
+        if self.proc is None or self._pump is None:
+            raise ShoalError("the coordinator was not started (or was closed): call start() first")
+        deadline = self._started + self.ready_s
         while not self._ready.wait(0.05):
             code = self.proc.poll()
             if code is not None or time.monotonic() > deadline:

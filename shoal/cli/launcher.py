@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Iterator, TextIO
@@ -375,11 +375,14 @@ def launch(
             sup = ElasticSupervisor(elastic, list(kill), grace_s, output, quiet)
         stack.enter_context(_trap_signals(sup.signals))
         emu = stack.enter_context(EmulatedCluster(cluster)) if cluster is not None else None
+        ready: Callable[[], None] = lambda: None
         if elastic is not None:
-            base_env.update(_elastic_env(stack, elastic, world, emu, base_env, sup))
+            env_add, ready = _elastic_env(stack, elastic, world, emu, base_env, sup)
+            base_env.update(env_add)
         t0 = time.monotonic()
         try:
             _start_all(sup, list(cmd), world, emu, base_env)
+            ready()  # a coordinator in a namespace starts alongside the workers
             sup.supervise()
         finally:
             sup.stop()  # no-op after a normal supervise(); kills all after an exception
@@ -390,8 +393,8 @@ def launch(
 
 
 def _elastic_env(stack: ExitStack, spec: "ElasticLaunch", world: int, emu: EmulatedCluster | None,
-                 base_env: dict[str, str], sup: _Supervisor) -> dict[str, str]:
-    """The workers' elastic variables; starts the embedded coordinator unless one is given.
+                 base_env: dict[str, str], sup: _Supervisor) -> tuple[dict[str, str], Callable[[], None]]:
+    """The workers' elastic variables, and a check that the coordinator serves (raises if not).
 
     Unemulated, the coordinator is a thread of the launcher on 127.0.0.1. On an
     emulated cluster it is a ``shoal coordinator`` process inside host 0's
@@ -402,17 +405,20 @@ def _elastic_env(stack: ExitStack, spec: "ElasticLaunch", world: int, emu: Emula
     from shoal.cli.elastic_launch import NamespacedCoordinator
     from shoal.comm.membership import Coordinator
 
-    address = spec.coordinator
+    address, ready = spec.coordinator, (lambda: None)
     if address is None and emu is not None:
         nc = NamespacedCoordinator(emu, host=0, initial_workers=world, env=base_env,
                                    on_line=lambda line: sup.note(f"coordinator: {line}"))
-        address = stack.enter_context(nc).address
+        stack.callback(nc.close)
+        nc.start(wait=False)  # its start-up (a torch import) overlaps the workers'
+        address, ready = nc.address, nc.wait_ready
     elif address is None:
         coord = Coordinator(port=0, initial_workers=world).start()
         stack.callback(coord.stop)
         address = coord.address
-    return {"SHOAL_COORDINATOR": address, "SHOAL_MIN_WORKERS": str(spec.min_workers),
-            "SHOAL_RUN_ID": base_env.get("SHOAL_RUN_ID") or uuid.uuid4().hex[:12]}
+    env = {"SHOAL_COORDINATOR": address, "SHOAL_MIN_WORKERS": str(spec.min_workers),
+           "SHOAL_RUN_ID": base_env.get("SHOAL_RUN_ID") or uuid.uuid4().hex[:12]}
+    return env, ready
 
 
 def _start_all(sup: _Supervisor, cmd: list[str], world: int, emu: EmulatedCluster | None,

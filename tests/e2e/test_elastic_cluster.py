@@ -84,3 +84,17 @@ def test_elastic_run_on_two_hosts_survives_a_kill_and_heals_the_restart(tmp_path
     assert survivor["log"][-1]["digest"] == restarted["log"][-1]["digest"], logs
     assert survivor["cursor"] == restarted["cursor"]
     assert _leftovers(launcher.pid) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_coordinator_that_cannot_serve_is_reported_with_its_output() -> None:
+    from shoal.cli.cluster import ClusterSpec, EmulatedCluster
+    from shoal.cli.elastic_launch import NamespacedCoordinator
+    from shoal.errors import ShoalError
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with EmulatedCluster(ClusterSpec(1, 1)) as emu:
+        with pytest.raises(ShoalError, match=r"exited with code 2; its output: .*port must be in \[0, 65535\]"):
+            with NamespacedCoordinator(emu, port=70000, env=env):
+                pass
+    assert _leftovers(os.getpid()) == []

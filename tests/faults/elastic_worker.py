@@ -91,7 +91,8 @@ def main() -> None:
         opt.step()   # ElasticOptimizer says whether it committed; wrap's optimizer returns the loss
         committed = group.stats.commits > commits
         log.append({"t": time.time(), "step": group.step, "committed": committed, "size": group.size,
-                    "digest": digest(net, inner), "loss": loss.item()})
+                    "digest": digest(net, inner), "loss": loss.item(),
+                    "error": None if committed else str(group.error)})
         if a.pace:
             time.sleep(a.pace)
     result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(),
