@@ -16,6 +16,8 @@ random Markov chain of order 1 over 64 symbols, so the loss has a known
 floor (the chain's entropy, printed).
 
     python -m shoal.bench.chaos --workers 4 --strategy localsgd --steps 600 --kill-every 10 --chaos-for 120
+    # one worker per emulated host (root): 4 hosts x 20 mbit, the coordinator in host 0's namespace
+    python -m shoal.bench.chaos --workers 4 --bandwidth 20mbit --steps 1200 --kill-every 30 --chaos-for 150
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -39,6 +42,8 @@ import torch.nn.functional as F
 
 import shoal
 from shoal.bench.overhead import TinyTransformer
+from shoal.cli.cluster import ClusterSpec, EmulatedCluster
+from shoal.cli.elastic_launch import NamespacedCoordinator
 from shoal.elastic import Coordinator, ElasticGroup, Timeouts
 
 VOCAB, SEQ, BATCH = 64, 32, 16
@@ -84,16 +89,21 @@ def _strategy(name: str, period: int) -> shoal.Strategy:
     return shoal.strategies.Sync()
 
 
+def _timeouts(a: argparse.Namespace) -> Timeouts:
+    """The run's timeouts from ``--op`` and ``--probe`` (raise both on slow links, see docs/elastic.md)."""
+    return Timeouts(op=a.op, probe=a.probe, heartbeat_timeout=5 * a.probe, quorum=max(3 * a.op, 6 * a.probe),
+                    join=max(200.0, 10 * a.op))
+
+
 def worker(a: argparse.Namespace) -> None:
     """One worker (run as ``python -m shoal.bench.chaos --worker``): trains, logs every step to a file."""
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
     started = time.time()
     p = _chain()
-    group = ElasticGroup(timeouts=Timeouts(op=10.0, probe=1.0, heartbeat_timeout=5.0, quorum=30.0, join=200.0),
-                         min_workers=2)
+    group = ElasticGroup(timeouts=_timeouts(a), min_workers=2)
     torch.manual_seed(0)
-    net = CausalLM(vocab=VOCAB, d=64, layers=2)
+    net = CausalLM(vocab=VOCAB, d=a.width, layers=a.layers)
     strategy = _strategy(a.strategy, a.period)
     model, opt = shoal.wrap(net, torch.optim.AdamW(net.parameters(), lr=3e-3), strategy, process_group=group)
 
@@ -126,16 +136,35 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
-    coord = Coordinator(port=0, initial_workers=a.workers).start()
-    env = {**os.environ, "SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": uuid.uuid4().hex[:8],
-           "OMP_NUM_THREADS": "1"}
+    with ExitStack() as stack:
+        env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1"}
+        emu: EmulatedCluster | None = None
+        if a.bandwidth:   # one worker per emulated host; the coordinator must live inside the cluster
+            emu = stack.enter_context(EmulatedCluster(ClusterSpec(a.workers, 1, (a.bandwidth,))))
+            env["SHOAL_COORDINATOR"] = stack.enter_context(
+                NamespacedCoordinator(emu, initial_workers=a.workers, env=env)).address
+        else:
+            coord = Coordinator(port=0, initial_workers=a.workers).start()
+            stack.callback(coord.stop)
+            env["SHOAL_COORDINATOR"] = coord.address
+        res = _chaos_loop(a, chaos, out, env, emu)
+        if emu is not None:
+            res["host_bytes"] = emu.host_bytes()
+        return res
+
+
+def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str],
+                emu: EmulatedCluster | None) -> dict[str, Any]:
     argv = [sys.executable, "-m", "shoal.bench.chaos", "--worker", "--out", out, "--strategy", a.strategy,
-            "--steps", str(a.steps), "--period", str(a.period)]
+            "--steps", str(a.steps), "--period", str(a.period), "--width", str(a.width),
+            "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe)]
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
 
     def start(rank: int, life: int) -> None:
         f = open(os.path.join(out, f"stdout-{rank}-{life}.txt"), "wb")
-        procs[rank] = (subprocess.Popen(argv, env={**env, "RANK": str(rank), "SHOAL_RESTART": str(life)},
+        where = {} if emu is None else {"GLOO_SOCKET_IFNAME": emu.interface(rank)}
+        procs[rank] = (subprocess.Popen((emu.exec_prefix(rank) if emu else []) + argv,
+                                        env={**env, **where, "RANK": str(rank), "SHOAL_RESTART": str(life)},
                                         stdout=f, stderr=subprocess.STDOUT, start_new_session=True), life)
 
     rng, kills = random.Random(a.seed), []
@@ -166,7 +195,6 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
             if pr.poll() is None:
                 os.killpg(pr.pid, signal.SIGKILL)
                 pr.wait()
-        coord.stop()
     return _summarise(out, kills, time.monotonic() - t0)
 
 
@@ -202,6 +230,10 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float) -> dict[str, 
     }
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shoal.bench.chaos", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategy", choices=["localsgd", "diloco", "ddp"], default="localsgd")
     ap.add_argument("--period", type=int, default=8, help="local steps per round (localsgd, diloco)")
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--width", type=int, default=64, help="model width d (64: 108k parameters with 2 layers)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--bandwidth", default=None,
+                    help="run on an emulated cluster, one worker per host at this tc rate (root), e.g. 20mbit")
+    ap.add_argument("--op", type=float, default=10.0, help="Timeouts.op (s)")
+    ap.add_argument("--probe", type=float, default=1.0, help="Timeouts.probe (s); heartbeat_timeout is 5x")
     ap.add_argument("--kill-every", type=float, default=10.0)
     ap.add_argument("--chaos-for", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -221,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(a)
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # unwind: the workers and emulated hosts are removed
     print(f"task: order-1 Markov LM over {VOCAB} symbols, loss floor {chain_entropy(_chain()):.4f} nats")
     res = {}
     for name, chaos in (("fault_free", False), ("chaos", True)):
@@ -228,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(a.keep, name)
             os.makedirs(out, exist_ok=True)
             res[name] = _run(a, chaos, out)
-            continue
-        with tempfile.TemporaryDirectory() as out:
-            res[name] = _run(a, chaos, out)
-        print(name, json.dumps(res[name]))
+        else:
+            with tempfile.TemporaryDirectory() as out:
+                res[name] = _run(a, chaos, out)
+        print(name, json.dumps(res[name]), flush=True)
     ff, ch = res["fault_free"]["val_loss"], res["chaos"]["val_loss"]
     print(f"validation loss: fault-free {ff:.4f}, chaos {ch:.4f} ({100 * (ch - ff) / ff:+.2f} %)")
     if a.json:

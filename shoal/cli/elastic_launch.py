@@ -9,6 +9,10 @@ launcher's supervisor through its ``on_exit`` and ``on_tick`` hooks:
   from a live peer;
 - ``--join @SECONDS`` starts an extra worker then (``RANK`` = world size,
   world size + 1, ...), which joins and heals the same way;
+- on an emulated cluster a restarted worker runs in its own host's namespace
+  again, joiners are placed round-robin over the hosts (``RANK`` r on host
+  ``r % H``), and the coordinator is a :class:`NamespacedCoordinator` in host
+  0's namespace (the hosts cannot reach the launcher's);
 - the run goes on while at least ``min_workers`` workers live; it ends when
   all have exited, with code 0 if every last incarnation exited 0.
 
@@ -23,11 +27,21 @@ Example::
 
 from __future__ import annotations
 
+import os
 import signal
-from dataclasses import dataclass, field
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
 
+from shoal.cli.cluster import EmulatedCluster
 from shoal.cli.launcher import _Output, _Supervisor, _Worker
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, ShoalError
+
+COORDINATOR_PORT = 29400  # a fresh namespace has every port free
 
 
 @dataclass(frozen=True)
@@ -85,12 +99,17 @@ class ElasticSupervisor(_Supervisor):
     def on_tick(self, elapsed: float) -> None:
         while self.pending_joins and elapsed >= self.pending_joins[0]:
             at = self.pending_joins.pop(0)
-            template = self.spawns[0]
             rank = len(self.workers)
-            env = {**template.env, "RANK": str(rank), "LOCAL_RANK": str(rank), "SHOAL_RESTART": "0"}
-            self.note(f"starting worker {rank} at {at:g} s as asked (--join)")
-            self.spawns[rank] = _Spawn(template.argv, env, template.host, rank)
-            super().start(template.argv, env, rank, template.host, rank)
+            hosts = sorted({s.host for s in self.spawns.values()})
+            host = hosts[rank % len(hosts)]
+            # The host's first worker carries its namespace prefix, interface and host variables.
+            template = self.spawns[min(r for r, s in self.spawns.items() if s.host == host)]
+            local = sum(1 for s in self.spawns.values() if s.host == host)
+            env = {**template.env, "RANK": str(rank), "LOCAL_RANK": str(local), "SHOAL_RESTART": "0"}
+            self.note(f"starting worker {rank} at {at:g} s as asked (--join)"
+                      + (f" on host {host}" if len(hosts) > 1 else ""))
+            self.spawns[rank] = _Spawn(template.argv, env, host, local)
+            super().start(template.argv, env, rank, host, local)
 
     def on_exit(self, w: _Worker) -> bool:
         if w.code == 0:
@@ -117,4 +136,125 @@ class ElasticSupervisor(_Supervisor):
         return True
 
 
-__all__ = ["ElasticLaunch", "ElasticSupervisor"]
+class NamespacedCoordinator:
+    """``shoal coordinator`` as a child process inside one emulated host's namespace.
+
+    The emulated hosts reach only addresses inside the run's namespaces, so
+    a coordinator in the launcher (root namespace, 127.0.0.1) is out of their
+    reach; this one listens on ``host``'s address, which every host can
+    reach over the bridge (and ``host``'s own workers over its loopback). It
+    is stopped on exit (and killed with the namespace, whatever happens).
+
+    Args:
+        cluster: the emulated cluster, already built.
+        host: the host whose namespace runs it.
+        initial_workers: the first quorum waits for this many workers.
+        env: its environment (``PYTHONPATH`` must find shoal).
+        on_line: called with each line it prints (default: dropped).
+        port: the port it listens on.
+        ready_s: how long it may take to start serving.
+
+    Example::
+
+        with EmulatedCluster(ClusterSpec(2, 1, ("20mbit",))) as emu, \\
+                NamespacedCoordinator(emu, initial_workers=2) as coord:
+            env["SHOAL_COORDINATOR"] = coord.address      # "10.213.0.1:29400"
+    """
+
+    def __init__(self, cluster: EmulatedCluster, host: int = 0, initial_workers: int = 1,
+                 env: Mapping[str, str] | None = None, on_line: Callable[[str], None] | None = None,
+                 port: int = COORDINATOR_PORT, ready_s: float = 60.0) -> None:
+        if not 0 <= host < cluster.spec.hosts:
+            raise ConfigError(f"host must be in [0, {cluster.spec.hosts}), got {host}")
+        self.cluster, self.host, self.port = cluster, host, port
+        self.argv = cluster.exec_prefix(host) + [
+            sys.executable, "-m", "shoal", "coordinator", "--host", cluster.address(host), "--port", str(port),
+            "--initial-workers", str(initial_workers)]
+        self.env = dict(env if env is not None else os.environ)
+        # torch's C++ warnings (e.g. about the namespace's missing hostname) would read like failures.
+        self.env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        self.on_line = on_line
+        self.ready_s = ready_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self._pump: threading.Thread | None = None
+        self._started = 0.0
+
+    @property
+    def address(self) -> str:
+        return f"{self.cluster.address(self.host)}:{self.port}"
+
+    def __enter__(self) -> "NamespacedCoordinator":
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def start(self, wait: bool = True) -> None:
+        """Start it and (``wait``) wait until it serves; see :meth:`wait_ready`.
+
+        Workers may start before it serves (their store clients retry
+        connecting until ``Timeouts.quorum``), so a launcher can overlap its
+        start-up with theirs and call :meth:`wait_ready` afterwards.
+        """
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._pump = threading.Thread(target=self._read, args=(self.proc,), name="shoal-coordinator-out",
+                                      daemon=True)
+        self._pump.start()
+        self._started = time.monotonic()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once it serves; raise ShoalError with its output if it exited or ``ready_s`` passed."""
+        if self.proc is None or self._pump is None:
+            raise ShoalError("the coordinator was not started (or was closed): call start() first")
+        deadline = self._started + self.ready_s
+        while not self._ready.wait(0.05):
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                self._pump.join(timeout=2)
+                why = f"exited with code {code}" if code is not None else f"did not serve within {self.ready_s} s"
+                raise ShoalError(f"the coordinator in namespace {self.cluster.namespace(self.host)} {why}; "
+                                 f"its output: {' | '.join(self.lines[-10:]) or '(none)'}")
+
+    def _read(self, proc: "subprocess.Popen[bytes]") -> None:
+        assert proc.stdout is not None  # set by PIPE
+        with proc.stdout:
+            for raw in iter(proc.stdout.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                self.lines = (self.lines + [line])[-50:]
+                if "serving on" in line:
+                    self._ready.set()
+                if self.on_line is not None:
+                    self.on_line(line)
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop it (SIGTERM, SIGKILL after ``grace_s``); idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if proc.poll() is not None:
+                break
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                continue
+        proc.wait()
+        if self._pump is not None:
+            self._pump.join(timeout=5)
+
+
+__all__ = ["COORDINATOR_PORT", "ElasticLaunch", "ElasticSupervisor", "NamespacedCoordinator"]

@@ -12,7 +12,7 @@ as such a failure (exit code 137 = 128 + SIGKILL), because in a static group
 the survivors cannot go on without it. With ``tolerate_kills=True`` an
 injected kill neither stops the others nor decides the exit code; the
 survivors' own exit codes do (this is what fault tests of survivors use; the
-elastic mode of issue #8 will extend :meth:`_Supervisor.on_exit`).
+elastic mode, :mod:`shoal.cli.elastic_launch`, extends :meth:`_Supervisor.on_exit`).
 
 Example::
 
@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Iterator, TextIO
@@ -344,7 +344,10 @@ def launch(
         elastic: run elastically (:mod:`shoal.cli.elastic_launch`): an
             embedded coordinator (``SHOAL_COORDINATOR``, ``SHOAL_RUN_ID``,
             ``SHOAL_MIN_WORKERS`` in each worker's environment), crashed
-            workers restarted, joiners started.
+            workers restarted, joiners started. With ``cluster`` the
+            coordinator runs inside host 0's namespace (the hosts cannot
+            reach the launcher's), restarts stay on their host and joiners
+            are placed round-robin over the hosts.
 
     Ctrl-C or SIGTERM to the launcher (main thread) stops every worker,
     removes the emulated cluster and returns ``128 + signal``.
@@ -359,14 +362,27 @@ def launch(
     sup = _Supervisor(kill, tolerate_kills, grace_s, output, quiet)
     base_env = {**os.environ, **(env or {})}
     host_bytes: list[dict[str, int]] | None = None
+    if elastic is not None and cluster is not None and elastic.coordinator is not None:
+        raise ConfigError(
+            f"a coordinator address ({elastic.coordinator}) cannot be used on an emulated cluster: its hosts "
+            "reach only addresses inside the run's own namespaces; leave the coordinator out and shoal run "
+            "starts one inside host 0's namespace"
+        )
     with ExitStack() as stack:
         if elastic is not None:
-            sup = _elastic_supervisor(stack, elastic, world, base_env, list(kill), grace_s, output, quiet)
+            from shoal.cli.elastic_launch import ElasticSupervisor
+
+            sup = ElasticSupervisor(elastic, list(kill), grace_s, output, quiet)
         stack.enter_context(_trap_signals(sup.signals))
         emu = stack.enter_context(EmulatedCluster(cluster)) if cluster is not None else None
+        ready: Callable[[], None] = lambda: None
+        if elastic is not None:
+            env_add, ready = _elastic_env(stack, elastic, world, emu, base_env, sup)
+            base_env.update(env_add)
         t0 = time.monotonic()
         try:
             _start_all(sup, list(cmd), world, emu, base_env)
+            ready()  # a coordinator in a namespace starts alongside the workers
             sup.supervise()
         finally:
             sup.stop()  # no-op after a normal supervise(); kills all after an exception
@@ -376,22 +392,33 @@ def launch(
     return LaunchResult(sup.result_code, duration, host_bytes, sup.failed_rank, interrupted=bool(sup.signals))
 
 
-def _elastic_supervisor(stack: ExitStack, spec: "ElasticLaunch", world: int, base_env: dict[str, str],
-                        kill: list[tuple[int, float]], grace_s: float, output: _Output, quiet: bool) -> _Supervisor:
-    """The elastic supervisor, with an embedded coordinator unless one is given (edits ``base_env``)."""
+def _elastic_env(stack: ExitStack, spec: "ElasticLaunch", world: int, emu: EmulatedCluster | None,
+                 base_env: dict[str, str], sup: _Supervisor) -> tuple[dict[str, str], Callable[[], None]]:
+    """The workers' elastic variables, and a check that the coordinator serves (raises if not).
+
+    Unemulated, the coordinator is a thread of the launcher on 127.0.0.1. On an
+    emulated cluster it is a ``shoal coordinator`` process inside host 0's
+    namespace, on host 0's address, the only place every host can reach.
+    """
     import uuid
 
-    from shoal.cli.elastic_launch import ElasticSupervisor
+    from shoal.cli.elastic_launch import NamespacedCoordinator
     from shoal.comm.membership import Coordinator
 
-    address = spec.coordinator
-    if address is None:
+    address, ready = spec.coordinator, (lambda: None)
+    if address is None and emu is not None:
+        nc = NamespacedCoordinator(emu, host=0, initial_workers=world, env=base_env,
+                                   on_line=lambda line: sup.note(f"coordinator: {line}"))
+        stack.callback(nc.close)
+        nc.start(wait=False)  # its start-up (a torch import) overlaps the workers'
+        address, ready = nc.address, nc.wait_ready
+    elif address is None:
         coord = Coordinator(port=0, initial_workers=world).start()
         stack.callback(coord.stop)
         address = coord.address
-    base_env.update(SHOAL_COORDINATOR=address, SHOAL_MIN_WORKERS=str(spec.min_workers))
-    base_env.setdefault("SHOAL_RUN_ID", uuid.uuid4().hex[:12])
-    return ElasticSupervisor(spec, kill, grace_s, output, quiet)
+    env = {"SHOAL_COORDINATOR": address, "SHOAL_MIN_WORKERS": str(spec.min_workers),
+           "SHOAL_RUN_ID": base_env.get("SHOAL_RUN_ID") or uuid.uuid4().hex[:12]}
+    return env, ready
 
 
 def _start_all(sup: _Supervisor, cmd: list[str], world: int, emu: EmulatedCluster | None,

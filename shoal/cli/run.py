@@ -8,6 +8,7 @@ Examples::
     shoal run --hosts 3 --bandwidth 1gbit,100mbit,20mbit train.py
     shoal run -n 2 --kill 1@5 train.py
     shoal run -n 4 --elastic --min-workers 2 --max-restarts 3 --kill 1@10 --join @30 train.py
+    shoal run --hosts 4 --bandwidth 20mbit --elastic --min-workers 2 --kill 1@30 train.py
     shoal run --cleanup
 """
 
@@ -38,8 +39,8 @@ failures: when a worker exits non-zero the others get SIGTERM (SIGKILL after
 worker killed by signal N). --kill RANK@SECONDS SIGKILLs a rank at that time;
 it fails the run like any crash unless --tolerate-kills is given.
 
-elastic (--elastic): a coordinator runs inside shoal run (or use --coordinator
-HOST:PORT of `shoal coordinator`); workers get SHOAL_COORDINATOR, SHOAL_RUN_ID
+elastic (--elastic): a coordinator runs inside shoal run (with --hosts: inside
+host 0's namespace; else use --coordinator HOST:PORT of `shoal coordinator`); workers get SHOAL_COORDINATOR, SHOAL_RUN_ID
 and SHOAL_MIN_WORKERS and build shoal.elastic.ElasticGroup(). A crashed or
 killed worker is restarted (same RANK, SHOAL_RESTART incremented) up to
 --max-restarts times and heals from a live peer; --join @SECONDS starts one

@@ -1,5 +1,8 @@
 """One worker of the elastic fault tests: shoal DDP (plain or PowerSGD) on an ElasticGroup.
 
+DDP is built directly (``DistributedDataParallel`` + ``ElasticOptimizer``),
+or with ``--wrap`` through ``shoal.wrap(net, opt, Sync(codec), process_group=group)``.
+
 Started by harness.py as a plain process (so that it can be SIGKILLed and
 restarted). Writes ``<out>/<rank>-<incarnation>.pt`` at the end: a log of
 every step (committed or not, wall time, a digest of model + optimizer) and
@@ -44,7 +47,11 @@ def main() -> None:
     ap.add_argument("--want-size", type=int, default=0,
                     help="after --steps, go on until a step ran with this many workers (a restart rejoined)")
     ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--wrap", action="store_true", help="DDP through shoal.wrap(..., Sync(codec))")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
+    ap.add_argument("--park-at", type=int, default=0,
+                    help="rank 1's first incarnation stops at this committed step, writes <out>/parked-1 "
+                         "(its pid) and waits to be killed: a kill at a known step, whatever the machine's speed")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -55,8 +62,14 @@ def main() -> None:
     torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the first heal must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     codec = codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if a.mode == "powersgd" else None
-    model = shoal.DistributedDataParallel(net, process_group=group, codec=codec, bucket_cap_mb=0.002)
-    opt = ElasticOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), group)
+    inner = torch.optim.Adam(net.parameters(), lr=1e-2)
+    opt: torch.optim.Optimizer | ElasticOptimizer
+    if a.wrap:
+        model, opt = shoal.wrap(net, inner, shoal.strategies.Sync(codec=codec, bucket_cap_mb=0.002),
+                                process_group=group)
+    else:
+        model = shoal.DistributedDataParallel(net, process_group=group, codec=codec, bucket_cap_mb=0.002)
+        opt = ElasticOptimizer(inner, group)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(512, 16, generator=g)
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
@@ -64,16 +77,25 @@ def main() -> None:
     log = []
     # group.size is the last step's quorum size, the same on every member: all stop together.
     while group.step < a.steps or (group.size < a.want_size and group.step < a.max_steps):
+        if a.park_at and rank == 1 and life == 0 and group.step == a.park_at:
+            with open(os.path.join(a.out, "parked-1.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(os.path.join(a.out, "parked-1.tmp"), os.path.join(a.out, "parked-1"))
+            while True:
+                time.sleep(1)
         idx = data.next_batch()
         opt.zero_grad()
         loss = F.mse_loss(model(x[idx]), y[idx])
         loss.backward()
-        committed = opt.step()
+        commits = group.stats.commits
+        opt.step()   # ElasticOptimizer says whether it committed; wrap's optimizer returns the loss
+        committed = group.stats.commits > commits
         log.append({"t": time.time(), "step": group.step, "committed": committed, "size": group.size,
-                    "digest": digest(model.module, opt.optimizer), "loss": loss.item()})
+                    "digest": digest(net, inner), "loss": loss.item(),
+                    "error": None if committed else str(group.error)})
         if a.pace:
             time.sleep(a.pace)
-    result = {"log": log, "model": model.module.state_dict(), "opt": opt.state_dict(),
+    result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(),
               "stats": vars(group.stats), "cursor": data.cursor, "rank": rank, "life": life}
     path = os.path.join(a.out, f"{rank}-{life}.pt")
     torch.save(result, path + ".tmp")

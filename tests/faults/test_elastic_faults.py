@@ -46,16 +46,18 @@ def test_sigkill_mid_allreduce_survivors_agree_and_restart_heals(tmp_path: Any) 
 
 
 @pytest.mark.timeout(80)
-def test_sigkill_mid_allreduce_powersgd_survivors_agree(tmp_path: Any) -> None:
-    _sigkill_run("powersgd", tmp_path, restart=False)
+def test_sigkill_mid_allreduce_powersgd_through_wrap_survivors_agree(tmp_path: Any) -> None:
+    # PowerSGD-DDP built by shoal.wrap(..., Sync(codec)): the strategy path votes in opt.step().
+    _sigkill_run("powersgd", tmp_path, restart=False, wrap=True)
 
 
-def _sigkill_run(mode: str, tmp_path: Any, restart: bool) -> None:
+def _sigkill_run(mode: str, tmp_path: Any, restart: bool, wrap: bool = False) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     step, nth = rng.randrange(4, 12), rng.randrange(2)
     plan = FaultPlan().crash(rank=2, step=step, nth=nth)
     args = ["--mode", mode, "--steps", "20", "--op", str(OP), "--pace", "0.05", "--want-size", "3" if restart else "0"]
+    args += ["--wrap"] if wrap else []
     env = {"SHOAL_FAULT_PLAN": plan.to_json()}
     if restart:  # as users run it: shoal run restarts the worker, which heals
         code, out = harness.run_launcher(str(tmp_path), 3, ["--min-workers", "2", "--max-restarts", "1"], args,

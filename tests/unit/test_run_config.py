@@ -81,3 +81,12 @@ def test_emulation_without_root_or_tools_says_what_is_missing(monkeypatch: pytes
         cluster.check_can_emulate()
     msg = str(info.value)
     assert "root" in msg and "`tc`" in msg and "`ip`" not in msg and "drop --hosts" in msg
+
+
+def test_elastic_coordinator_address_is_refused_on_an_emulated_cluster() -> None:
+    # Refused before anything is built: no root needed, no namespace created.
+    from shoal.cli.elastic_launch import ElasticLaunch
+    from shoal.cli.launcher import launch
+
+    with pytest.raises(ConfigError, match=r"127.0.0.1:29400.*inside host 0's namespace"):
+        launch(["true"], cluster=ClusterSpec(2, 1), elastic=ElasticLaunch(coordinator="127.0.0.1:29400"))

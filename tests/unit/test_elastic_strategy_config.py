@@ -1,0 +1,66 @@
+"""Strategies that cannot run on an ElasticGroup say so at set-up, before any collective.
+
+One process: the group is connected to a coordinator in this process but never
+joins a quorum, so a strategy that got past its check would wait for one and
+fail with the short join timeout below instead of raising ConfigError.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import shoal
+from shoal.elastic import Coordinator, ElasticGroup, Timeouts
+from shoal.errors import ConfigError
+
+_FAST = Timeouts(op=1.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=0.5, quorum=2.0, join=3.0)
+
+
+@pytest.fixture
+def group() -> Iterator[ElasticGroup]:
+    coord = Coordinator(port=0)  # a store server only: nobody publishes quorums
+    g = ElasticGroup("config-test", coordinator=coord.address, timeouts=_FAST, min_workers=1)
+    try:
+        yield g
+    finally:
+        g.leave()
+        coord.stop()
+
+
+def _setup(strategy: shoal.Strategy, group: ElasticGroup) -> Any:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    before = [p.detach().clone() for p in net.parameters()]
+    try:
+        return shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy, process_group=group)
+    finally:  # refused or not, set-up must not have touched the model
+        assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+
+
+@pytest.mark.timeout(30)
+def test_hierarchical_is_refused_with_the_alternatives(group: ElasticGroup) -> None:
+    with pytest.raises(ConfigError, match=r"fixed groups of consecutive ranks.*shoal\.LocalSGD or shoal\.DiLoCo"):
+        _setup(shoal.Hierarchical({2: 1, 4: 2}), group)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kwargs", [{"period": {2: 1, 8: 2}}, {"period": 4, "local_group_size": 1}],
+                         ids=["period-map", "local-group-size"])
+def test_post_local_sgd_with_subgroups_is_refused(group: ElasticGroup, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=r"fixed subgroups.*use an int period and no local_group_size"):
+        _setup(shoal.PostLocalSGD(warmup_steps=2, **kwargs), group)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("overlap", [1, 3])
+def test_streaming_diloco_with_overlap_is_refused(group: ElasticGroup, overlap: int) -> None:
+    # (plain DiLoCo has no overlap_steps: its reductions always run in the foreground)
+    strategy = shoal.StreamingDiLoCo(inner_steps=8, fragments=2, overlap_steps=overlap)
+    with pytest.raises(ConfigError, match=rf"overlap_steps={overlap} runs reductions on a background process group"
+                                          r".*use overlap_steps=0"):
+        _setup(strategy, group)
+
