@@ -77,7 +77,7 @@ class Int8Blockwise(LossyCodec):
       (about ``P / N``).
 
     So all-gather at ``N <= 2`` (same bytes, one quantization, one round) and
-    for tensors of fewer blocks than about ``N``; reduce-scatter otherwise,
+    for calls of 1 or 2 blocks (4 at ``N = 3``); reduce-scatter otherwise,
     ``N / 2`` times fewer bytes, ``4B / (B + 4)`` (3.94x at B = 256) fewer than
     fp32's ring all-reduce at any ``N``. Either way every rank dequantizes the
     same gathered bytes, so all ranks end with the same bits, and a NaN/Inf
