@@ -27,7 +27,9 @@ class ErrorFeedback(Codec):
     Each step rank r sends ``x + e`` through the inner codec and keeps
     ``e <- (x + e) - C_r(x + e)``, where ``C_r`` is what its contribution
     decodes to. Over steps nothing is lost: ``sum of decoded means + mean of
-    the ranks' residuals = sum of mean inputs``. Residuals are fp32 and keyed
+    the ranks' residuals = sum of mean inputs`` (except an error the inner
+    codec makes on the mean itself, which no rank's residual holds: Int8's
+    requantization at 3+ ranks). Residuals are fp32 and keyed
     by name, so they survive re-bucketing and are saved by :meth:`state_dict`.
 
     Non-finite values: if the mean of a tensor comes out NaN/Inf (some rank

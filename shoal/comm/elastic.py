@@ -53,7 +53,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes
+from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all
 from shoal.comm.membership import MemberClient, Quorum, Timeouts
 from shoal.comm.meter import Meter
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
@@ -511,6 +511,14 @@ class ElasticGroup(Group):
         if self.size == 1:
             output.view(-1).copy_(tensor.view(-1))
         return self._issue(tag, output, lambda: self.pg._allgather_base(output, tensor.contiguous()))
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        check_all_to_all(output, tensor, self.size)
+        self.meter.record(tag, "all_to_all", _nbytes(tensor), self.size, self.rank)
+        if self.size == 1:
+            output.view(-1).copy_(tensor.view(-1))
+        src = tensor.contiguous()
+        return self._issue(tag, output, lambda: self.pg.alltoall_base(output, src, [], [], dist.AllToAllOptions()))
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
         if tensor.numel() != self.size * output.numel():

@@ -44,6 +44,18 @@ def _is_timeout(err: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def check_all_to_all(output: torch.Tensor, tensor: torch.Tensor, size: int) -> None:
+    """Raise ``ValueError`` unless ``output``/``tensor`` fit an equal-split all-to-all over ``size`` ranks."""
+    if tensor.numel() % size != 0:
+        raise ValueError(f"all_to_all input has {tensor.numel()} elements, not a multiple of the {size} ranks "
+                         "(it is split into one equal chunk per rank)")
+    if output.numel() != tensor.numel() or output.dtype != tensor.dtype:
+        raise ValueError(f"all_to_all output is {output.numel()} x {output.dtype}, expected the input's "
+                         f"{tensor.numel()} x {tensor.dtype}")
+    if not output.is_contiguous():
+        raise ValueError("all_to_all output must be contiguous (the backend writes it as one flat buffer)")
+
+
 class Handle:
     """An in-flight collective; :meth:`wait` returns its result.
 
@@ -204,6 +216,25 @@ class Group:
             output.view(-1).copy_(tensor.view(-1))
             return Handle(None, output, self.meter, tag, self.timeout)
         work = dist.all_gather_into_tensor(output, tensor.contiguous(), group=self.pg, async_op=True)
+        return Handle(work, output, self.meter, tag, self.timeout)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        """Exchange equal chunks: chunk ``r`` of ``tensor`` goes to rank ``r``.
+
+        ``tensor`` and ``output`` have the same dtype and ``size * k`` elements
+        (viewed flat as ``size`` chunks of ``k``); chunk ``r`` of this rank's
+        ``output`` is chunk ``rank`` of rank ``r``'s ``tensor``. Metered as
+        ``all_to_all``: each rank sends and receives ``(size - 1) / size`` of
+        ``tensor``'s bytes (its own chunk stays local). Uses
+        ``torch.distributed.all_to_all_single`` (gloo on CPU and NCCL both
+        implement it).
+        """
+        check_all_to_all(output, tensor, self.size)
+        self.meter.record(tag, "all_to_all", _nbytes(tensor), self.size, self.rank)
+        if self.size == 1:
+            output.view(-1).copy_(tensor.view(-1))
+            return Handle(None, output, self.meter, tag, self.timeout)
+        work = dist.all_to_all_single(output, tensor.contiguous(), group=self.pg, async_op=True)
         return Handle(work, output, self.meter, tag, self.timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "misc") -> Handle:

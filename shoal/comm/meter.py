@@ -29,7 +29,7 @@ import threading
 from dataclasses import asdict, dataclass, fields
 
 # Ops whose wire cost the meter knows. Anything else is a programming error.
-_OPS = ("all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter", "barrier")
+_OPS = ("all_reduce", "all_gather", "all_to_all", "broadcast", "reduce", "reduce_scatter", "barrier")
 
 
 def _binomial_children(rel_rank: int, n: int) -> int:
@@ -51,14 +51,19 @@ def wire_bytes(op: str, payload: int, group_size: int, rank: int = 0, root: int 
 
     ``payload`` is the size in bytes of this rank's input: the tensor reduced
     (all_reduce, reduce_scatter's full input), the tensor contributed
-    (all_gather) or the tensor broadcast. Models: ring all-reduce
-    (reduce-scatter + all-gather), ring all-gather and reduce-scatter, and a
-    binomial tree for broadcast and reduce.
+    (all_gather), the tensor broadcast, or all_to_all's whole input (``N``
+    equal chunks, chunk ``r`` for rank ``r``). Models: ring all-reduce
+    (reduce-scatter + all-gather), ring all-gather and reduce-scatter, direct
+    pairwise exchange for all-to-all (each rank sends the ``N - 1`` chunks
+    that are not its own and receives as many), and a binomial tree for
+    broadcast and reduce.
 
     >>> wire_bytes("all_reduce", 1000, 4)
     (1500, 1500)
     >>> wire_bytes("all_gather", 1000, 4)
     (3000, 3000)
+    >>> wire_bytes("all_to_all", 1000, 4)
+    (750, 750)
     """
     if op not in _OPS:
         raise ValueError(f"unknown collective {op!r}; expected one of {_OPS}")
@@ -71,7 +76,7 @@ def wire_bytes(op: str, payload: int, group_size: int, rank: int = 0, root: int 
     if op == "all_gather":
         b = (n - 1) * payload
         return b, b
-    if op == "reduce_scatter":
+    if op in ("reduce_scatter", "all_to_all"):
         b = (n - 1) * payload // n
         return b, b
     rel = (rank - root) % n

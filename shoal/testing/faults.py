@@ -131,8 +131,8 @@ class FaultPlan:
 class FaultyBackend:
     """A process-group backend that misbehaves as planned and otherwise forwards.
 
-    Wraps the four operations an ElasticGroup issues (``allreduce``,
-    ``broadcast``, ``allgather``, ``_allgather_base``).
+    Wraps the five operations an ElasticGroup issues (``allreduce``,
+    ``broadcast``, ``allgather``, ``_allgather_base``, ``alltoall_base``).
     """
 
     def __init__(self, inner: Any, faults: list[Fault], step: Callable[[], int], fired: set[Fault]) -> None:
@@ -172,3 +172,6 @@ class FaultyBackend:
 
     def _allgather_base(self, output: Any, tensor: Any) -> Any:
         return self._run("allgather", lambda: self.inner._allgather_base(output, tensor))
+
+    def alltoall_base(self, output: Any, tensor: Any, out_splits: Any, in_splits: Any, opts: Any) -> Any:
+        return self._run("alltoall", lambda: self.inner.alltoall_base(output, tensor, out_splits, in_splits, opts))

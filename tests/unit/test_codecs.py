@@ -13,7 +13,7 @@ import torch.distributed as dist
 from shoal.codecs import Cast, ErrorFeedback, Identity, Int8Blockwise, PowerSGD, SizeAdaptive, TopK
 from shoal.codecs.int8 import dequantize_blocks, quantize_blocks
 from shoal.codecs.powersgd import orthonormalize_
-from shoal.comm import Group
+from shoal.comm import Group, wire_bytes
 from shoal.errors import ConfigError
 from shoal.testing import free_port
 
@@ -92,6 +92,57 @@ def test_int8_default_block_is_3_9x_smaller_than_fp32():
     codec = Int8Blockwise()
     n = 10**6
     assert 4 * n / codec.wire_bytes(n) >= 3.9
+
+
+@pytest.mark.parametrize("block", [5, 16, 256])
+def test_int8_auto_sends_the_fewest_bytes(block):
+    auto = Int8Blockwise(block)
+    ag, rs = Int8Blockwise(block, method="all_gather"), Int8Blockwise(block, method="reduce_scatter")
+    for world in range(1, 9):
+        for numel in [1, 3, block, 2 * block + 1, 7 * block, 1000, 12345, 10**6]:
+            sent = {m.method: m.sent_bytes(numel, world) for m in (ag, rs)}
+            method = auto.method_for(numel, world)
+            assert auto.sent_bytes(numel, world) == min(sent.values())
+            if world <= 2 or sent["reduce_scatter"] == sent["all_gather"]:
+                assert method == "all_gather", (world, numel)  # ties: one quantization, one round
+    for world in (3, 4, 8):  # large tensors: N/2 fewer bytes than all-gather, >= 3.9x fewer than fp32's ring
+        n = 10**6
+        assert wire_bytes("all_reduce", 4 * n, world)[0] / Int8Blockwise().sent_bytes(n, world) >= 3.9
+        assert Int8Blockwise().sent_bytes(n, world) <= 2 / world * Int8Blockwise(method="all_gather").sent_bytes(n, world) * 1.01
+
+
+def test_int8_forced_reduce_scatter_one_rank(group):
+    ts, names = _tensors(4)
+    ref = torch.cat([t.reshape(-1) for t in ts])
+    codec = Int8Blockwise(block_size=64, method="reduce_scatter")
+    res = [torch.empty(t.shape) for t in ts]
+    codec.mean_with_residual(ts, names, group, "rs1", res)
+    out = torch.cat([t.reshape(-1) for t in ts])
+    n = ref.numel()
+    pad = torch.zeros(-(-n // 64) * 64 - n)
+    scale = torch.cat([ref, pad]).view(-1, 64).abs().amax(1, keepdim=True) / 127
+    out_scale = torch.cat([out, pad]).view(-1, 64).abs().amax(1, keepdim=True) / 127
+    err = torch.cat([(out - ref).abs(), pad]).view(-1, 64)
+    assert torch.all(err <= (scale + out_scale) / 2 * (1 + 1e-6)) and err.max() > 0  # two quantizations
+    # the residual is this rank's own (first) quantization error
+    torch.testing.assert_close(torch.cat([r.reshape(-1) for r in res]), ref - out, rtol=0, atol=1e-6)
+    by = group.meter.by_tag()
+    c = codec.chunk_bytes(n, 1)
+    assert (by["rs1/int8/scatter"].payload_bytes, by["rs1/int8/gather"].payload_bytes) == (c, c)
+    assert by["rs1/int8/scatter"].bytes_sent == 0 and codec.stats()["payload_bytes"] == 2 * c
+
+
+def test_group_all_to_all_checks_its_buffers(group):
+    with pytest.raises(ValueError, match="input's"):
+        group.all_to_all(torch.empty(4), torch.empty(3), tag="x")
+    with pytest.raises(ValueError, match="input's"):
+        group.all_to_all(torch.empty(4, dtype=torch.int32), torch.empty(4), tag="x")
+    with pytest.raises(ValueError, match="contiguous"):
+        group.all_to_all(torch.empty(4, 2).t(), torch.empty(8), tag="x")
+    src = torch.arange(6.0)
+    out = torch.empty(6)
+    assert torch.equal(group.all_to_all(out, src, tag="a2a1").wait(), src)
+    assert group.meter.by_tag()["a2a1"].payload_bytes == 24
 
 
 def test_int8_roundtrip_zero_block():
@@ -233,6 +284,7 @@ def _roundtrip(state):
         lambda: PowerSGD(rank=2, warm_start=False, error_feedback=False),
         lambda: ErrorFeedback(TopK(0.1)),
         lambda: ErrorFeedback(Int8Blockwise(16)),
+        lambda: ErrorFeedback(Int8Blockwise(16, method="reduce_scatter")),
         lambda: SizeAdaptive(Identity(), ErrorFeedback(TopK(0.2)), threshold=100),
     ],
 )
@@ -272,6 +324,7 @@ def test_load_state_dict_rejects_other_config(group):
         (lambda: TopK(-0.1), "ratio"),
         (lambda: Int8Blockwise(0), "block_size"),
         (lambda: Int8Blockwise(-4), "block_size"),
+        (lambda: Int8Blockwise(method="ring"), "method"),
         (lambda: Cast(torch.float32), "float16"),
         (lambda: ErrorFeedback(Identity()), "lossy"),
         (lambda: ErrorFeedback(PowerSGD(rank=1)), "twice"),
