@@ -125,11 +125,8 @@ class CollaborativeOptimizer:
         self._scaler_good = 0
         self._digest = layout_digest(self.names, self.params)
         role = {"aux": cfg.auxiliary, "client": cfg.client_mode, "pid": os.getpid()}
-        if cfg.verbose and not log.handlers:
-            h = logging.StreamHandler()
-            h.setFormatter(logging.Formatter("%(asctime)s shoal.collaborative: %(message)s", "%H:%M:%S"))
-            log.addHandler(h)
-            log.setLevel(logging.INFO)
+        if cfg.verbose:
+            _enable_verbose_log()
         self.group = RoundGroup(cfg.run_id, cfg.coordinator, cfg.timeouts(), cfg.token, cfg.matchmaking_time, role)
         self.member_id = self.group.client.member_id
         self.tracker = ProgressTracker(self.group.client.store.clone(),  # type: ignore[attr-defined]
@@ -201,8 +198,12 @@ class CollaborativeOptimizer:
             return None
         total = self.tracker.add_samples(self.local_epoch, bs)
         self.tracker.on_step(bs, self.local_epoch, self._samples)
-        if total < self.config.target_batch_size or self._pending is not None:
+        if total < self.config.target_batch_size:
             return None
+        # The previous epoch's background work must land first (as in hivemind): otherwise a peer
+        # that computes faster than it averages keeps accumulating, and a weight above the header
+        # bound (4x the target) gets it excluded from every round.
+        self.wait_pending()
         return self._end_epoch()
 
     def _accumulate(self, bs: int, scaler: Any) -> bool:
@@ -589,6 +590,16 @@ class CollaborativeOptimizer:
     def __repr__(self) -> str:
         return (f"CollaborativeOptimizer(run={self.config.run_id!r}, member={self.member_id}, "
                 f"epoch={self.local_epoch}, samples={self._samples})")
+
+
+def _enable_verbose_log() -> None:
+    """Let INFO lines through; print them to stderr unless the application configured logging (no duplicates)."""
+    if not log.hasHandlers():
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s shoal.collaborative: %(message)s", "%H:%M:%S"))
+        log.addHandler(h)
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
 
 
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
