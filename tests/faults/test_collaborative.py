@@ -19,36 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from collab_peer import Spec, run_threads
+from collab_peer import Spec, assert_equal_after_each_round, by_epoch, finished, run_threads
 from harness import run
 from shoal.comm.membership import Coordinator
 
 TOKEN = "run-token-123"
 TARGET = 96
-
-
-def by_epoch(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Each epoch this peer went through with the swarm (averaged, or loaded the swarm's result)."""
-    return {int(r["epoch"]): r for r in result["log"] if r["outcome"] in ("averaged", "loaded")}
-
-
-def assert_equal_after_each_round(results: list[dict[str, Any]], logs: str = "") -> set[int]:
-    """Every epoch that all these peers went through ended with the same parameters on each."""
-    logs_by_epoch = [by_epoch(r) for r in results]
-    common = set.intersection(*(set(b) for b in logs_by_epoch))
-    assert common, f"no epoch in common\n{logs}"
-    for e in sorted(common):
-        digests = {b[e]["digest"] for b in logs_by_epoch}
-        assert len(digests) == 1, f"epoch {e}: parameters differ between peers: {digests}\n{logs}"
-    return common
-
-
-def finished(results: list[dict[str, Any] | BaseException]) -> list[dict[str, Any]]:
-    """The peers' results; fails with the first peer's exception if one raised."""
-    for r in results:
-        if isinstance(r, BaseException):
-            raise AssertionError(f"a peer failed: {r!r}") from r
-    return results  # type: ignore[return-value]
 
 
 @pytest.mark.timeout(110)

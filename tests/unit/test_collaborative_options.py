@@ -5,7 +5,7 @@ coordinator), so an epoch is 2 steps of 4 samples and its "average" is the
 peer's own gradient: each option's effect can be compared exactly with a
 plain optimizer fed the same batches. Swarm-level behaviour of the same
 options (equal peers, state averaging across peers) is in
-tests/faults/test_collaborative_options.py.
+tests/faults/test_collaborative_swarm.py.
 """
 
 from __future__ import annotations
