@@ -52,10 +52,13 @@ class CollaborativeConfig:
         delay_optimizer_step: run the optimizer step in the background; the result is applied at
             the next ``step()`` (needs ``offload_optimizer``, so the background step never writes
             parameters that a forward is reading).
-        delay_grad_averaging: also average gradients in the background (needs ``delay_optimizer_step``).
+        delay_grad_averaging: also average gradients in the background (needs ``delay_optimizer_step``);
+            the epoch's report then appears in ``rounds`` once applied, and an epoch that reaches
+            its target while the previous round runs waits for it.
         offload_optimizer: the optimizer works on a host-memory copy of the parameters.
         reuse_grad_buffers: accumulate in the parameters' ``.grad`` (saves one copy of the model;
-            do not call ``zero_grad``: shoal zeroes them after each epoch).
+            do not call ``zero_grad``: shoal zeroes them after each epoch; every batch counts
+            equally; not with ``step(grad_scaler=...)``).
         client_mode: this peer is never chosen to send state to others (see docs/collaborative.md).
         auxiliary: this peer does no compute: it takes part in averaging with weight 0.
         verbose: log one line per epoch.

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
-import io
 import logging
 import os
 import time
@@ -47,15 +46,14 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from shoal.codecs.base import Codec
-from shoal.codecs.cast import Cast
 from shoal.codecs.identity import Identity
 from shoal.collaborative.config import CollaborativeConfig
 from shoal.collaborative.progress import ProgressTracker, SwarmProgress
 from shoal.collaborative.rounds import RoundGroup
-from shoal.collaborative.validate import (FLAG_AUX, FLAG_CLIENT, FLAG_FRESH, HEADER_LEN, Verdict,
-                                          check_finite_tree, check_state, encode_header, judge_headers,
-                                          layout_digest)
-from shoal.errors import ConfigError, PeerLostError, ShoalError
+from shoal.collaborative.state import average_tensors, decode_state, encode_state, exchange_state, stat_tensors
+from shoal.collaborative.validate import (FLAG_AUX, FLAG_CLIENT, FLAG_FRESH, HEADER_LEN, Verdict, encode_header,
+                                          judge_headers, layout_digest)
+from shoal.errors import ConfigError, ShoalError
 
 log = logging.getLogger("shoal.collaborative")
 
@@ -117,19 +115,18 @@ class CollaborativeOptimizer:
         self.last_round: RoundReport | None = None
         self.rounds: list[RoundReport] = []
         self._numel = sum(p.numel() for p in self.params)
-        self._acc = torch.zeros(self._numel, dtype=torch.float32)
-        self._acc_views = self._views(self._acc)
+        # The gradient accumulator; with reuse_grad_buffers the parameters' .grad are the accumulator
+        # and no model-sized buffer is kept between epochs.
+        self._acc: torch.Tensor | None = None if cfg.reuse_grad_buffers else self._zeros()
+        self._acc_views = self._views(self._acc) if self._acc is not None else []
         self._samples = 0
         self._micro = 0
         self._fresh = True
         self._scaler_good = 0
         self._digest = layout_digest(self.names, self.params)
         role = {"aux": cfg.auxiliary, "client": cfg.client_mode, "pid": os.getpid()}
-        if cfg.verbose and not log.handlers:
-            h = logging.StreamHandler()
-            h.setFormatter(logging.Formatter("%(asctime)s shoal.collaborative: %(message)s", "%H:%M:%S"))
-            log.addHandler(h)
-            log.setLevel(logging.INFO)
+        if cfg.verbose:
+            _enable_verbose_log()
         self.group = RoundGroup(cfg.run_id, cfg.coordinator, cfg.timeouts(), cfg.token, cfg.matchmaking_time, role)
         self.member_id = self.group.client.member_id
         self.tracker = ProgressTracker(self.group.client.store.clone(),  # type: ignore[attr-defined]
@@ -154,6 +151,9 @@ class CollaborativeOptimizer:
         if not named:
             raise ConfigError("CollaborativeOptimizer got no parameters to train")
         return [n for n, _ in named], [p for _, p in named]
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self._numel, dtype=torch.float32)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         out, off = [], 0
@@ -201,14 +201,22 @@ class CollaborativeOptimizer:
             return None
         total = self.tracker.add_samples(self.local_epoch, bs)
         self.tracker.on_step(bs, self.local_epoch, self._samples)
-        if total < self.config.target_batch_size or self._pending is not None:
+        if total < self.config.target_batch_size:
             return None
+        # The previous epoch's background work must land first (as in hivemind): otherwise a peer
+        # that computes faster than it averages keeps accumulating, and a weight above the header
+        # bound (4x the target) gets it excluded from every round.
+        self.wait_pending()
         return self._end_epoch()
 
     def _accumulate(self, bs: int, scaler: Any) -> bool:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         inv = 1.0
         if scaler is not None and scaler.is_enabled():
+            if self._acc is None:
+                raise ConfigError("step(grad_scaler=...) cannot be used with reuse_grad_buffers=True: every batch's "
+                                  "scaled gradients are summed in .grad, so a batch that overflowed cannot be "
+                                  "skipped and a scale change would mix scales; set reuse_grad_buffers=False")
             scale = float(scaler.get_scale())
             if not all(bool(torch.isfinite(g).all()) for g in grads):
                 scaler.update(scale * scaler.get_backoff_factor())   # overflow: skip this batch, as torch does
@@ -228,19 +236,21 @@ class CollaborativeOptimizer:
 
     def _contribution(self) -> tuple[torch.Tensor, int, bool]:
         """This peer's weighted gradient sum (flat fp32), its weight in samples, and whether it is finite."""
-        if self.config.reuse_grad_buffers and self._micro:
+        if self._acc is None:       # reuse_grad_buffers: .grad holds the sum of the batches' mean gradients
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            torch._foreach_add_(self._acc_views, [g.detach().float() for g in grads],
-                                alpha=self._samples / self._micro)
-        finite = bool(torch.isfinite(self._acc).all())
-        if not finite:
+            contrib = torch.cat([g.detach().reshape(-1).float() for g in grads])
+            contrib.mul_(self._samples / self._micro if self._micro else 0.0)
+        else:
+            contrib = self._acc.clone()
+        if not bool(torch.isfinite(contrib).all()):
             log.warning("epoch %d: this peer's gradients contain NaN/Inf; its contribution is dropped this round",
                         self.local_epoch)
-            return torch.zeros_like(self._acc), 0, False
-        return self._acc.clone(), self._samples, True
+            return self._zeros(), 0, False
+        return contrib, self._samples, True
 
     def _reset_accumulators(self) -> None:
-        self._acc.zero_()
+        if self._acc is not None:
+            self._acc.zero_()
         self._samples = self._micro = 0
         if self.config.reuse_grad_buffers:
             for p in self.params:
@@ -310,7 +320,7 @@ class CollaborativeOptimizer:
     def _catch_up(self) -> RoundReport | None:
         """This peer is behind: take part in the swarm's next round with weight 0 and load its state."""
         deadline = time.monotonic() + self.config.load_state_timeout
-        zeros = torch.zeros_like(self._acc)
+        zeros = self._zeros()
         while time.monotonic() < deadline:
             epoch = self.tracker.global_epoch()
             report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, deadline - time.monotonic())
@@ -332,7 +342,7 @@ class CollaborativeOptimizer:
         while time.monotonic() < deadline:
             epoch = max(self.tracker.global_epoch(), self.local_epoch)
             if self.tracker.add_samples(epoch, 0) >= self.config.target_batch_size:
-                zeros = torch.zeros_like(self._acc)
+                zeros = self._zeros()
                 report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, self.config.averaging_timeout)
                 if report.outcome in ("averaged", "loaded"):
                     self._apply(report, averaged, zeros, 0)
@@ -452,27 +462,15 @@ class CollaborativeOptimizer:
             return None, bad
         return rows[good].sum(dim=0) / sum(weights[r] for r in good), bad
 
-    # --- state: loading and averaging -------------------------------------------------
+    # --- state: loading and averaging (wire format and collectives in state.py) ---------------
     def _exchange_state(self, verdict: Verdict) -> bool:
         """The source sends its state to the members that are behind or fresh; True if this peer loaded it."""
-        g = self.group
-        if not verdict.behind or verdict.source is None:
+        blob = exchange_state(self.group, verdict, self._state_blob, self.config.max_state_bytes,
+                              self.config.load_state_timeout)
+        if blob is None:
             return False
-        blob = self._state_blob() if g.rank == verdict.source else torch.empty(0, dtype=torch.uint8)
-        n = torch.tensor([blob.numel()], dtype=torch.int64)
-        g.broadcast(n, src=verdict.source, tag="collab/state").wait()
-        size = int(n.item())
-        if g.error is None and not 0 < size <= self.config.max_state_bytes:
-            g.report_error(PeerLostError(f"state source announced {size} bytes, outside (0, max_state_bytes="
-                                         f"{self.config.max_state_bytes}]"))
-        if g.error is not None:
-            return False
-        if g.rank != verdict.source:
-            blob = torch.empty(size, dtype=torch.uint8)
-        g.broadcast(blob, src=verdict.source, tag="collab/state").wait(timeout=self.config.load_state_timeout)
-        if g.error is not None or g.rank not in verdict.behind:
-            return False
-        return self._load_blob(blob, g.quorum.members[verdict.source] if g.quorum else -1)
+        q = self.group.quorum
+        return self._load_blob(blob, q.members[verdict.source] if q is not None and verdict.source is not None else -1)
 
     def _full_state(self) -> dict[str, Any]:
         return {"params": [p.detach() for p in self.opt_params], "extra": [t.detach() for t in self.extra],
@@ -480,29 +478,13 @@ class CollaborativeOptimizer:
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {}}
 
     def _state_blob(self) -> torch.Tensor:
-        state = self._full_state()
-        codec = self.config.state_loading_codec
-        if isinstance(codec, Cast):   # floating state travels in the codec's dtype
-            state = _map_tensors(state, lambda t: t.to(codec.dtype) if t.is_floating_point() else t)
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        """This peer's full state as sent to a peer that loads it (through ``state_loading_codec``)."""
+        return encode_state(self._full_state(), self.config.state_loading_codec)
 
     def _load_blob(self, blob: torch.Tensor, source: int) -> bool:
-        try:
-            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
-        except Exception as e:  # noqa: BLE001 - anything a peer sends may be malformed
-            log.warning("state from member %d is not a valid state blob (%s); not loaded", source, e)
-            return False
-        local = self._full_state()
-        why = None if isinstance(state, dict) and set(state) == set(local) else "unexpected keys"
-        why = why or check_state(state["params"], local["params"], "params") \
-            or check_state(state["extra"], local["extra"], "extra") or check_finite_tree(state["optimizer"], "optimizer")
-        epoch = state.get("local_epoch") if isinstance(state, dict) else None
-        if why is None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
-            why = f"local_epoch {epoch!r} is not an epoch"
-        if why is not None:
-            log.warning("state from member %d rejected: %s", source, why)
+        """Check a received state blob and, if usable, make it this peer's state; whether it was loaded."""
+        state = decode_state(blob, self._full_state(), source)
+        if state is None:
             return False
         with torch.no_grad():
             for p, v in zip(self.opt_params + self.extra, state["params"] + state["extra"]):
@@ -511,42 +493,14 @@ class CollaborativeOptimizer:
         if self.scheduler is not None and state["scheduler"]:
             self.scheduler.load_state_dict(state["scheduler"])
         self.local_epoch = int(state["local_epoch"])
-        log.info("loaded state of epoch %d from member %d", epoch, source)
+        log.info("loaded state of epoch %d from member %d", self.local_epoch, source)
         return True
 
-    def _stat_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
-        tensors, names = list(self.opt_params) + list(self.extra), list(self.names) + [f"extra{i}" for i in range(len(self.extra))]
-        for p, n in zip(self.opt_params, self.names):
-            st = self.optimizer.state.get(p, {})
-            for k in self.config.average_opt_statistics:
-                t = st.get(k)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == p.shape:
-                    tensors.append(t)
-                    names.append(f"{n}:{k}")
-        return tensors, names
-
-    def _average_state(self) -> None:
-        """Average parameters, chosen optimizer statistics and extra tensors (equal weights); apply on commit."""
-        g = self.group
-        tensors, names = self._stat_tensors()
-        numel = sum(t.numel() for t in tensors)
-        sizes = torch.empty(g.size, dtype=torch.int64)
-        g.all_gather_into(sizes, torch.tensor([numel], dtype=torch.int64), tag="collab/state-avg").wait()
-        if g.error is not None or len(set(sizes.tolist())) != 1:
-            log.warning("state averaging skipped: the members' optimizer statistics differ in size")
-            g.vote(keep=False)
-            return
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-        work = flat.clone()
-        with torch.no_grad():
-            self.state_codec.mean(_split(work, tensors), names, g, "collab/state-avg")
-        finite = bool(torch.isfinite(work).all())
-        if not finite:
-            g.report_error(PeerLostError("state averaging produced NaN/Inf"))
-        if g.vote() and finite:
-            with torch.no_grad():
-                for t, v in zip(tensors, _split(work, tensors)):
-                    t.copy_(v)
+    def _average_state(self) -> bool:
+        """Average parameters, chosen optimizer statistics and extra tensors (equal weights); applied on commit."""
+        tensors, names = stat_tensors(self.opt_params, self.names, self.extra, self.optimizer,
+                                      self.config.average_opt_statistics)
+        return average_tensors(self.group, tensors, names, self.state_codec)
 
     # --- progress, checkpoints, shutdown -------------------------------------------------
     def swarm_progress(self) -> SwarmProgress:
@@ -591,19 +545,11 @@ class CollaborativeOptimizer:
                 f"epoch={self.local_epoch}, samples={self._samples})")
 
 
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, off = [], 0
-    for t in like:
-        out.append(flat[off: off + t.numel()].view(t.shape))
-        off += t.numel()
-    return out
-
-
-def _map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return {k: _map_tensors(v, fn) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map_tensors(v, fn) for v in x)
-    return x
+def _enable_verbose_log() -> None:
+    """Let INFO lines through; print them to stderr unless the application configured logging (no duplicates)."""
+    if not log.hasHandlers():
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s shoal.collaborative: %(message)s", "%H:%M:%S"))
+        log.addHandler(h)
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.membership import MemberClient, Quorum, Timeouts
-from shoal.errors import ShoalError
+from shoal.errors import ConfigError, ShoalError
 
 log = logging.getLogger("shoal.collaborative")
 
@@ -46,14 +47,20 @@ _POLL_S = 0.002
 _QID = 1 << 60     # above any coordinator quorum id: ElasticGroup gives up a rendezvous when a newer one exists
 
 
+def _coordinator_address(coordinator: str | None) -> str:
+    address = coordinator or os.environ.get("SHOAL_COORDINATOR")
+    if not address:
+        raise ConfigError("no coordinator: set CollaborativeConfig(coordinator='host:port') or $SHOAL_COORDINATOR")
+    return address
+
+
 class RoundGroup(ElasticGroup):
     """An ElasticGroup whose quorums come from matchmaking (see the module docstring)."""
 
     def __init__(self, run_id: str, coordinator: str | None, timeouts: Timeouts, token: str | None,
                  matchmaking_time: float, role: dict[str, Any]) -> None:
-        super().__init__(run_id, coordinator=coordinator, timeouts=timeouts, min_workers=1)
-        self.client = MemberClient(self.client.address, run_id, timeouts, 1, role, token=token)
-        self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
+        client = MemberClient(_coordinator_address(coordinator), run_id, timeouts, 1, role, token=token)
+        super().__init__(run_id, coordinator=client.address, timeouts=timeouts, min_workers=1, client=client)
         self.mm_store = self.client.store.clone()  # type: ignore[attr-defined]
         self.matchmaking_time = matchmaking_time
         self.role = role

@@ -166,7 +166,7 @@ class ElasticGroup(Group):
 
     def __init__(self, run_id: str | None = None, *, coordinator: str | None = None,
                  timeouts: Timeouts | None = None, min_workers: int | None = None, meter: Meter | None = None,
-                 backend_factory: BackendFactory | None = None) -> None:
+                 backend_factory: BackendFactory | None = None, client: MemberClient | None = None) -> None:
         # Group.__init__ wants the default process group; an elastic group has none.
         if timeouts is not None and not isinstance(timeouts, Timeouts):
             raise ConfigError(f"timeouts must be a shoal Timeouts, got {type(timeouts).__name__}")
@@ -194,8 +194,10 @@ class ElasticGroup(Group):
         if min_workers is None:
             min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid()}
-        self.client = MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
-                                   _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
+        # ``client``: a subclass that joins with its own MemberClient (a token, a role) passes it, so
+        # that no second store connection is opened for nothing.
+        self.client = client or MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
+                                             _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
         self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
         # Joining waits for the first start_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.

@@ -41,11 +41,18 @@ class Outcome:
 
 def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None = None,
         hard_limit: float = 60.0, restarts: int = 1, kill: tuple[int, float] | None = None,
-        script: str = "elastic_worker.py", token: str | None = None, initial_workers: int | None = None) -> Outcome:
-    coord = Coordinator(port=0, initial_workers=world if initial_workers is None else initial_workers,
-                        token=token).start()
+        script: str = "elastic_worker.py", token: str | None = None, initial_workers: int | None = None,
+        ranks: list[int] | None = None, coordinator: Coordinator | None = None,
+        run_id: str | None = None) -> Outcome:
+    """Start one process per rank (``ranks``, default all of ``world``) and wait for them all.
+
+    With ``coordinator`` (and ``run_id``) the processes join that run, whose other
+    peers the caller runs itself; the caller then stops the coordinator.
+    """
+    coord = coordinator or Coordinator(port=0, initial_workers=world if initial_workers is None else initial_workers,
+                                       token=token).start()
     base = {**os.environ, **(env or {}), "SHOAL_COORDINATOR": coord.address,
-            "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "SHOAL_RUN_ID": run_id or uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
     outcome = Outcome()
@@ -62,28 +69,32 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
 
     t0 = time.monotonic()
     try:
-        for r in range(world):
+        for r in range(world) if ranks is None else ranks:
             start(r, 0)
-        while [p.poll() for p, _ in procs.values()].count(None):
-            if time.monotonic() - t0 > hard_limit:
-                raise TimeoutError(f"elastic run still going after {hard_limit} s")
-            if kill is not None and time.monotonic() - t0 >= kill[1]:
-                os.killpg(procs[kill[0]][0].pid, signal.SIGKILL)
-                kill = None
+        while True:
+            # Deaths first: a SIGKILLed last process must still be restarted, not end the run.
             for rank, (p, life) in list(procs.items()):
-                if p.returncode == -signal.SIGKILL:
+                if p.poll() == -signal.SIGKILL:
                     outcome.deaths.append((rank, time.time()))
                     if life < restarts:
                         start(rank, life + 1)
                     else:
                         procs.pop(rank)
+            if not [p.poll() for p, _ in procs.values()].count(None):
+                break
+            if time.monotonic() - t0 > hard_limit:
+                raise TimeoutError(f"elastic run still going after {hard_limit} s")
+            if kill is not None and time.monotonic() - t0 >= kill[1]:
+                os.killpg(procs[kill[0]][0].pid, signal.SIGKILL)
+                kill = None
             time.sleep(0.05)
     finally:
         for p, _ in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        coord.stop()
+        if coordinator is None:
+            coord.stop()
         outcome.logs = (f"=== coordinator error: {coord.error!r}\n" if coord.error else "") + "\n".join(f"=== {os.path.basename(lp)}\n{open(lp, errors='replace').read()[-3000:]}"
                                  for lp in log_paths)
     for name in os.listdir(out_dir):

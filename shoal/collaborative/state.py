@@ -1,0 +1,157 @@
+"""A collaborative peer's state on the wire: sending it to peers that are behind, and averaging it.
+
+Two exchanges move state rather than gradients:
+
+- **loading** (:func:`exchange_state`): in a round where some members are
+  behind or fresh, the round's source broadcasts one blob, written with
+  ``torch.save`` and read with ``torch.load(weights_only=True)`` (never
+  pickle), bounded by ``max_state_bytes`` and ``load_state_timeout``.
+  :func:`encode_state` applies ``state_loading_codec`` (a ``Cast``: floating
+  tensors travel in fp16/bf16, scalars such as Adam's ``step`` exactly), and
+  :func:`decode_state` checks the blob against the local state (keys,
+  shapes, dtypes, finite) before anything is used.
+- **averaging** (:func:`average_tensors`): every ``average_state_every``
+  epochs the members average parameters, the optimizer statistics named in
+  ``average_opt_statistics`` and the extra tensors (:func:`stat_tensors`
+  picks them), with equal weights, applied only if the vote commits.
+
+Example::
+
+    blob = encode_state(state, Cast(torch.bfloat16))
+    same = decode_state(blob, local=state, source=3)    # None (and a warning) if unusable
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shoal.codecs.base import Codec
+from shoal.codecs.cast import Cast
+from shoal.collaborative.rounds import RoundGroup
+from shoal.collaborative.validate import Verdict, check_finite_tree, check_state
+from shoal.errors import PeerLostError
+
+log = logging.getLogger("shoal.collaborative")
+
+
+def encode_state(state: dict[str, Any], codec: Codec | None) -> torch.Tensor:
+    """``state`` as a byte tensor; with a ``Cast`` codec floating tensors (not scalars) travel in its dtype.
+
+    Scalars stay exact: Adam's ``step`` is a float tensor, and fp16 holds integers only up to 2048.
+    """
+    if isinstance(codec, Cast):
+        wire = codec.dtype
+        state = map_tensors(state, lambda t: t.to(wire) if t.is_floating_point() and t.dim() > 0 else t)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def decode_state(blob: torch.Tensor, local: dict[str, Any], source: int) -> dict[str, Any] | None:
+    """The state in ``blob`` if it can replace ``local`` (same keys, shapes, dtypes; finite), else None (logged)."""
+    try:
+        state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - anything a peer sends may be malformed
+        log.warning("state from member %d is not a valid state blob (%s); not loaded", source, e)
+        return None
+    why = None if isinstance(state, dict) and set(state) == set(local) else "unexpected keys"
+    why = why or check_state(state["params"], local["params"], "params") \
+        or check_state(state["extra"], local["extra"], "extra") or check_finite_tree(state["optimizer"], "optimizer")
+    epoch = state.get("local_epoch") if isinstance(state, dict) else None
+    if why is None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+        why = f"local_epoch {epoch!r} is not an epoch"
+    if why is not None:
+        log.warning("state from member %d rejected: %s", source, why)
+        return None
+    return state  # type: ignore[no-any-return]
+
+
+def exchange_state(g: RoundGroup, verdict: Verdict, make_blob: Callable[[], torch.Tensor], max_bytes: int,
+                   timeout: float) -> torch.Tensor | None:
+    """The source broadcasts ``make_blob()`` to the round; the blob if this member must load it, else None."""
+    if not verdict.behind or verdict.source is None:
+        return None
+    blob = make_blob() if g.rank == verdict.source else torch.empty(0, dtype=torch.uint8)
+    n = torch.tensor([blob.numel()], dtype=torch.int64)
+    g.broadcast(n, src=verdict.source, tag="collab/state").wait()
+    size = int(n.item())
+    if g.error is None and not 0 < size <= max_bytes:
+        g.report_error(PeerLostError(f"state source announced {size} bytes, outside (0, max_state_bytes="
+                                     f"{max_bytes}]"))
+    if g.error is not None:
+        return None
+    if g.rank != verdict.source:
+        blob = torch.empty(size, dtype=torch.uint8)
+    g.broadcast(blob, src=verdict.source, tag="collab/state").wait(timeout=timeout)
+    if g.error is not None or g.rank not in verdict.behind:
+        return None
+    return blob
+
+
+def stat_tensors(params: Sequence[torch.Tensor], names: Sequence[str], extra: Sequence[torch.Tensor],
+                 optimizer: torch.optim.Optimizer, keys: Sequence[str]) -> tuple[list[torch.Tensor], list[str]]:
+    """What state averaging averages: the parameters, the extra tensors, and the statistics named in ``keys``.
+
+    A statistic is taken only if it is a floating tensor of its parameter's shape (``step`` counters are not).
+    """
+    tensors = list(params) + list(extra)
+    out_names = list(names) + [f"extra{i}" for i in range(len(extra))]
+    for p, n in zip(params, names):
+        st = optimizer.state.get(p, {})
+        for k in keys:
+            t = st.get(k)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == p.shape:
+                tensors.append(t)
+                out_names.append(f"{n}:{k}")
+    return tensors, out_names
+
+
+def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str], codec: Codec) -> bool:
+    """Replace ``tensors`` by their mean over the round's members (equal weights) if the vote commits.
+
+    Skipped (False, the same on every member) when the members hold different amounts of
+    state (a peer whose optimizer has not created its statistics yet) or the mean is not finite.
+    """
+    numel = sum(t.numel() for t in tensors)
+    sizes = torch.empty(g.size, dtype=torch.int64)
+    g.all_gather_into(sizes, torch.tensor([numel], dtype=torch.int64), tag="collab/state-avg").wait()
+    if g.error is not None or len(set(sizes.tolist())) != 1:
+        log.warning("state averaging skipped: the members' optimizer statistics differ in size")
+        g.vote(keep=False)
+        return False
+    work = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    with torch.no_grad():
+        codec.mean(split_flat(work, tensors), names, g, "collab/state-avg")
+    finite = bool(torch.isfinite(work).all())
+    if not finite:
+        g.report_error(PeerLostError("state averaging produced NaN/Inf"))
+    if not (g.vote() and finite):
+        return False
+    with torch.no_grad():
+        for t, v in zip(tensors, split_flat(work, tensors)):
+            t.copy_(v)
+    return True
+
+
+def split_flat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``like``, in order."""
+    out, off = [], 0
+    for t in like:
+        out.append(flat[off: off + t.numel()].view(t.shape))
+        off += t.numel()
+    return out
+
+
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``x`` with ``fn`` applied to every tensor in its nested dicts, lists and tuples."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: map_tensors(v, fn) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(map_tensors(v, fn) for v in x)
+    return x
