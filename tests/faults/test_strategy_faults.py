@@ -67,7 +67,10 @@ def test_sigkill_mid_round_survivors_agree_and_restart_heals(strategy: str, tmp_
     # Survivors went through the same rounds, re-ran the failed one among themselves, lost no round.
     assert _rounds(survivors[0]) == _rounds(survivors[1]), why
     assert survivors[0]["stats"]["discards"] >= 1 and survivors[0]["skipped"] == 0, why
-    assert any(size == 2 for _, _, size in _rounds(survivors[0])), why
+    # The failed round was re-run by the survivors alone (size 2), unless the restarted worker was
+    # already back and healed into the re-run (fast machines): both are AVERAGE_SURVIVORS.
+    alone = any(size == 2 for _, _, size in _rounds(survivors[0]))
+    assert alone or reborn["log"][0]["step"] <= _rounds(survivors[0])[-1][0], why
     for s in survivors:
         times = [e["t"] for e in s["log"]]
         assert max(b - a for a, b in zip(times, times[1:])) <= OP + 5, why
@@ -77,7 +80,7 @@ def test_sigkill_mid_round_survivors_agree_and_restart_heals(strategy: str, tmp_
     first = reborn["log"][0]
     assert first["joined"] and first["digest"] == _by_step(survivors[0])[first["step"]]["digest"], why
     assert reborn["contributed"] >= 1, why
-    if strategy == "localsgd":
+    if strategy == "localsgd" and alone:
         # A round's result is the mean of its live contributors' states: the survivors' in the re-run round.
         a, b = _by_step(survivors[0]), _by_step(survivors[1])
         for s, e in a.items():

@@ -17,7 +17,9 @@ import shoal
 from shoal.elastic import Coordinator, ElasticGroup, Timeouts
 from shoal.errors import ConfigError
 
-_FAST = Timeouts(op=1.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=0.5, quorum=2.0, join=3.0)
+# Generous connect/quorum limits: the checks raise before any quorum is awaited, and torch's
+# TCPStore sometimes takes seconds to accept a connection when many clients are open.
+_FAST = Timeouts(op=1.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=0.5, quorum=15.0, join=20.0)
 
 
 @pytest.fixture
