@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The default comparison (docs/BENCHMARKS.md): 4 workers, 90 training seconds
 # per strategy (plus ~40 s of start-up each), about 14 minutes on 2 CPU cores.
