@@ -122,7 +122,10 @@ def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[
         try:
             p.wait(timeout=8)
         finally:
-            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the launcher and its workers are already gone
+                pass
         code = -1
     outcome = Outcome(logs=open(log, errors="replace").read()[-6000:])
     for name in os.listdir(out_dir):
