@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
+from shoal.comm.flat import flat_views
 from shoal.comm.group import Group, Handle
 from shoal.errors import ShoalError
 
@@ -124,11 +125,7 @@ class _Bucket:
         first = self.params[0]
         total = sum(p.numel() for p in self.params)
         self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in self.params:
-            self.views.append(self.buffer.narrow(0, offset, p.numel()).view(p.shape))
-            offset += p.numel()
+        self.views = flat_views(self.buffer, self.params)
         self.pending = len(members)
         self.work: Handle | torch.futures.Future | ThreadFuture | None = None
 

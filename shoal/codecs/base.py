@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
@@ -190,12 +191,9 @@ def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy (casting) consecutive slices of ``flat`` back into ``tensors`` in place."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n
+    """Copy (casting) consecutive slices of ``flat`` back into ``tensors`` in place (one batched copy)."""
+    if tensors:
+        torch._foreach_copy_(list(tensors), flat_views(flat, tensors))
 
 
 def sub_tag(tag: str, suffix: str) -> str:

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from shoal.codecs.base import BufferPool, Codec, LossyCodec, check_inputs, flatten_into, unflatten_from
+from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
@@ -73,8 +74,8 @@ class ErrorFeedback(Codec):
         numel = sum(t.numel() for t in tensors)
         comp_flat = self._pool.get("comp", numel, torch.float32, device)
         res_flat = self._pool.get("res", numel, torch.float32, device)
-        comp = _views(comp_flat, tensors)
-        new_res = _views(res_flat, tensors)
+        comp = flat_views(comp_flat, tensors)
+        new_res = flat_views(res_flat, tensors)
         old_res = [self._residual(n, t) for n, t in zip(names, tensors)]
         flatten_into(tensors, comp_flat)
         torch._foreach_add_(comp, old_res)
@@ -133,10 +134,3 @@ class ErrorFeedback(Codec):
         return out
 
 
-def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Consecutive views of ``flat`` shaped like ``like``."""
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return out

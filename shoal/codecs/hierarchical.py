@@ -8,6 +8,7 @@ import torch
 
 from shoal.codecs.base import BufferPool, Codec, LossyCodec, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
 from shoal.codecs.identity import Identity
+from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.comm.topology import HostGroups, Topology, discover
 from shoal.errors import ConfigError
@@ -146,7 +147,7 @@ class Hierarchical(LossyCodec):
             flat.div_(world)
             return
         flat.mul_(hosts / world)  # the leaders' mean of these is the mean over all ranks
-        views = _views(flat, like)
+        views = flat_views(flat, like)
         if residuals is not None and isinstance(self.inner, LossyCodec):
             self.inner.mean_with_residual(views, names, leaders, tag, residuals)
             torch._foreach_mul_(list(residuals), world / hosts)
@@ -164,12 +165,6 @@ class Hierarchical(LossyCodec):
         return {**super().stats(), "inner": self.inner.stats()}
 
 
-def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return out
 
 
 def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None) -> tuple[Codec | None, Topology | None]:

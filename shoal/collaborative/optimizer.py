@@ -45,6 +45,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from shoal.comm.flat import flat_views
+
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.collaborative.config import CollaborativeConfig
@@ -156,11 +158,7 @@ class CollaborativeOptimizer:
         return torch.zeros(self._numel, dtype=torch.float32)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, off = [], 0
-        for p in self.params:
-            out.append(flat[off: off + p.numel()].view(p.shape))
-            off += p.numel()
-        return out
+        return flat_views(flat, self.params)
 
     # --- the user's API ----------------------------------------------------------
     @property

@@ -32,6 +32,7 @@ import torch
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.collaborative.rounds import RoundGroup
+from shoal.comm.flat import flat_views
 from shoal.collaborative.validate import Verdict, check_finite_tree, check_state
 from shoal.errors import PeerLostError
 
@@ -125,25 +126,18 @@ def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str]
         return False
     work = torch.cat([t.detach().reshape(-1).float() for t in tensors])
     with torch.no_grad():
-        codec.mean(split_flat(work, tensors), names, g, "collab/state-avg")
+        codec.mean(flat_views(work, tensors), names, g, "collab/state-avg")
     finite = bool(torch.isfinite(work).all())
     if not finite:
         g.report_error(PeerLostError("state averaging produced NaN/Inf"))
     if not (g.vote() and finite):
         return False
     with torch.no_grad():
-        for t, v in zip(tensors, split_flat(work, tensors)):
+        for t, v in zip(tensors, flat_views(work, tensors)):
             t.copy_(v)
     return True
 
 
-def split_flat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like ``like``, in order."""
-    out, off = [], 0
-    for t in like:
-        out.append(flat[off: off + t.numel()].view(t.shape))
-        off += t.numel()
-    return out
 
 
 def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shoal.comm.flat import flat_views
 from shoal.comm.meter import Meter
 from shoal.errors import CommTimeoutError, ConfigError, ShoalError
 
@@ -309,10 +310,7 @@ class Group:
                         cache[dtype] = flat
                 torch.cat([t.reshape(-1) for t in same], out=flat)
                 self.broadcast(flat, src=src, tag=tag).wait()
-                offset = 0
-                for t in same:
-                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
-                    offset += t.numel()
+                torch._foreach_copy_(same, flat_views(flat, same))
 
     def barrier(self, tag: str = "control") -> None:
         self.meter.record(tag, "barrier", 0, self.size, self.rank)

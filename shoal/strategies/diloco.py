@@ -27,6 +27,7 @@ from torch import nn
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.comm.elastic import ElasticGroup
+from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy, broadcast_module
@@ -135,22 +136,6 @@ def split_fragments(sizes: Sequence[int], n: int, layout: str, modules: Sequence
     return out
 
 
-def _views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        n = shapes_numel(shape)
-        out.append(flat.narrow(0, offset, n).view(shape))
-        offset += n
-    return out
-
-
-def shapes_numel(shape: torch.Size) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 class _Fragment:
     """One fragment's global copy, outer optimizer, pseudo-gradient buffer and in-flight reduction."""
 
@@ -165,11 +150,11 @@ class _Fragment:
         where = torch.device("cpu") if host else device
         self.snapshot = torch.empty(numel, dtype=torch.float32, device=where, pin_memory=pin)
         self.delta = torch.empty(numel, dtype=torch.float32, device=device)
-        self.global_views = _views(self.snapshot, shapes)
-        self.delta_views = _views(self.delta, shapes)
+        self.global_views = flat_views(self.snapshot, shapes)
+        self.delta_views = flat_views(self.delta, shapes)
         # The outer gradient: the averaged pseudo-gradient, where the global copy lives.
         self.grad = self.delta if not host else torch.empty(numel, dtype=torch.float32, pin_memory=pin)
-        for g, v in zip(self.global_views, _views(self.grad, shapes)):
+        for g, v in zip(self.global_views, flat_views(self.grad, shapes)):
             g.grad = v
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1).float() for p in params], out=self.delta)
