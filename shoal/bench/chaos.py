@@ -10,14 +10,19 @@ round), seconds the survivors' step took when a round had to be re-run,
 seconds from a restart to its first step and the heal itself (with the
 model's size), steps per second.
 
-The task is a small real one that 2 CPU cores can train in minutes: a
-character-level LM (2-layer causal transformer, d=64, 108k parameters) on sequences from a fixed
-random Markov chain of order 1 over 64 symbols, so the loss has a known
-floor (the chain's entropy, printed).
+Two tasks. ``--task markov`` (default) is a small real one that 2 CPU cores
+can train in minutes: a character-level LM (2-layer causal transformer,
+d=64, 108k parameters) on sequences from a fixed random Markov chain of
+order 1 over 64 symbols, so the loss has a known floor (the chain's
+entropy, printed). ``--task lm`` is ``shoal bench``'s ``lm`` task (a byte
+GPT of 3.26 M parameters on Python's documentation, batch 8 windows of 128
+bytes per worker, validation on 64 held-out windows).
 
     python -m shoal.bench.chaos --workers 4 --strategy localsgd --steps 600 --kill-every 10 --chaos-for 120
     # one worker per emulated host (root): 4 hosts x 20 mbit, the coordinator in host 0's namespace
     python -m shoal.bench.chaos --workers 4 --bandwidth 20mbit --steps 1200 --kill-every 30 --chaos-for 150
+    python -m shoal.bench.chaos --task lm --strategy diloco --period 32 --workers 4 --bandwidth 20mbit \
+        --steps 480 --kill-every 30 --chaos-for 180 --op 60 --probe 2
 """
 
 from __future__ import annotations
@@ -95,17 +100,51 @@ def _timeouts(a: argparse.Namespace) -> Timeouts:
                     join=max(200.0, 10 * a.op))
 
 
+class _Task:
+    """What a worker trains: a model, its training batches and its validation loss."""
+
+    def __init__(self, a: argparse.Namespace, rank: int, life: int) -> None:
+        self.kind = a.task
+        self.g = torch.Generator().manual_seed(1000 * rank + 17 * life + 1)
+        self.seed, self.batches = 1000 * rank + 17 * life + 1, 0
+        if a.task == "lm":
+            from shoal.bench.tasks import LMConfig, LMTask
+            self.lm = LMTask(LMConfig())
+        else:
+            self.chain = _chain()
+
+    def model(self, a: argparse.Namespace) -> torch.nn.Module:
+        torch.manual_seed(0)
+        if self.kind == "lm":
+            return self.lm.build_model()
+        return CausalLM(vocab=VOCAB, d=a.width, layers=a.layers)
+
+    def train_loss(self, model: torch.nn.Module) -> torch.Tensor:
+        self.batches += 1
+        if self.kind == "lm":
+            return self.lm.loss(model, self.lm.corpus.train_batch(self.batches, self.seed, 8, 0, 1))
+        x, y = sample(self.chain, BATCH, self.g)
+        return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+    def val_loss(self, model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            if self.kind == "lm":
+                return float(self.lm.loss(model, self.lm.corpus.val_windows(limit=64)))
+            xv, yv = sample(self.chain, 256, torch.Generator().manual_seed(99))
+            return float(F.cross_entropy(model(xv).reshape(-1, VOCAB), yv.reshape(-1)))
+
+
 def worker(a: argparse.Namespace) -> None:
     """One worker (run as ``python -m shoal.bench.chaos --worker``): trains, logs every step to a file."""
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
     started = time.time()
-    p = _chain()
+    task = _Task(a, rank, life)
     group = ElasticGroup(timeouts=_timeouts(a), min_workers=2)
-    torch.manual_seed(0)
-    net = CausalLM(vocab=VOCAB, d=a.width, layers=a.layers)
+    net = task.model(a)
     strategy = _strategy(a.strategy, a.period)
-    model, opt = shoal.wrap(net, torch.optim.AdamW(net.parameters(), lr=3e-3), strategy, process_group=group)
+    lr = 1e-3 if a.task == "lm" else 3e-3
+    model, opt = shoal.wrap(net, torch.optim.AdamW(net.parameters(), lr=lr), strategy, process_group=group)
 
     def step_of() -> int:   # optimizer steps (local-step strategies) or committed steps (DDP)
         return int(getattr(strategy, "step", group.step))
@@ -115,22 +154,16 @@ def worker(a: argparse.Namespace) -> None:
                           "heal_s": group.stats.heal_s, "heal_bytes": group.stats.heal_bytes,
                           "healed": group.stats.heals_received,
                           "params": sum(q.numel() for q in net.parameters())}) + "\n")
-    g = torch.Generator().manual_seed(1000 * rank + 17 * life + 1)
     # Stop right after a round, so that every worker holds the same parameters.
     after_round = {"localsgd": 1, "diloco": 0}.get(a.strategy)
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
-        x, y = sample(p, BATCH, g)
         t0, d0 = time.time(), group.stats.discards
-        out = model(x)
-        F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1)).backward()
+        task.train_loss(model).backward()
         opt.step()
         opt.zero_grad()
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
                               "discards": group.stats.discards - d0, "round": group.step}) + "\n")
-    xv, yv = sample(p, 256, torch.Generator().manual_seed(99))
-    with torch.no_grad():
-        val = float(F.cross_entropy(net(xv).reshape(-1, VOCAB), yv.reshape(-1)))
-    log.write(json.dumps({"event": "done", "t": time.time(), "val": val}) + "\n")
+    log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net)}) + "\n")
     log.close()
     group.leave()
 
@@ -155,7 +188,8 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
 
 def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str],
                 emu: EmulatedCluster | None) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "shoal.bench.chaos", "--worker", "--out", out, "--strategy", a.strategy,
+    argv = [sys.executable, "-m", "shoal.bench.chaos", "--worker", "--out", out, "--task", a.task,
+            "--strategy", a.strategy,
             "--steps", str(a.steps), "--period", str(a.period), "--width", str(a.width),
             "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe)]
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
@@ -238,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shoal.bench.chaos", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--task", choices=["markov", "lm"], default="markov",
+                    help="markov: 108k-parameter LM on a Markov chain; lm: shoal bench's 3.26M-parameter lm task")
     ap.add_argument("--strategy", choices=["localsgd", "diloco", "ddp"], default="localsgd")
     ap.add_argument("--period", type=int, default=8, help="local steps per round (localsgd, diloco)")
     ap.add_argument("--steps", type=int, default=600)
@@ -260,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         worker(a)
         return 0
     signal.signal(signal.SIGTERM, _interrupt)  # unwind: the workers and emulated hosts are removed
-    print(f"task: order-1 Markov LM over {VOCAB} symbols, loss floor {chain_entropy(_chain()):.4f} nats")
+    if a.task == "lm":
+        print("task: shoal bench's lm (byte GPT, 3.26 M parameters, Python docs)")
+    else:
+        print(f"task: order-1 Markov LM over {VOCAB} symbols, loss floor {chain_entropy(_chain()):.4f} nats")
     res = {}
     for name, chaos in (("fault_free", False), ("chaos", True)):
         if a.keep:
