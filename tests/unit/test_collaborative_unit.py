@@ -54,28 +54,51 @@ def _h(member: int, epoch: int = 3, weight: int = 32, finite: bool = True, numel
 
 
 def test_headers_majority_layout_and_bounds() -> None:
-    v = judge_headers([_h(1), _h(2), _h(3, numel=7)], [1, 2, 3], max_weight=256)
+    v = judge_headers([_h(1), _h(2), _h(3, numel=7)], [1, 2, 3], max_weight=256, round_epoch=3)
     assert v.violators == [2] and "layout" in v.reasons[2]
-    v = judge_headers([_h(1), _h(2, weight=10_000)], [1, 2], max_weight=256)
+    v = judge_headers([_h(1), _h(2, weight=10_000)], [1, 2], max_weight=256, round_epoch=3)
     assert v.violators == [1] and "weight" in v.reasons[1]
-    v = judge_headers([_h(1), _h(5)], [1, 2], max_weight=256)
+    v = judge_headers([_h(1), _h(5)], [1, 2], max_weight=256, round_epoch=3)
     assert v.violators == [1] and "member id" in v.reasons[1]
-    v = judge_headers([_h(1), _h(2, finite=False)], [1, 2], max_weight=256)
+    v = judge_headers([_h(1), _h(2, finite=False)], [1, 2], max_weight=256, round_epoch=3)
     assert v.violators == [1]
-    v = judge_headers([_h(1), _h(2, finite=False, weight=0)], [1, 2], max_weight=256)
+    v = judge_headers([_h(1), _h(2, finite=False, weight=0)], [1, 2], max_weight=256, round_epoch=3)
     assert v.violators == [] and v.weights == [32, 0]
 
 
 def test_headers_behind_peers_get_weight_zero_and_a_non_client_source() -> None:
-    v = judge_headers([_h(1, flags=FLAG_CLIENT), _h(2), _h(3, epoch=1)], [1, 2, 3], max_weight=256)
+    v = judge_headers([_h(1, flags=FLAG_CLIENT), _h(2), _h(3, epoch=1)], [1, 2, 3], max_weight=256, round_epoch=3)
     assert v.epoch == 3 and v.behind == [2] and v.source == 1 and v.weights == [32, 32, 0]
     # only a client is up to date: nobody serves
-    v = judge_headers([_h(1, flags=FLAG_CLIENT), _h(2, epoch=1)], [1, 2], max_weight=256)
+    v = judge_headers([_h(1, flags=FLAG_CLIENT), _h(2, epoch=1)], [1, 2], max_weight=256, round_epoch=3)
     assert v.source is None and v.behind == []
     # all fresh at the start: the lowest non-client rank sends its parameters, everyone keeps its weight
     v = judge_headers([_h(1, flags=FLAG_FRESH | FLAG_CLIENT), _h(2, flags=FLAG_FRESH), _h(3, flags=FLAG_FRESH)],
-                      [1, 2, 3], max_weight=256)
+                      [1, 2, 3], max_weight=256, round_epoch=3)
     assert v.source == 1 and v.behind == [0, 2] and v.weights == [32, 32, 32]
+
+
+def test_headers_an_epoch_ahead_of_the_round_is_a_violation_and_never_the_source() -> None:
+    # Without the rule, rank 2's claim would make it the round's epoch and its only up-to-date
+    # member: the source every other member loads state from.
+    v = judge_headers([_h(1), _h(2), _h(3, epoch=10**6)], [1, 2, 3], max_weight=256, round_epoch=3)
+    assert v.violators == [2] and "ahead of the round" in v.reasons[2]
+    assert v.epoch == 3 and v.source == 0 and v.behind == []
+    v = judge_headers([_h(1), _h(2, epoch=4)], [1, 2], max_weight=256, round_epoch=3)
+    assert v.violators == [1], "even one epoch ahead of the round is a lie"
+    # a member behind the round's epoch is legitimate: it loads state
+    v = judge_headers([_h(1), _h(2, epoch=1)], [1, 2], max_weight=256, round_epoch=3)
+    assert v.violators == [] and v.behind == [1] and v.source == 0
+
+
+def test_verdict_without_a_caught_source_picks_the_next_candidate() -> None:
+    v = judge_headers([_h(1, flags=FLAG_FRESH), _h(2, flags=FLAG_FRESH), _h(3, epoch=1)], [1, 2, 3],
+                      max_weight=256, round_epoch=3)
+    assert v.source == 0 and v.behind == [1, 2]
+    w = v.without([0])
+    assert w.source == 1 and w.behind == [0, 2]
+    assert v.without([0, 1]).source is None and v.without([0, 1]).behind == []
+    assert v.without([2]) is v, "a bad member that is not the source changes nothing"
 
 
 def test_check_state_rejects_shape_dtype_and_nan() -> None:
