@@ -18,6 +18,11 @@ go wrong, and what happens:
 - a peer sends a header it cannot back (wrong shapes or dtypes, absurd
   weight) or non-finite data: it is excluded from the round (see
   :mod:`shoal.collaborative.validate` for how) and logged;
+- a peer caught sending NaN/Inf is also left out of the round's state
+  averaging and does not serve state in it;
+- a peer declares an epoch ahead of the round's (to be the one others load
+  state from): excluded; the swarm's epoch is what a strict majority of the
+  settled peers' signed progress records say (progress.py, records.py);
 - this peer's own gradients are NaN/Inf: its contribution is dropped (weight 0).
 
 Example::
