@@ -145,3 +145,30 @@ def test_wrong_token_is_refused_and_state_dict_round_trips() -> None:
         other.shutdown()
     finally:
         coord.stop()
+
+
+def test_record_book_drops_forged_moved_and_altered_records() -> None:
+    import json
+
+    from shoal.collaborative.records import RecordBook
+    from shoal.comm import auth
+
+    store = torch.distributed.HashStore()
+    for m in (1, 2):
+        store.set(f"run/auth/{m}/nonce", auth.new_nonce())
+    one, two = RecordBook(store, "run", 1, TOKEN), RecordBook(store, "run", 2, TOKEN)
+    sealed = one.seal({"epoch": 4})
+    assert two.open(sealed, writer=1) == {"epoch": 4, "by": 1}
+    outsider = RecordBook(store, "run", 1, "not-the-run-token")    # reads the nonce, lacks the token
+    assert two.open(outsider.seal({"epoch": 10**6}), writer=1) is None
+    assert two.open(sealed, writer=2) is None, "member 1's record under member 2's key"
+    outer = json.loads(sealed)
+    outer["body"] = outer["body"].replace('"epoch": 4', '"epoch": 5')
+    assert two.open(json.dumps(outer), writer=1) is None, "altered body"
+    assert two.open(json.dumps({"epoch": 4, "by": 1}), writer=1) is None, "unsigned JSON"
+    assert two.open(b"\xff not json", writer=1) is None
+    store.set("run/auth/1/nonce", auth.new_nonce())     # someone rewrites the nonce after the join
+    assert two.open(sealed, writer=1) is not None, "the key was fixed at first use"
+    assert two.dropped == 5
+    plain = RecordBook(store, "run", 1, None)           # no token: plain JSON, trusted
+    assert RecordBook(store, "run", 2, None).open(plain.seal({"epoch": 1}), writer=1) == {"epoch": 1, "by": 1}
