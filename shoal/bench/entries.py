@@ -128,9 +128,33 @@ def _daso(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | No
                    report_loss=strategy.report_loss)
 
 
+def _leave_swarm(opt: shoal.CollaborativeOptimizer, coordinator: object, wait_s: float = 10.0) -> None:
+    """At exit: leave the swarm; rank 0 then waits (bounded) for the others to leave and stops the coordinator.
+
+    The bench loop has no end-of-run hook, and a process that exits with its round groups
+    and the coordinator's store server still live can abort in their threads.
+    """
+    import time
+
+    from shoal.comm.membership import Coordinator
+
+    try:
+        if isinstance(coordinator, Coordinator):
+            deadline = time.monotonic() + wait_s
+            while opt.group.live_members() - {opt.member_id} and time.monotonic() < deadline:
+                time.sleep(0.05)
+        opt.shutdown()
+    except Exception as e:  # noqa: BLE001 - at exit, a peer already gone must not turn a finished run into an error
+        print(f"shoal bench collaborative: leaving the swarm failed: {e}", flush=True)
+    finally:
+        if isinstance(coordinator, Coordinator):
+            coordinator.stop()
+
+
 @register("collaborative", description="shoal.CollaborativeOptimizer: the swarm steps once every rank's batches "
           "add up to one global batch; coordinator on rank 0, matchmaking 1 s")
 def _collaborative(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
+    import atexit
     import os
     import secrets
     from typing import cast
@@ -157,6 +181,6 @@ def _collaborative(module: nn.Module, make_optimizer: OptimizerFactory, group: G
     opt = shoal.CollaborativeOptimizer(lambda ps: make_optimizer(cast(list[nn.Parameter], ps)),
                                        module.named_parameters(), config=cfg)
     opt.group.client.wait_quorum(after=0, timeout=60.0)   # all ranks joined: nobody races ahead alone
-    opt._bench_coordinator = coordinator   # type: ignore[attr-defined]  # lives as long as the optimizer
+    atexit.register(_leave_swarm, opt, coordinator)
     # The bench loop calls zero_grad(set_to_none=True) and step() only, which CollaborativeOptimizer has.
     return Trainer(module, cast(torch.optim.Optimizer, opt), comm=_counter(opt.group, "collab"), eval_module=module)

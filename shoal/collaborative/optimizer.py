@@ -361,7 +361,7 @@ class CollaborativeOptimizer:
         """An auxiliary peer: wait for the swarm to reach the target, then average with weight 0."""
         deadline = time.monotonic() + self.config.averaging_timeout
         while time.monotonic() < deadline:
-            epoch = max(self._swarm_epoch(), self.local_epoch)
+            epoch = max(self._catch_up_epoch(), self.local_epoch)   # a lone claim alone does not move it
             if self.tracker.add_samples(epoch, 0) >= self.config.target_batch_size:
                 zeros = self._zeros()
                 report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, self.config.averaging_timeout)
