@@ -126,3 +126,61 @@ def _daso(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | No
     # Exact averaging inside hosts is the host-local DDP's traffic (ddp/...), global syncs are daso/...
     return Trainer(model, opt, comm=_counter(g, "daso", "ddp"), eval_module=module,
                    report_loss=strategy.report_loss)
+
+
+def _leave_swarm(opt: shoal.CollaborativeOptimizer, coordinator: object, wait_s: float = 10.0) -> None:
+    """At exit: leave the swarm; rank 0 then waits (bounded) for the others to leave and stops the coordinator.
+
+    The bench loop has no end-of-run hook, and a process that exits with its round groups
+    and the coordinator's store server still live can abort in their threads.
+    """
+    import time
+
+    from shoal.comm.membership import Coordinator
+
+    try:
+        if isinstance(coordinator, Coordinator):
+            deadline = time.monotonic() + wait_s
+            while opt.group.live_members() - {opt.member_id} and time.monotonic() < deadline:
+                time.sleep(0.05)
+        opt.shutdown()
+    except Exception as e:  # noqa: BLE001 - at exit, a peer already gone must not turn a finished run into an error
+        print(f"shoal bench collaborative: leaving the swarm failed: {e}", flush=True)
+    finally:
+        if isinstance(coordinator, Coordinator):
+            coordinator.stop()
+
+
+@register("collaborative", description="shoal.CollaborativeOptimizer: the swarm steps once every rank's batches "
+          "add up to one global batch; coordinator on rank 0, matchmaking 1 s")
+def _collaborative(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
+    import atexit
+    import os
+    import secrets
+    from typing import cast
+
+    from shoal.comm.membership import Coordinator
+
+    g = _need_group("collaborative", group)
+    # Rank 0 runs the coordinator (membership and the shared store) and tells the others its port
+    # and a fresh run token, over the bench's group, before anything is counted.
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    coordinator = None
+    setup = torch.zeros(2, dtype=torch.int64)
+    if g.rank == 0:
+        setup[1] = secrets.randbits(62)
+        coordinator = Coordinator(port=0, host=host, initial_workers=g.size,
+                                  token=f"bench-{int(setup[1]):016x}").start()
+        setup[0] = coordinator.port
+    g.broadcast(setup, src=0, tag="bench/setup").wait()
+    # Batches, not samples: every rank of the bench trains on global_batch / world samples per step,
+    # so counting one unit per step and a target of `world` units is the same weighting.
+    cfg = shoal.CollaborativeConfig(run_id="bench", target_batch_size=g.size, batch_size_per_step=1,
+                                    coordinator=f"{host}:{int(setup[0])}", token=f"bench-{int(setup[1]):016x}",
+                                    matchmaking_time=1.0, average_state_every=0)
+    opt = shoal.CollaborativeOptimizer(lambda ps: make_optimizer(cast(list[nn.Parameter], ps)),
+                                       module.named_parameters(), config=cfg)
+    opt.group.client.wait_quorum(after=0, timeout=60.0)   # all ranks joined: nobody races ahead alone
+    atexit.register(_leave_swarm, opt, coordinator)
+    # The bench loop calls zero_grad(set_to_none=True) and step() only, which CollaborativeOptimizer has.
+    return Trainer(module, cast(torch.optim.Optimizer, opt), comm=_counter(opt.group, "collab"), eval_module=module)

@@ -18,6 +18,11 @@ go wrong, and what happens:
 - a peer sends a header it cannot back (wrong shapes or dtypes, absurd
   weight) or non-finite data: it is excluded from the round (see
   :mod:`shoal.collaborative.validate` for how) and logged;
+- a peer caught sending NaN/Inf is also left out of the round's state
+  averaging and does not serve state in it;
+- a peer declares an epoch ahead of the round's (to be the one others load
+  state from): excluded; the swarm's epoch is what a strict majority of the
+  settled peers' signed progress records say (progress.py, records.py);
 - this peer's own gradients are NaN/Inf: its contribution is dropped (weight 0).
 
 Example::
@@ -51,6 +56,7 @@ from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.collaborative.config import CollaborativeConfig
 from shoal.collaborative.progress import ProgressTracker, SwarmProgress
+from shoal.collaborative.records import RecordBook
 from shoal.collaborative.rounds import RoundGroup
 from shoal.collaborative.state import average_tensors, decode_state, encode_state, exchange_state, stat_tensors
 from shoal.collaborative.validate import (FLAG_AUX, FLAG_CLIENT, FLAG_FRESH, HEADER_LEN, Verdict, encode_header,
@@ -123,7 +129,8 @@ class CollaborativeOptimizer:
         self._acc_views = self._views(self._acc) if self._acc is not None else []
         self._samples = 0
         self._micro = 0
-        self._fresh = True
+        self._fresh = True           # holds no swarm state yet (its header says so)
+        self._left_out = False       # a round it tried to join closed without it: the swarm is ahead
         self._scaler_good = 0
         self._digest = layout_digest(self.names, self.params)
         role = {"aux": cfg.auxiliary, "client": cfg.client_mode, "pid": os.getpid()}
@@ -131,8 +138,10 @@ class CollaborativeOptimizer:
             _enable_verbose_log()
         self.group = RoundGroup(cfg.run_id, cfg.coordinator, cfg.timeouts(), cfg.token, cfg.matchmaking_time, role)
         self.member_id = self.group.client.member_id
-        self.tracker = ProgressTracker(self.group.client.store.clone(),  # type: ignore[attr-defined]
-                                       cfg.run_id, self.member_id, cfg.target_batch_size,
+        store = self.group.client.store.clone()  # type: ignore[attr-defined]
+        self.tracker = ProgressTracker(store, cfg.run_id, self.member_id, cfg.target_batch_size,
+                                       book=RecordBook(store, cfg.run_id, self.member_id, cfg.token),
+                                       settled=lambda: not self._fresh,
                                        role="auxiliary" if cfg.auxiliary else "client" if cfg.client_mode else "peer")
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="shoal-collab") if cfg.delay_optimizer_step else None
         self._pending: cf.Future[None] | None = None
@@ -193,7 +202,7 @@ class CollaborativeOptimizer:
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ConfigError(f"batch size must be an integer >= 1 (pass batch_size= or set "
                               f"CollaborativeConfig.batch_size_per_step), got {bs!r}")
-        if self._fresh and self.local_epoch < self.tracker.global_epoch():
+        if self._fresh and self.local_epoch < self._catch_up_epoch():
             return self._catch_up()
         if not self._accumulate(bs, grad_scaler):
             return None
@@ -303,8 +312,22 @@ class CollaborativeOptimizer:
                 for p, q in zip(self.params, self.opt_params):
                     p.copy_(q)
 
+    def _swarm_epoch(self) -> int:
+        """The swarm's epoch as a majority of the live settled peers' signed records say (progress.py)."""
+        return self.tracker.global_epoch(sorted(self.group.live_members()))[0]
+
+    def _catch_up_epoch(self) -> int:
+        """The epoch a fresh peer should load state for, or its own epoch if it should just train.
+
+        A claim that a single settled peer makes (everybody else fresh, as at the start of a run)
+        is not reason enough to stop training and wait for state: that peer may be lying. The
+        fresh peer trains at its own epoch, and follows a lone claim only once a round it tried
+        to join closed without it.
+        """
+        epoch, witnesses = self.tracker.global_epoch(sorted(self.group.live_members()))
+        return epoch if witnesses >= 2 or self._left_out else self.local_epoch
+
     def _after_epoch(self, report: RoundReport) -> None:
-        self.tracker.raise_epoch(self.local_epoch)
         self.tracker.on_step(0, self.local_epoch, self._samples, force=True)
         self.tracker.ema.pause()
         self.last_round = report
@@ -320,14 +343,14 @@ class CollaborativeOptimizer:
         deadline = time.monotonic() + self.config.load_state_timeout
         zeros = self._zeros()
         while time.monotonic() < deadline:
-            epoch = self.tracker.global_epoch()
+            epoch = self._swarm_epoch()
             report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, deadline - time.monotonic())
             if report.outcome == "loaded":
                 self._reset_accumulators()
                 self._apply(report, averaged, zeros, 0)
                 self._copy_back()
                 return report
-            while self.tracker.global_epoch() == epoch and time.monotonic() < deadline:
+            while self._swarm_epoch() == epoch and time.monotonic() < deadline:
                 time.sleep(0.01)     # that round closed without this peer: wait for the swarm's next one
         log.warning("could not load the swarm's state within load_state_timeout=%.1f s; will retry at the next step",
                     self.config.load_state_timeout)
@@ -338,7 +361,7 @@ class CollaborativeOptimizer:
         """An auxiliary peer: wait for the swarm to reach the target, then average with weight 0."""
         deadline = time.monotonic() + self.config.averaging_timeout
         while time.monotonic() < deadline:
-            epoch = max(self.tracker.global_epoch(), self.local_epoch)
+            epoch = max(self._catch_up_epoch(), self.local_epoch)   # a lone claim alone does not move it
             if self.tracker.add_samples(epoch, 0) >= self.config.target_batch_size:
                 zeros = self._zeros()
                 report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, self.config.averaging_timeout)
@@ -346,7 +369,7 @@ class CollaborativeOptimizer:
                     self._apply(report, averaged, zeros, 0)
                     self._copy_back()
                 elif report.outcome == "behind":
-                    self._fresh = True
+                    self._fresh = self._left_out = True
                 else:
                     self.local_epoch = max(self.local_epoch, epoch + 1)   # nothing to apply: follow the swarm
                 return report
@@ -368,7 +391,7 @@ class CollaborativeOptimizer:
             if q is None and not self.group.gave_up:
                 log.warning("epoch %d: the swarm averaged without this peer (too late); it will load the "
                             "swarm's state", epoch)
-                self._fresh = True
+                self._fresh = self._left_out = True
                 return RoundReport(epoch, "behind", 0, 0, time.monotonic() - t0), None
             if q is None:
                 log.warning("epoch %d: no averaging group formed within %.1f s; stepping with local gradients",
@@ -398,7 +421,8 @@ class CollaborativeOptimizer:
             g.vote()
             return None
         members = g.quorum.members if g.quorum else ()
-        verdict = judge_headers(list(table.view(g.size, HEADER_LEN)), members, 4 * self.config.target_batch_size)
+        verdict = judge_headers(list(table.view(g.size, HEADER_LEN)), members, 4 * self.config.target_batch_size,
+                                round_epoch=epoch)
         if verdict.violators:
             for r in verdict.violators:
                 log.warning("epoch %d: excluding member %d from the round: it %s", epoch, members[r], verdict.reasons[r])
@@ -407,16 +431,19 @@ class CollaborativeOptimizer:
             if g.rank in verdict.violators:
                 return RoundReport(epoch, "local", 1, weight, time.monotonic() - t0, (self.member_id,)), None
             return None
-        behind = g.rank in verdict.behind           # receives state (behind, or fresh)
-        stale = behind and verdict.weights[g.rank] == 0   # behind: its gradients are for old parameters
-        loaded = self._exchange_state(verdict)
         if verdict.weights[g.rank] == 0:
             contrib = torch.zeros_like(contrib)
         averaged, bad = self._robust_mean(contrib, verdict.weights, self.grad_codec, "collab/grad")
+        # A member caught sending bad data is out of the rest of the round: it does not serve
+        # state (the next candidate does) and its tensors are left out of state averaging.
+        verdict = verdict.without(bad)
+        behind = g.rank in verdict.behind           # receives state (behind, or fresh)
+        stale = behind and verdict.weights[g.rank] == 0   # behind: its gradients are for old parameters
+        loaded = self._exchange_state(verdict)
         if not g.vote():
             return None
         if self.config.average_state_every and (verdict.epoch + 1) % self.config.average_state_every == 0:
-            self._average_state()
+            self._average_state(bad)
         ex = tuple(sorted({members[r] for r in bad} | excluded))
         took = time.monotonic() - t0
         peers, samples = g.size, sum(verdict.weights)
@@ -424,12 +451,12 @@ class CollaborativeOptimizer:
         if behind and not loaded:
             return RoundReport(verdict.epoch, "behind", peers, samples, took, ex, 0, src), None
         if stale:
-            self._fresh = False
+            self._fresh = self._left_out = False
             return RoundReport(verdict.epoch, "loaded", peers, samples, took, ex, 0, src), averaged
         if loaded:
             log.info("epoch %d: loaded the parameters of member %d (this peer started fresh)", epoch,
                      members[verdict.source or 0])
-        self._fresh = False
+        self._fresh = self._left_out = False
         return RoundReport(verdict.epoch, "averaged", g.size, samples, took, ex, verdict.weights[g.rank], src), averaged
 
     def _robust_mean(self, contrib: torch.Tensor, weights: list[int], codec: Codec,
@@ -468,7 +495,8 @@ class CollaborativeOptimizer:
         if blob is None:
             return False
         q = self.group.quorum
-        return self._load_blob(blob, q.members[verdict.source] if q is not None and verdict.source is not None else -1)
+        return self._load_blob(blob, q.members[verdict.source] if q is not None and verdict.source is not None else -1,
+                               verdict.epoch)
 
     def _full_state(self) -> dict[str, Any]:
         return {"params": [p.detach() for p in self.opt_params], "extra": [t.detach() for t in self.extra],
@@ -479,9 +507,13 @@ class CollaborativeOptimizer:
         """This peer's full state as sent to a peer that loads it (through ``state_loading_codec``)."""
         return encode_state(self._full_state(), self.config.state_loading_codec)
 
-    def _load_blob(self, blob: torch.Tensor, source: int) -> bool:
-        """Check a received state blob and, if usable, make it this peer's state; whether it was loaded."""
-        state = decode_state(blob, self._full_state(), source)
+    def _load_blob(self, blob: torch.Tensor, source: int, epoch: int) -> bool:
+        """Check a received state blob and, if usable, make it this peer's state; whether it was loaded.
+
+        ``epoch`` is the round's: the source's state must be of that epoch (or the next one, when the
+        source already advanced its epoch for a round it averages in the background).
+        """
+        state = decode_state(blob, self._full_state(), source, epochs=(epoch, epoch + 1))
         if state is None:
             return False
         with torch.no_grad():
@@ -494,11 +526,14 @@ class CollaborativeOptimizer:
         log.info("loaded state of epoch %d from member %d", self.local_epoch, source)
         return True
 
-    def _average_state(self) -> bool:
-        """Average parameters, chosen optimizer statistics and extra tensors (equal weights); applied on commit."""
+    def _average_state(self, skip: Sequence[int] = ()) -> bool:
+        """Average parameters, chosen optimizer statistics and extra tensors (equal weights); applied on commit.
+
+        ``skip``: ranks caught sending bad data earlier in the round, whose tensors are left out.
+        """
         tensors, names = stat_tensors(self.opt_params, self.names, self.extra, self.optimizer,
                                       self.config.average_opt_statistics)
-        return average_tensors(self.group, tensors, names, self.state_codec)
+        return average_tensors(self.group, tensors, names, self.state_codec, skip)
 
     # --- progress, checkpoints, shutdown -------------------------------------------------
     def swarm_progress(self) -> SwarmProgress:
@@ -521,7 +556,7 @@ class CollaborativeOptimizer:
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         self.local_epoch = int(state["local_epoch"])
-        self._fresh = False
+        self._fresh = self._left_out = False
 
     def wait_pending(self) -> None:
         """Wait for a background averaging or optimizer step, and apply it."""

@@ -10,6 +10,11 @@ for half the heartbeat timeout) is ready, or after ``matchmaking_time``. Whoever
 closes it writes the member list with compare-and-set, so every peer reads
 the same list. Peers left out were too late: the swarm moved on without them.
 
+Slots, member lists and the last committed group are signed by their writer
+(:mod:`shoal.collaborative.records`): a slot counts only if its writer
+registers itself, and a member list that does not verify ends the attempt
+for this peer as a failed one.
+
 Members are ordered full peers first, then client-mode peers, each by id, so
 that the lowest-ranked up-to-date member, which sends state to peers that
 need it, is a client only when nobody else can.
@@ -31,12 +36,12 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from typing import Any
 
+from shoal.collaborative.records import RecordBook
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.membership import MemberClient, Quorum, Timeouts
 from shoal.errors import ConfigError, ShoalError
@@ -65,6 +70,8 @@ class RoundGroup(ElasticGroup):
         self.matchmaking_time = matchmaking_time
         self.role = role
         self.client.join()
+        # Slots, member lists and the last group are signed by their writer (records.py).
+        self.book = RecordBook(self.mm_store, run_id, self.client.member_id, token)
         self._members_cache: tuple[int, set[int]] = (-1, set())
         self._hb_seen: dict[int, tuple[bytes, float]] = {}
         self.last_wait = 0.0
@@ -122,7 +129,7 @@ class RoundGroup(ElasticGroup):
         self.gave_up = False
         slot = int(st.add(base + "n", 1))
         rec = {"id": me, "c": int(contributing), "cl": int(bool(self.role.get("client")))}
-        st.set(base + f"s/{slot}", json.dumps(rec))
+        st.set(base + f"s/{slot}", self.book.seal(rec))
         opened: float | None = None
         recent = self._last_members()
         while not st.check([base + "members"]):
@@ -130,9 +137,10 @@ class RoundGroup(ElasticGroup):
             n = int(st.add(base + "n", 0))
             ready: dict[int, dict[str, int]] = {}
             for raw in st.multi_get([base + f"s/{k}" for k in range(1, n + 1)]):
+                r = self.book.open(raw, kind="matchmaking slot")
                 try:
-                    r = json.loads(raw.decode())
-                    ready[int(r["id"])] = {"c": int(r["c"]), "cl": int(r["cl"])}
+                    if r is not None and r["id"] == r["by"]:   # a member registers itself only
+                        ready[int(r["id"])] = {"c": int(r["c"]), "cl": int(r["cl"])}
                 except (ValueError, KeyError, TypeError):
                     continue   # a malformed slot is ignored, not trusted
             live = self.live_members()
@@ -154,7 +162,12 @@ class RoundGroup(ElasticGroup):
                 break
             time.sleep(_POLL_S)
         self.last_wait = time.monotonic() - t0
-        record = json.loads(st.get(base + "members").decode())
+        record = self._signed(st.get(base + "members"), "member list")
+        if not isinstance(record.get("members"), list) or not isinstance(record.get("prefix"), str):
+            log.warning("epoch %d: the member list of %s is not one a member wrote; no averaging this attempt",
+                        epoch, base)
+            self.gave_up = True
+            return None
         members = tuple(int(m) for m in record["members"])
         if me not in members:
             return None
@@ -165,7 +178,7 @@ class RoundGroup(ElasticGroup):
         if not self.mm_store.check([last]):
             return set()
         try:
-            return {int(m) for m in json.loads(self.mm_store.get(last).decode() or "{}").get("members", [])}
+            return {int(m) for m in self._signed(self.mm_store.get(last), "last group").get("members", [])}
         except (ValueError, TypeError, AttributeError):
             return set()
 
@@ -174,10 +187,14 @@ class RoundGroup(ElasticGroup):
         prefix = f"{base}g/"
         last = self.key("mm/last")
         if self.mm_store.check([last]):
-            prev = json.loads(self.mm_store.get(last).decode() or "{}")
-            if prev.get("members") == members:
+            prev = self._signed(self.mm_store.get(last), "last group")
+            if prev.get("members") == members and isinstance(prev.get("prefix"), str):
                 prefix = str(prev["prefix"])          # same peers as the last good round: reuse its group
-        self.mm_store.compare_set(base + "members", "", json.dumps({"members": members, "prefix": prefix}))
+        self.mm_store.compare_set(base + "members", "", self.book.seal({"members": members, "prefix": prefix}))
+
+    def _signed(self, raw: bytes, kind: str) -> dict[str, Any]:
+        """A signed record of the store, or {} if it does not verify (logged by the book)."""
+        return self.book.open(raw, kind=kind) or {}
 
     # --- the group of a round ------------------------------------------------
     def enter(self, q: Quorum, deadline: float) -> bool:
@@ -202,7 +219,7 @@ class RoundGroup(ElasticGroup):
         self.step += 1
         if verdict.startswith("commit"):
             if keep and self.rank == 0:
-                self.mm_store.set(self.key("mm/last"), json.dumps({"members": list(q.members), "prefix": q.prefix}))
+                self.mm_store.set(self.key("mm/last"), self.book.seal({"members": list(q.members), "prefix": q.prefix}))
             return True
         self.drop()
         return False
@@ -210,6 +227,6 @@ class RoundGroup(ElasticGroup):
     def drop(self) -> None:
         """Abandon the current group (never reused again)."""
         if self.quorum is not None and self.rank == 0:
-            self.mm_store.set(self.key("mm/last"), "{}")
+            self.mm_store.set(self.key("mm/last"), self.book.seal({}))
         self._abandon()
         self.quorum = None

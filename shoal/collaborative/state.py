@@ -52,8 +52,12 @@ def encode_state(state: dict[str, Any], codec: Codec | None) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def decode_state(blob: torch.Tensor, local: dict[str, Any], source: int) -> dict[str, Any] | None:
-    """The state in ``blob`` if it can replace ``local`` (same keys, shapes, dtypes; finite), else None (logged)."""
+def decode_state(blob: torch.Tensor, local: dict[str, Any], source: int,
+                 epochs: tuple[int, ...] | None = None) -> dict[str, Any] | None:
+    """The state in ``blob`` if it can replace ``local`` (same keys, shapes, dtypes; finite), else None (logged).
+
+    ``epochs``: the epochs the state may be of (the round's); a source claiming another is rejected.
+    """
     try:
         state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
     except Exception as e:  # noqa: BLE001 - anything a peer sends may be malformed
@@ -65,6 +69,8 @@ def decode_state(blob: torch.Tensor, local: dict[str, Any], source: int) -> dict
     epoch = state.get("local_epoch") if isinstance(state, dict) else None
     if why is None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
         why = f"local_epoch {epoch!r} is not an epoch"
+    if why is None and epochs is not None and epoch not in epochs:
+        why = f"local_epoch {epoch} is not the round's epoch ({' or '.join(map(str, epochs))})"
     if why is not None:
         log.warning("state from member %d rejected: %s", source, why)
         return None
@@ -111,22 +117,36 @@ def stat_tensors(params: Sequence[torch.Tensor], names: Sequence[str], extra: Se
     return tensors, out_names
 
 
-def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str], codec: Codec) -> bool:
+def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str], codec: Codec,
+                    skip: Sequence[int] = ()) -> bool:
     """Replace ``tensors`` by their mean over the round's members (equal weights) if the vote commits.
 
     Skipped (False, the same on every member) when the members hold different amounts of
     state (a peer whose optimizer has not created its statistics yet) or the mean is not finite.
+    ``skip``: ranks caught sending bad data earlier in this round. Their tensors must not enter
+    the mean, and a sum cannot be cleaned of what they add, so the members all-gather their
+    tensors and average the other members' rows (``size`` times the bytes, only in such a round).
     """
     numel = sum(t.numel() for t in tensors)
     sizes = torch.empty(g.size, dtype=torch.int64)
     g.all_gather_into(sizes, torch.tensor([numel], dtype=torch.int64), tag="collab/state-avg").wait()
-    if g.error is not None or len(set(sizes.tolist())) != 1:
+    keep = [r for r in range(g.size) if r not in skip]
+    if g.error is not None or not keep or len({int(sizes[r]) for r in keep}) != 1:
         log.warning("state averaging skipped: the members' optimizer statistics differ in size")
         g.vote(keep=False)
         return False
     work = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    with torch.no_grad():
-        codec.mean(flat_views(work, tensors), names, g, "collab/state-avg")
+    if skip:
+        if len(set(sizes.tolist())) != 1:   # an all-gather needs equal sizes: the others average next time
+            log.warning("state averaging skipped: a member excluded from this round holds state of another size")
+            g.vote(keep=False)
+            return False
+        rows = torch.empty(g.size * numel, dtype=torch.float32)
+        g.all_gather_into(rows, work, tag="collab/state-avg/check").wait()
+        work = rows.view(g.size, numel)[keep].mean(dim=0)
+    else:
+        with torch.no_grad():
+            codec.mean(flat_views(work, tensors), names, g, "collab/state-avg")
     finite = bool(torch.isfinite(work).all())
     if not finite:
         g.report_error(PeerLostError("state averaging produced NaN/Inf"))
@@ -136,8 +156,6 @@ def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str]
         for t, v in zip(tensors, flat_views(work, tensors)):
             t.copy_(v)
     return True
-
-
 
 
 def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

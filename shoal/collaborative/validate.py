@@ -9,8 +9,12 @@ contributions, so a bad peer cannot be singled out from it. shoal therefore
    Every member judges the same gathered headers with the same rules, so they
    all reach the same verdict without another round trip; a peer whose layout
    differs from the majority's (shape or dtype), whose weight is out of bounds,
-   or whose claims contradict each other is excluded and the round re-forms
-   without it. Headers are plain integers: nothing received is unpickled.
+   whose claims contradict each other, or that declares an epoch ahead of the
+   round's is excluded and the round re-forms without it. (Every member
+   matched for the round of epoch ``e`` under the same store key, and an honest
+   peer never declares more than the epoch it matched for: a peer that is
+   behind declares its own lower epoch. A higher claim can only be a lie meant
+   to make the others load its state.) Headers are plain integers: nothing received is unpickled.
 2. runs the fast all-reduce through the codec, then checks that the result is
    finite. Only if it is not (a peer sent NaN/Inf despite its header) does the
    round fall back to an all-gather of the raw contributions, where each
@@ -25,8 +29,10 @@ Example:
     >>> import torch
     >>> d = layout_digest(["w"], [torch.zeros(2, 3)])
     >>> h = encode_header(7, epoch=3, weight=64, finite=True, digest=d, numel=6, flags=0)
-    >>> judge_headers([h, h.clone()], [7, 7], max_weight=1024).violators
+    >>> judge_headers([h, h.clone()], [7, 7], max_weight=1024, round_epoch=3).violators
     []
+    >>> judge_headers([h, encode_header(7, 10**6, 64, True, d, 6, 0)], [7, 7], 1024, round_epoch=3).violators
+    [1]
 """
 
 from __future__ import annotations
@@ -65,10 +71,24 @@ class Verdict:
     epoch: int = 0                                              # the round's epoch (max among valid)
     behind: list[int] = field(default_factory=list)             # ranks that must load state
     source: int | None = None                                   # rank that sends state, if anyone needs it
+    candidates: list[int] = field(default_factory=list)         # ranks able to send state, best first
+    fresh: list[int] = field(default_factory=list)              # valid ranks that declared FLAG_FRESH
+
+    def without(self, bad: Sequence[int]) -> "Verdict":
+        """This verdict with ``bad`` ranks (caught sending bad data) no longer trusted to send state."""
+        if not bad or self.source is None or self.source not in bad:
+            return self
+        ok = [r for r in self.candidates if r not in bad]
+        source = ok[0] if ok else None
+        behind = sorted((set(self.behind) | set(self.fresh)) - {source}) if source is not None else []
+        return Verdict(self.violators, self.reasons, self.weights, self.epoch, behind, source, ok, self.fresh)
 
 
-def judge_headers(headers: Sequence[torch.Tensor], members: Sequence[int], max_weight: int) -> Verdict:
+def judge_headers(headers: Sequence[torch.Tensor], members: Sequence[int], max_weight: int,
+                  round_epoch: int) -> Verdict:
     """Apply the header rules; every member gets the same verdict from the same headers.
+
+    ``round_epoch`` is the epoch the round was matched for (the same on every member).
 
     The accepted layout is the one most members declare (ties: the lowest
     rank's), so a single peer with a wrong shape cannot make the others look wrong.
@@ -93,6 +113,8 @@ def judge_headers(headers: Sequence[torch.Tensor], members: Sequence[int], max_w
             why = "is auxiliary but declared a non-zero weight"
         elif not 0 <= epoch < 1 << 40:
             why = f"declared an impossible epoch {epoch}"
+        elif epoch > round_epoch:
+            why = f"declared epoch {epoch}, ahead of the round's epoch {round_epoch} (no peer of this round can be there)"
         if why is not None:
             v.violators.append(r)
             v.reasons[r] = why
@@ -102,11 +124,12 @@ def judge_headers(headers: Sequence[torch.Tensor], members: Sequence[int], max_w
     v.weights = [rows[r][2] if r in valid and r not in v.behind else 0 for r in range(len(rows))]
     up = [r for r in valid if rows[r][1] == v.epoch and not rows[r][6] & FLAG_CLIENT]
     settled = [r for r in up if not rows[r][6] & FLAG_FRESH]
+    v.fresh = [r for r in valid if rows[r][6] & FLAG_FRESH]
     if up:
         # Prefer a peer that already holds the swarm's state over one that only holds its own init.
-        v.source = min(settled or up)
-        fresh = {r for r in valid if rows[r][6] & FLAG_FRESH and r != v.source}
-        v.behind = sorted(set(v.behind) | fresh)
+        v.candidates = sorted(settled) + sorted(set(up) - set(settled))
+        v.source = v.candidates[0]
+        v.behind = sorted((set(v.behind) | set(v.fresh)) - {v.source})
     else:
         v.behind = []           # only client-mode peers are up to date: they never serve, nothing is loaded
     return v

@@ -8,6 +8,14 @@ never crosses the network. The coordinator also signs every quorum it
 publishes, so that members can tell its records from ones a stranger with
 store access wrote.
 
+Members sign what they write about themselves in the shared store with a
+per-member *session key*, ``HMAC-SHA256(token, "session" || run/id || nonce)``,
+derived from the same join challenge: whoever verifies a record needs the
+token, so a process without it can neither forge nor alter one, and a record
+signed for one member id (or one join of it) does not verify for another.
+Every holder of the token can derive every session key: the keys bind records
+to ids, they do not tell token holders apart (see docs/collaborative.md).
+
 Example:
     >>> n = new_nonce()
     >>> proof = answer("secret", "run1/7", n)
@@ -15,6 +23,9 @@ Example:
     True
     >>> verify("wrong", "run1/7", n, proof)
     False
+    >>> k = session_key("secret", "run1/7", n)
+    >>> check_mac(k, "epoch=3", mac(k, "epoch=3")), check_mac(session_key("wrong", "run1/7", n), "epoch=3", mac(k, "epoch=3"))
+    (True, False)
 """
 
 from __future__ import annotations
@@ -56,3 +67,18 @@ def verify(token: str, context: str, nonce: str, proof: str) -> bool:
 def sign(token: str, record: str) -> str:
     """The coordinator's signature of a record it publishes."""
     return answer(token, "record", record)
+
+
+def session_key(token: str, context: str, nonce: str) -> bytes:
+    """The key a member signs its store records with: bound to the run, its id and its join nonce."""
+    return hmac.new(token.encode(), f"session\n{context}\n{nonce}".encode(), hashlib.sha256).digest()
+
+
+def mac(key: bytes, text: str) -> str:
+    """HMAC-SHA256 of ``text`` under a session key (hex)."""
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def check_mac(key: bytes, text: str, tag: object) -> bool:
+    """Constant-time check of a record's MAC (False for anything that is not a string)."""
+    return isinstance(tag, str) and hmac.compare_digest(mac(key, text), tag)

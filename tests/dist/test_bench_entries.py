@@ -54,3 +54,45 @@ def test_every_multi_worker_entry_trains() -> None:
             if name in SYNCHRONOUS:
                 assert r[name]["max_gap"] == 0.0, f"{name}: replicas differ on rank {rank}"
                 assert r[name]["sent"] > 0, f"{name}: counted no bytes"
+
+
+def _collaborative_lm(rank: int, world: int, steps: int) -> dict:
+    from shoal.bench.tasks import LMConfig, build_task
+    from shoal.comm.meter import wire_bytes
+
+    import shoal
+
+    group = shoal.init()
+    task = build_task("lm", LMConfig(d_model=32, n_layers=1, n_heads=2, context=32))
+    torch.manual_seed(0)
+    module = task.build_model()
+    trainer = strategies.get("collaborative").build(module, lambda ps: torch.optim.AdamW(ps, lr=3e-3), group)
+    losses = []
+    for step in range(steps):   # the bench worker's loop (shoal/bench/worker.py), on the lm task
+        batch = task.corpus.train_batch(step, 0, 16, rank, world)
+        loss = task.loss(trainer.model, batch)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        trainer.before_step(step)
+        trainer.optimizer.step()
+        trainer.after_step(step)
+        losses.append(loss.item())
+    opt = trainer.optimizer
+    numel = sum(p.numel() for p in module.parameters())
+    # The gradient all-reduces of the rounds this peer averaged in, by the ring model: a lower bound
+    # on what the meter must have counted under the entry's tags.
+    expected = sum(wire_bytes("all_reduce", 4 * numel, r.peers)[0]
+                   for r in opt.rounds if r.outcome == "averaged" and r.peers > 1)  # type: ignore[attr-defined]
+    full = [r.epoch for r in opt.rounds if r.outcome == "averaged" and r.peers == world]  # type: ignore[attr-defined]
+    return {"losses": losses, "sent": trainer.comm().bytes_sent, "expected": expected, "full": full,
+            "grad_sent": opt.group.meter.counters("collab/grad").bytes_sent}  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(240)
+def test_collaborative_entry_averages_on_the_lm_task_and_counts_its_bytes() -> None:
+    results = run_workers(_collaborative_lm, 2, 12, timeout=200)
+    for r in results:
+        assert all(torch.isfinite(torch.tensor(r["losses"]))), r["losses"]
+        assert len(r["full"]) >= 3, f"too few 2-peer rounds: {r['full']}"
+        assert r["grad_sent"] >= r["expected"] > 0, r
+        assert r["sent"] >= r["grad_sent"], "the entry's counter covers the gradient traffic"

@@ -12,7 +12,11 @@ Roles: ``peer``, ``aux``, ``client``, ``nan`` (declares finite gradients,
 sends NaN), ``shape`` (a model of another width), ``stall`` (hangs inside
 the round of epoch ``stall_at`` for longer than the averaging timeout, then
 stops), ``die`` (SIGKILLed in epoch 2's averaging), ``late`` (a restarted
-peer that joins a running swarm).
+peer that joins a running swarm), ``epochlie`` (holds the token but claims an
+epoch a million ahead: in every round header and in its signed progress
+record, while holding parameters shifted by +100, so that a peer that loads
+its state is visible). ``state_shift`` (with ``nan``): the peer also shifts its
+parameters by this much just before each state averaging.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Spec:
     extra: bool = False             # one extra tensor (3 floats, starting at 0)
     drift_after: list[int] = field(default_factory=list)   # epochs after which params/stats/extra drift
     loading_codec: str | None = None                        # "fp16": state_loading_codec=Cast(float16)
+    state_shift: float = 0.0                                # added to the parameters before state averaging
     options: dict[str, Any] = field(default_factory=dict)  # further CollaborativeConfig fields
 
 
@@ -122,6 +127,17 @@ def _install_roles(opt: CollaborativeOptimizer, spec: Spec) -> None:
             c, w, _ = real()
             return torch.full_like(c, float("nan")), max(w, 1), True
         opt._contribution = poisoned  # type: ignore[method-assign]
+    if spec.state_shift:     # what this peer brings to state averaging is far from the swarm's state
+        real_avg = opt._average_state
+
+        def shifted(*args: Any, **kw: Any) -> Any:
+            with torch.no_grad():
+                for p in opt.opt_params:
+                    p.add_(spec.state_shift)
+            return real_avg(*args, **kw)
+        opt._average_state = shifted  # type: ignore[method-assign]
+    if spec.role == "epochlie":
+        _lie_about_the_epoch(opt)
     if spec.role == "die":   # SIGKILLed in the middle of epoch 2's averaging
         real_mean = opt._robust_mean
 
@@ -138,6 +154,25 @@ def _install_roles(opt: CollaborativeOptimizer, spec: Spec) -> None:
                 time.sleep(spec.averaging_timeout + 1.0)
             return real_attempt(*args, **kw)
         opt._attempt = slow  # type: ignore[method-assign]
+
+
+EPOCH_LIE = 10**6
+
+
+def _lie_about_the_epoch(opt: CollaborativeOptimizer) -> None:
+    """An authenticated peer claiming an epoch far ahead, wherever it can claim one."""
+    real_header = opt._header
+    opt._header = lambda my_epoch, weight, finite: real_header(my_epoch + EPOCH_LIE, weight, finite)  # type: ignore[method-assign]
+    real_on_step = opt.tracker.on_step
+    opt.tracker.settled = lambda: True
+
+    def on_step(samples: int, epoch: int, local_samples: int, force: bool = False) -> None:
+        real_on_step(samples, epoch + EPOCH_LIE, local_samples, True)   # a validly signed, lying record
+    opt.tracker.on_step = on_step  # type: ignore[method-assign]
+    opt.tracker.on_step(0, opt.local_epoch, 0)
+    with torch.no_grad():
+        for p in opt.opt_params:
+            p.add_(100.0)
 
 
 def _record_epochs(opt: CollaborativeOptimizer, spec: Spec, log: list[dict[str, Any]]) -> None:

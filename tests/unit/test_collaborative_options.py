@@ -287,7 +287,11 @@ def test_state_loading_codec_sends_floating_state_in_fp16_and_scalars_exactly(co
                for s in sent["optimizer"]["state"].values())
     dst_net = _net(512)
     dst = _solo(coord, made, dst_net, extra=(torch.zeros(5),))
-    assert dst._load_blob(blob, source=src.member_id)
+    before = [p.detach().clone() for p in dst.opt_params]
+    # a state that is not of the round's epoch (a source lying about where the swarm is) is refused
+    assert not dst._load_blob(blob, source=src.member_id, epoch=src.local_epoch + 5)
+    assert _same(dst.opt_params, before) and dst.local_epoch == 0
+    assert dst._load_blob(blob, source=src.member_id, epoch=src.local_epoch)
     assert dst.local_epoch == 1
     for p, q in zip(dst.opt_params + dst.extra, src.opt_params + src.extra):
         assert p.dtype == torch.float32 and torch.equal(p, q.detach().half().float())
@@ -298,7 +302,7 @@ def test_state_loading_codec_sends_floating_state_in_fp16_and_scalars_exactly(co
     # a blob for another model is refused and changes nothing
     other = _solo(coord, made, _net(32))
     keep = [p.detach().clone() for p in dst.opt_params]
-    assert not dst._load_blob(other._state_blob(), source=other.member_id)
+    assert not dst._load_blob(other._state_blob(), source=other.member_id, epoch=other.local_epoch)
     assert _same(dst.opt_params, keep) and dst.local_epoch == 1
 
 
@@ -310,8 +314,9 @@ def test_average_state_every_runs_on_multiples_and_averages_the_named_statistics
     calls: list[tuple[int, bool]] = []
     real = opt._average_state
 
-    def spy() -> bool:
-        calls.append((opt.local_epoch, real()))
+    def spy(skip: Any = ()) -> bool:
+        assert not skip, "no member was caught sending bad data"
+        calls.append((opt.local_epoch, real(skip)))
         return calls[-1][1]
     opt._average_state = spy  # type: ignore[method-assign]
     _train(opt, net, range(14))
