@@ -66,3 +66,18 @@ def test_streaming_diloco_with_overlap_is_refused(group: ElasticGroup, overlap: 
                                           r".*use overlap_steps=0"):
         _setup(strategy, group)
 
+
+
+@pytest.mark.timeout(30)
+def test_nonblocking_hierarchical_is_refused(group: ElasticGroup) -> None:
+    with pytest.raises(ConfigError, match=r"hierarchical=True is not supported on an elastic group"):
+        _setup(shoal.NonBlocking(hierarchical=True), group)
+
+
+@pytest.mark.timeout(30)
+def test_nonblocking_fallback_to_blocking_is_refused(group: ElasticGroup) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opts = [torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[2].parameters(), lr=0.1)]
+    with pytest.raises(ConfigError, match=r"cannot fall back to blocking on an elastic group \(2 optimizers"):
+        shoal.NonBlocking().wrap(net, opts, process_group=group)
