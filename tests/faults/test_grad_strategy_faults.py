@@ -126,3 +126,79 @@ def test_nonblocking_sigkill_survivors_equal_serial_replay_and_restart_heals(tmp
     params, state = replay(survivors[0], "adam")
     assert_close_params(survivors[0]["params"], params, why)
     assert_close_state(survivors[0]["state"], state, why)
+
+
+# --- ZeRO ----------------------------------------------------------------------------------------
+
+def union_state(results: list[dict[str, Any]], why: str) -> dict[int, dict[str, torch.Tensor]]:
+    """The members' shards put together; a parameter's state held twice (shard, replica) must be equal."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for r in results:
+        for i, st in list(r["state"].items()) + list(r["replica"].items()):
+            if i in out:
+                for k, v in st.items():
+                    assert torch.equal(v, out[i][k]), f"two copies of state {i}/{k} differ {why}"
+            else:
+                out[i] = st
+    return out
+
+
+def zero_args(optim: str, *extra: str) -> list[str]:
+    return ["--kind", "zero", "--optim", optim, "--op", str(OP), *extra]
+
+
+def assert_params_equal(results: list[dict[str, Any]], why: str) -> None:
+    flat = [torch.cat([p.reshape(-1) for p in r["params"]]) for r in results]
+    assert all(torch.equal(flat[0], f) for f in flat[1:]), f"members' parameters differ {why}"
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("optim", ["adam", "sgdm"])
+def test_zero_fault_free_equals_unsharded_serial_torch(optim: str, tmp_path: Any) -> None:
+    final, logs = launch(tmp_path, zero_args(optim, "--steps", "12"), None)
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], logs
+    assert_params_equal(final, logs)
+    for r in final:
+        z = r["zero"]
+        assert z["size"] == 3 and z["reshards"] == 1 and z["discards"] == 0 and z["lost_params"] == 0, logs
+        assert r["state"], f"rank {r['rank']} holds no shard {logs}"
+    state = union_state(final, logs)
+    assert sum(len(r["state"]) for r in final) == len(state) == len(final[0]["params"]), logs  # disjoint shards
+    want_params, want_state = replay(final[0], optim)
+    assert_close_params(final[0]["params"], want_params, logs)
+    assert_close_state(state, want_state, logs)
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("replicate", [False, True], ids=["state-lost", "replicated"])
+def test_zero_sigkill_survivors_equal_serial_replay_and_restart_heals(replicate: bool, tmp_path: Any) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    # Collectives of a step: the gradient all-reduce (one bucket), then one parameter broadcast per member.
+    step, nth = rng.randrange(3, 8), rng.randrange(4)
+    plan = FaultPlan().crash(rank=2, step=step, nth=nth)
+    extra = ["--steps", "14", "--want-size", "3", "--pace", "0.05"] + (["--replicate"] if replicate else [])
+    final, logs = launch(tmp_path, zero_args("adam", *extra), plan)
+    why = f"(seed {seed}: crash at step {step}, collective #{nth})\n{logs}"
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    survivors, reborn = final[:2], final[2]
+    assert survivors[0]["batches"] == survivors[1]["batches"], why
+    for s in survivors:
+        assert s["stats"]["discards"] >= 1 and s["zero"]["discards"] >= 1, why
+        assert s["zero"]["reshards"] >= 3, why   # first quorum, survivors alone, restarted worker back
+    assert reborn["stats"]["heals_received"] >= 1 and reborn["state"], why
+    assert_params_equal(final, why)
+    assert survivors[0]["zero"]["lost"] == survivors[1]["zero"]["lost"], why
+    lost = survivors[0]["zero"]["lost"]
+    if replicate:
+        assert lost == [] and all(r["zero"]["replica_drift"] == 0 for r in final), why
+        assert all(r["zero"]["replica_bytes"] > 0 for r in final), why
+    else:
+        assert len(lost) == 1 and lost[0][1], why   # the dead member's shard, re-initialised once
+    state = union_state(final, why)
+    assert len(state) == len(final[0]["params"]), why
+    # Oracle: serial unsharded Adam over the committed steps' batches, resetting the lost state where
+    # the run re-initialised it (nowhere with replicas).
+    want_params, want_state = replay(survivors[0], "adam", resets=lost)
+    assert_close_params(survivors[0]["params"], want_params, why)
+    assert_close_state(state, want_state, why)
