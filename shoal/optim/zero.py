@@ -13,6 +13,10 @@ as PowerSGD) its owner steps those parameters at once and starts their
 broadcast, on a process group of its own. The broadcasts are waited for just
 before the next forward (a forward pre-hook on the module).
 
+On an :class:`~shoal.elastic.ElasticGroup` (with DDP on the same group, not
+overlapped) ``step()`` is the elastic step's vote and shards follow the
+quorum; see :mod:`shoal.optim.elastic_zero` and docs/zero.md.
+
 The consolidated state dict has torch's optimizer format, keyed by the global
 index of each parameter over the parameter groups, so it loads into a
 ``ZeroRedundancyOptimizer`` of any world size, or into a plain optimizer.
