@@ -304,7 +304,10 @@ class NonBlockingModule(nn.Module):
         # Layers this forward skipped (dynamic graphs) get last step's update now.
         skipped = self._exchange.pending()
         if skipped and self._exchange._step_hparams is not None:
-            self._exchange.apply(skipped)
+            if self._exchange.elastic:
+                self._exchange.end_step()   # one vote for the whole exchange
+            else:
+                self._exchange.apply(skipped)
         if torch.is_grad_enabled() and self.training:
             self._exchange.arm()
             if not self._first_forward:
