@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shoal
-from shoal.elastic import ElasticGroup, ElasticSampler, Timeouts
+from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
 from shoal.testing import FaultPlan
 
 N, BATCH = 256, 8
@@ -39,9 +39,9 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ torch.randn(16, 4, generator=g))
 
 
-def make_net(seed: int) -> nn.Module:
+def make_net(seed: int, width: int = 32) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
 
 
 def optim_args(name: str) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -56,7 +56,7 @@ def state_tensors(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, torch
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kind", choices=["nonblocking", "zero"], required=True)
+    ap.add_argument("--kind", choices=["nonblocking", "zero", "ddp"], required=True)
     ap.add_argument("--optim", choices=["adam", "sgdm"], default="adam")
     ap.add_argument("--replicate", action="store_true")
     ap.add_argument("--steps", type=int, default=20)
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--min-workers", type=int, default=2)
     ap.add_argument("--want-size", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--width", type=int, default=32, help="hidden width (measurements; the tests use 32)")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -73,7 +74,7 @@ def main() -> None:
                         quorum=a.op + 10, join=a.op + 60)
     group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers,
                          backend_factory=FaultPlan.from_env().backend_factory())
-    net = make_net(100 + 10 * rank + life)   # different on purpose: the first heal must equalise
+    net = make_net(100 + 10 * rank + life, a.width)   # different on purpose: the first heal must equalise
     cls, kw = optim_args(a.optim)
     full = {"rounds": 0}
     group.register_state("test/full", lambda: dict(full), full.update)
@@ -82,6 +83,9 @@ def main() -> None:
     zero = None
     if a.kind == "nonblocking":
         model, opt = shoal.wrap(net, cls(net.parameters(), **kw), shoal.NonBlocking(), process_group=group)
+    elif a.kind == "ddp":   # the baseline: DDP with the unsharded optimizer
+        model = shoal.DistributedDataParallel(net, process_group=group)
+        opt = ElasticOptimizer(cls(net.parameters(), **kw), group)  # type: ignore[assignment]
     else:
         model = shoal.DistributedDataParallel(net, process_group=group)
         zero = shoal.ZeroRedundancyOptimizer(net.parameters(), cls, process_group=group,
@@ -90,10 +94,12 @@ def main() -> None:
     x, y = data()
     batches: dict[int, tuple[int, int]] = {}   # committed step -> (cursor, quorum size)
     init: list[torch.Tensor] | None = None      # parameters at this worker's first step (healed)
+    t0, first = time.perf_counter(), 0
     while True:
         idx = sampler.next_batch()    # NonBlocking: votes the last exchange first; then starts the step
         if init is None:
             init = [p.detach().clone() for p in net.parameters()]
+            t0, first = time.perf_counter(), group.step
         if group.step >= a.max_steps or (group.step >= a.steps and (not a.want_size or full["rounds"] >= 4)):
             break
         batches[group.step] = (sampler.cursor, group.size)
@@ -107,8 +113,11 @@ def main() -> None:
             time.sleep(a.pace)
     result: dict[str, Any] = {"rank": rank, "life": life, "step": group.step, "batches": batches, "init": init,
                               "params": [p.detach().clone() for p in net.parameters()],
-                              "stats": vars(group.stats)}
-    if zero is None:
+                              "stats": vars(group.stats),
+                              "s_per_step": (time.perf_counter() - t0) / max(group.step - first, 1)}
+    if a.kind == "ddp":
+        result["state"] = state_tensors(opt.state_dict()["state"])
+    elif zero is None:
         result["state"] = state_tensors(opt.state_dict()["state"])
         exchange = model._exchange  # type: ignore[union-attr]
         result["exchange"] = {"commits": exchange.commits, "discards": exchange.discards}
