@@ -170,12 +170,15 @@ def test_zero_fault_free_equals_unsharded_serial_torch(optim: str, tmp_path: Any
 
 
 @pytest.mark.timeout(110)
-@pytest.mark.parametrize("replicate", [False, True], ids=["state-lost", "replicated"])
-def test_zero_sigkill_survivors_equal_serial_replay_and_restart_heals(replicate: bool, tmp_path: Any) -> None:
+@pytest.mark.parametrize("replicate,phase", [(False, "params"), (True, "grads")],
+                         ids=["state-lost-in-param-exchange", "replicated-in-grad-reduce"])
+def test_zero_sigkill_survivors_equal_serial_replay_and_restart_heals(replicate: bool, phase: str,
+                                                                      tmp_path: Any) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    # Collectives of a step: the gradient all-reduce (one bucket), then one parameter broadcast per member.
-    step, nth = rng.randrange(3, 8), rng.randrange(4)
+    # Collectives of a step: the gradient all-reduce (one bucket, #0), then one parameter broadcast per
+    # member (#1-#3): a crash there hits the exchange that precedes the vote.
+    step, nth = rng.randrange(3, 8), (rng.randrange(1, 4) if phase == "params" else 0)
     plan = FaultPlan().crash(rank=2, step=step, nth=nth)
     extra = ["--steps", "14", "--want-size", "3", "--pace", "0.05"] + (["--replicate"] if replicate else [])
     final, logs = launch(tmp_path, zero_args("adam", *extra), plan)
