@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--kind", choices=["nonblocking", "zero", "ddp"], required=True)
     ap.add_argument("--optim", choices=["adam", "sgdm"], default="adam")
     ap.add_argument("--replicate", action="store_true")
+    ap.add_argument("--codec", choices=["none", "powersgd"], default="none", help="NonBlocking's codec")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
     ap.add_argument("--op", type=float, default=5.0)
@@ -82,7 +83,8 @@ def main() -> None:
     sampler = ElasticSampler(N, group, batch_size=BATCH, shuffle=False)
     zero = None
     if a.kind == "nonblocking":
-        model, opt = shoal.wrap(net, cls(net.parameters(), **kw), shoal.NonBlocking(), process_group=group)
+        codec = shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if a.codec == "powersgd" else None
+        model, opt = shoal.wrap(net, cls(net.parameters(), **kw), shoal.NonBlocking(codec=codec), process_group=group)
     elif a.kind == "ddp":   # the baseline: DDP with the unsharded optimizer
         model = shoal.DistributedDataParallel(net, process_group=group)
         opt = ElasticOptimizer(cls(net.parameters(), **kw), group)  # type: ignore[assignment]

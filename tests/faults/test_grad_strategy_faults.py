@@ -101,12 +101,15 @@ def test_nonblocking_fault_free_equals_serial_torch(tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(110)
-def test_nonblocking_sigkill_survivors_equal_serial_replay_and_restart_heals(tmp_path: Any) -> None:
+@pytest.mark.parametrize("codec", ["none", "powersgd"])
+def test_nonblocking_sigkill_survivors_equal_serial_replay_and_restart_heals(codec: str, tmp_path: Any) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    step, nth = rng.randrange(3, 8), rng.randrange(3)   # three layers: three all-reduces per step
+    # Three layers: three all-reduces per step; PowerSGD's (on a thread) issues more: any of the first three.
+    step, nth = rng.randrange(3, 8), rng.randrange(3)
     plan = FaultPlan().crash(rank=2, step=step, nth=nth)
-    args = ["--kind", "nonblocking", "--steps", "14", "--op", str(OP), "--want-size", "3", "--pace", "0.05"]
+    args = ["--kind", "nonblocking", "--steps", "14", "--op", str(OP), "--want-size", "3", "--pace", "0.05",
+            "--codec", codec]
     final, logs = launch(tmp_path, args, plan)
     why = f"(seed {seed}: crash at step {step}, all-reduce #{nth})\n{logs}"
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
@@ -121,6 +124,8 @@ def test_nonblocking_sigkill_survivors_equal_serial_replay_and_restart_heals(tmp
         for i, st in final[0]["state"].items():
             for k, v in st.items():
                 assert torch.equal(v, r["state"][i][k]), f"optimizer state {i}/{k} differs {why}"
+    if codec != "none":
+        return   # lossy: no serial oracle; the codec's state was rolled back, parameters stayed equal
     # The crashed step left no trace: the run equals serial Adam over the committed steps' batches.
     assert all(torch.equal(a, b) for a, b in zip(survivors[0]["init"], survivors[1]["init"])), why
     params, state = replay(survivors[0], "adam")
