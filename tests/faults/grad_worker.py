@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--kind", choices=["nonblocking", "zero", "ddp"], required=True)
     ap.add_argument("--optim", choices=["adam", "sgdm"], default="adam")
     ap.add_argument("--replicate", action="store_true")
+    ap.add_argument("--consolidate", action="store_true", help="ZeRO: consolidate the state on rank 0 at the end")
     ap.add_argument("--codec", choices=["none", "powersgd"], default="none", help="NonBlocking's codec")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
@@ -129,6 +130,10 @@ def main() -> None:
         result["state"] = state_tensors(el.held_state(replica=False))
         result["replica"] = state_tensors(el.held_state(replica=True))
         result["zero"] = {**vars(el.stats), "size": zero.world_size}
+        if a.consolidate:
+            zero.consolidate_state_dict(to=0)
+            if zero.rank == 0:
+                result["consolidated"] = state_tensors(zero.state_dict()["state"])
     path = os.path.join(a.out, f"{rank}-{life}.pt")
     torch.save(result, path + ".tmp")
     os.replace(path + ".tmp", path)

@@ -160,7 +160,7 @@ def assert_params_equal(results: list[dict[str, Any]], why: str) -> None:
 @pytest.mark.timeout(110)
 @pytest.mark.parametrize("optim", ["adam", "sgdm"])
 def test_zero_fault_free_equals_unsharded_serial_torch(optim: str, tmp_path: Any) -> None:
-    final, logs = launch(tmp_path, zero_args(optim, "--steps", "12"), None)
+    final, logs = launch(tmp_path, zero_args(optim, "--steps", "12", "--consolidate"), None)
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], logs
     assert_params_equal(final, logs)
     for r in final:
@@ -172,6 +172,11 @@ def test_zero_fault_free_equals_unsharded_serial_torch(optim: str, tmp_path: Any
     want_params, want_state = replay(final[0], optim)
     assert_close_params(final[0]["params"], want_params, logs)
     assert_close_state(state, want_state, logs)
+    # consolidate_state_dict after a committed step: the whole state on quorum rank 0, as the shards hold it.
+    (holder,) = [r for r in final if "consolidated" in r]
+    assert holder["consolidated"].keys() == state.keys(), logs
+    for i, st in state.items():
+        assert all(torch.equal(v, holder["consolidated"][i][k]) for k, v in st.items()), logs
 
 
 @pytest.mark.timeout(110)
