@@ -17,8 +17,9 @@ model. The price: one snapshot of this member's shard (its parameters and
 optimizer state, ~1/N of the totals) per step.
 
 Re-sharding: at the first step of every new quorum each member contributes
-the optimizer state it holds (its shard, its replica; nothing if it was just
-healed, its state being stale or absent), every member receives all of it
+the optimizer state it holds (its shard; a replica only where no member holds
+that shard itself; nothing if it was just healed, its state being stale or
+absent), every member receives all of it
 (one all-gather of serialised blobs: a transient peak of the whole state per
 member), and takes the state of its new shard. State that no member holds
 (its owner died and no replica survived) is re-initialised by the optimizer
@@ -61,7 +62,7 @@ class ElasticZeroStats:
     commits: int = 0
     discards: int = 0
     reshards: int = 0            # committed layouts of a new quorum
-    reshard_bytes: int = 0       # serialised state received from peers at the last committed re-shard
+    reshard_bytes: int = 0       # serialised state received from peers in committed re-shards, in total
     lost_params: int = 0         # parameters whose state was re-initialised, in total
     lost: list[tuple[int, list[int]]] = field(default_factory=list)  # (committed step, global indices)
     replica_bytes: int = 0       # optimizer state held for the ring neighbour, after the last commit
@@ -174,7 +175,7 @@ class ElasticShards:
             _, lost, known, nbytes = self._new
             self._adopt(shard)
             self.stats.reshards += 1
-            self.stats.reshard_bytes = nbytes
+            self.stats.reshard_bytes += nbytes
             self.known, self.dropped = known, False
             if lost:
                 self.stats.lost_params += len(lost)
@@ -219,7 +220,20 @@ class ElasticShards:
 
     def _reshard(self, qid: int) -> tuple[_Shard, list[int], set[int], int] | None:
         g = self.group
-        held = {**self.held_state(replica=True), **self.held_state()}
+        own, replica = self.held_state(), self.held_state(replica=True)
+        held = own
+        if self.replicate:
+            # Send a replica only where no member holds the primary (its owner is gone): one copy of each
+            # state crosses the wire. replicate is the same on every member, so are these collectives.
+            mine = torch.zeros(len(self.params), dtype=torch.uint8)
+            if own:
+                mine[torch.tensor(sorted(own), dtype=torch.long)] = 1
+            masks = torch.empty(len(self.params) * g.size, dtype=torch.uint8)
+            g.all_gather_into(masks, mine, tag=STATE_TAG).wait()
+            if g.error is not None:
+                return None
+            primary = masks.view(g.size, -1).amax(0)
+            held = {**{i: st for i, st in replica.items() if not primary[i]}, **own}
         payload = _serialise({"state": held, "known": sorted(self.known)}, torch.device("cpu"))
         blobs = _gather_blobs(g, payload)
         if blobs is None:
