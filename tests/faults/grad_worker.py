@@ -54,6 +54,33 @@ def state_tensors(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, torch
     return {i: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for i, st in state.items()}
 
 
+def static_nonblocking(rank: int, world: int, init: list[torch.Tensor],
+                       batches: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
+    """The reference run: NonBlocking on a static world group, from ``init``, over ``batches``.
+
+    ``shoal.testing.run_workers`` calls it in each process. Step ``k`` of a
+    quorum of ``size`` reads samples ``cursor + rank * BATCH`` onwards (the
+    sampler's slice of rank ``rank``), as the elastic run did.
+    """
+    torch.set_num_threads(1)
+    net = make_net(0)
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), init):
+            p.copy_(v)
+    cls, kw = optim_args("adam")
+    model, opt = shoal.wrap(net, cls(net.parameters(), **kw), shoal.NonBlocking())
+    x, y = data()
+    for step in range(len(batches)):
+        cursor, size = batches[step]
+        assert size == world, "the reference runs fault-free elastic runs only"
+        idx = torch.arange(cursor + rank * BATCH, cursor + (rank + 1) * BATCH) % N
+        F.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    model.finalize()   # type: ignore[operator]
+    return [p.detach().clone() for p in net.parameters()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=["nonblocking", "zero", "ddp"], required=True)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import grad_worker  # noqa: E402
 import harness  # noqa: E402
 
-from shoal.testing import FaultPlan  # noqa: E402
+from shoal.testing import FaultPlan, run_workers  # noqa: E402
 
 OP = 5.0
 WORKER = "grad_worker.py"
@@ -98,6 +98,13 @@ def test_nonblocking_fault_free_equals_serial_torch(tmp_path: Any) -> None:
     params, state = replay(final[0], "adam")
     assert_close_params(final[0]["params"], params, logs)
     assert_close_state(final[0]["state"], state, logs)
+    # And static NonBlocking (a world group, same start, same batches) lands on the same parameters,
+    # bitwise: the same gloo sums of the same gradients, the same optimizer calls.
+    static = run_workers(grad_worker.static_nonblocking, 3, final[0]["init"], final[0]["batches"], timeout=60)
+    assert all(torch.equal(torch.cat([p.reshape(-1) for p in s]), torch.cat([p.reshape(-1) for p in static[0]]))
+               for s in static), "static ranks disagree"
+    for i, (a, b) in enumerate(zip(final[0]["params"], static[0])):
+        assert torch.equal(a, b), f"param {i}: elastic and static differ by {(a - b).abs().max().item():.3g}"
 
 
 @pytest.mark.timeout(110)
