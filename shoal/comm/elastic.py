@@ -185,6 +185,7 @@ class ElasticGroup(Group):
         self._states: dict[str, _State] = {}
         self._snapshots: dict[str, Any] = {}
         self._on_commit: list[Callable[[], None]] = []
+        self._before_start: list[Callable[[], None]] = []
         self._abandoned: list[tuple[float, Any]] = []
         self._lock = threading.Lock()
         self._in_step = False
@@ -232,6 +233,16 @@ class ElasticGroup(Group):
         """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
         self._on_commit.append(fn)
 
+    def before_start_step(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` at the top of every :meth:`start_step`, before it checks for an open step.
+
+        For a strategy whose step ends lazily (NonBlocking votes an exchange
+        when it waits for it, in the next forward): ``fn`` ends the open step
+        (``should_commit()``), so that whatever starts the next one (a
+        sampler's ``next_batch``, a forward) starts it after the verdict.
+        """
+        self._before_start.append(fn)
+
     @property
     def quorum_pending(self) -> bool:
         """Whether the next :meth:`start_step` adopts a new quorum (the same answer on every member).
@@ -250,6 +261,8 @@ class ElasticGroup(Group):
         state in this call (empty when no quorum was adopted): they bring no
         progress of their own to this step.
         """
+        for fn in self._before_start:
+            fn()
         if self._in_step:
             return
         self.newcomers = ()

@@ -13,6 +13,10 @@ as PowerSGD) its owner steps those parameters at once and starts their
 broadcast, on a process group of its own. The broadcasts are waited for just
 before the next forward (a forward pre-hook on the module).
 
+On an :class:`~shoal.elastic.ElasticGroup` (with DDP on the same group, not
+overlapped) ``step()`` is the elastic step's vote and shards follow the
+quorum; see :mod:`shoal.optim.elastic_zero` and docs/zero.md.
+
 The consolidated state dict has torch's optimizer format, keyed by the global
 index of each parameter over the parameter groups, so it loads into a
 ``ZeroRedundancyOptimizer`` of any world size, or into a plain optimizer.
@@ -46,6 +50,7 @@ from shoal.comm.group import Group, Handle
 from shoal.errors import ConfigError, ShoalError
 
 if TYPE_CHECKING:
+    from shoal.optim.elastic_zero import ElasticShards
     from shoal.reducer import GradBucket, Reducer
 
 PARAM_TAG = "zero/params"
@@ -205,7 +210,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer_class: the optimizer to shard (a class, e.g. ``torch.optim.Adam``).
             Its state must be per parameter (true of torch's optimizers except LBFGS).
         process_group: a ``torch.distributed`` ProcessGroup or a :class:`shoal.Group`;
-            default: the world.
+            default: the world. An :class:`~shoal.elastic.ElasticGroup` makes the
+            shards follow the quorum: ``step()`` is then the elastic step's vote
+            and returns whether it committed; see :mod:`shoal.optim.elastic_zero`
+            and docs/zero.md.
+        replicate: elastic groups only: each member also keeps (by stepping it
+            itself) the optimizer state of its ring neighbour's shard, so that a
+            lost member's state survives; costs that much more optimizer memory.
         **defaults: the optimizer's arguments (``lr=...``).
 
     Attributes:
@@ -224,8 +235,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Any, optimizer_class: type[torch.optim.Optimizer],
-                 process_group: Any = None, **defaults: Any) -> None:
+                 process_group: Any = None, replicate: bool = False, **defaults: Any) -> None:
+        from shoal.optim.elastic_zero import ElasticShards, check_elastic_options
+
         _check_optimizer_class(optimizer_class)
+        elastic = check_elastic_options(process_group, replicate)
         if defaults.get("overlap_with_ddp"):
             raise ConfigError("overlap_with_ddp is torch's switch; in shoal pass the optimizer to "
                               "shoal.DistributedDataParallel(model, optimizer=zero) instead")
@@ -251,6 +265,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optim = optimizer_class(self._local_groups(), **defaults)
         self.state = self.optim.state  # type: ignore[assignment]  # this rank's shard
         _sync_groups(self.optim.param_groups, self.param_groups)
+        self._elastic: ElasticShards | None = None
+        if elastic:
+            self._elastic = ElasticShards(self, self.group, replicate)  # type: ignore[arg-type]
         self._initialized = True
 
     # --- partition -----------------------------------------------------------
@@ -294,6 +311,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
+        if self._elastic is not None:
+            raise ShoalError("add_param_group is not supported on an elastic group (shards are laid out per "
+                             "quorum); build the optimizer with every parameter group")
         self._finish_broadcasts()
         super().add_param_group(param_group)
         if self._buckets is not None:
@@ -308,7 +328,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
         When attached to DDP and the last backward already stepped every
         bucket, there is nothing left to do and ``None`` is returned.
+        On an elastic group it ends the elastic step (re-shard if the quorum
+        changed, step, exchange parameters, vote) and returns whether the
+        step committed; on False nothing changed and gradients are cleared.
         """
+        if self._elastic is not None:
+            if closure is not None or kwargs:
+                raise ConfigError("step(closure) is not supported on an elastic group: the closure's forward "
+                                  "would run outside the step's vote")
+            return self._elastic.step()
         if self._stepped_in_backward:
             self._stepped_in_backward = False
             if closure is not None:
@@ -357,6 +385,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     # --- overlap with DDP -----------------------------------------------------
     def _attach(self, reducer: Reducer, module: nn.Module) -> None:
         """Step bucket by bucket inside ``reducer``'s backward (called by DistributedDataParallel)."""
+        if self._elastic is not None:
+            raise ConfigError(
+                "DistributedDataParallel(..., optimizer=zero) is not supported on an elastic group: each bucket "
+                "would be stepped during backward, before the step's vote, and its parameters broadcast on a "
+                "process group of its own that cannot follow the quorum. Keep zero out of the DDP and call "
+                "zero.step() after backward: on an elastic group it re-shards, steps, exchanges the parameters "
+                "and votes in one step")
         if self._buckets is not None:
             raise ConfigError("this ZeroRedundancyOptimizer is already attached to a DistributedDataParallel")
         if reducer.group.pg is not self.group.pg:
@@ -441,6 +476,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if rank == 0:
                 torch.save(zero.state_dict(), "opt.pt")
         """
+        if self._elastic is not None:
+            self._elastic.check_quorum("consolidate_state_dict")
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ConfigError(f"to must be a rank in 0..{self.world_size - 1}, got {to!r}")
         self._finish_broadcasts()
@@ -455,6 +492,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if self.rank == to:
                 state.update(mine if r == self.rank else _deserialise(buf))
         self._consolidated = None
+        if getattr(self.group, "error", None) is not None:
+            raise ShoalError(f"consolidating the optimizer state failed ({self.group.error}); a peer was "  # type: ignore[attr-defined]
+                             "lost: call it again after the next committed step")
         if self.rank == to:
             index = {p: i for i, p in enumerate(self._all_params())}
             groups = [dict(copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
@@ -483,6 +523,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             zero.load_state_dict(torch.load("opt.pt"))   # saved at another world size
         """
         saved = _check_state_dict(state_dict, self.param_groups)
+        if self._elastic is not None:
+            self._elastic.load(state_dict)
+            return
         self._finish_broadcasts()
         _sync_groups(saved, self.param_groups)
         local_index = {p: i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.optim.param_groups))}

@@ -15,7 +15,8 @@ were current when ``optimizer.step()`` was called. What lags by one step is
 what you see *between* steps: after ``optimizer.step()`` returns, parameters
 still hold the previous step's update. ``model.eval()``, ``model.state_dict()``,
 ``optimizer.state_dict()`` and :meth:`NonBlockingModule.finalize` apply what is
-pending. See docs/nonblocking.md.
+pending. See docs/nonblocking.md; on an elastic group each exchange is a voted
+elastic step (see :class:`NonBlocking` and docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -81,8 +82,11 @@ class _Exchange:
     """Per-layer reductions started in backward and finished in the next forward."""
 
     def __init__(self, layers: list[_Layer], optimizer: torch.optim.Optimizer, group: Group,
-                 codec: Codec | None) -> None:
+                 codec: Codec | None, elastic: bool = False) -> None:
         self.layers, self.optimizer, self.group, self.codec = layers, optimizer, group, codec
+        self.elastic = elastic               # one vote per exchange, when it is waited (see end_step)
+        self.commits = 0                     # elastic: exchanges applied
+        self.discards = 0                    # elastic: exchanges dropped on every member
         self._where = {id(p): (layer, slot) for layer in layers for slot, p in enumerate(layer.params)}
         self._group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._thread: ThreadPoolExecutor | None = None
@@ -163,12 +167,47 @@ class _Exchange:
     def _pre_hook(self, layer: _Layer) -> Callable[[nn.Module, Any], None]:
         def hook(_module: nn.Module, _inputs: Any) -> None:
             if layer.pending and self._step_hparams is not None:
-                self.apply([layer])
+                if self.elastic:   # one vote for the whole exchange: never a layer alone
+                    self.end_step()
+                else:
+                    self.apply([layer])
 
         return hook
 
     def pending(self) -> list[_Layer]:
         return [layer for layer in self.layers if layer.pending]
+
+    def end_step(self) -> None:
+        """Elastic: ``start_step``'s hook; ends the elastic step of a requested exchange.
+
+        The exchange launched in a backward is that backward's elastic step:
+        wait for every layer's reduction, vote, then apply it (commit) or drop
+        it (discard: the means and the step request are forgotten, parameters
+        and optimizer state stay as they were, on every member alike). Called
+        before the next step starts, so a quorum change or heal never finds an
+        exchange in flight.
+        """
+        if self._step_hparams is not None and self.pending():
+            self._vote()
+
+    def _vote(self) -> None:
+        from shoal.comm.elastic import ElasticGroup
+
+        todo = self.pending()
+        for layer in todo:
+            self._wait(layer)
+        if not isinstance(self.group, ElasticGroup):  # pragma: no cover - elastic is set with it
+            raise ShoalError("an elastic exchange needs an ElasticGroup")
+        if self.group.should_commit():
+            self.commits += 1
+            self.apply(todo)
+            return
+        self.discards += 1
+        for layer in todo:
+            layer.pending = False
+            for p in layer.params:
+                p.grad = None
+        self._step_hparams = None
 
     def apply(self, layers: Sequence[_Layer]) -> None:
         """Wait for ``layers``' reductions, put the means in ``.grad``, step them if a step was requested."""
@@ -217,7 +256,9 @@ class _Exchange:
         if self._armed and self._started:
             raise ShoalError("cannot finalise during backward")
         todo = self.pending()
-        if todo:
+        if todo and self.elastic:
+            self._vote()
+        elif todo:
             self.apply(todo)
 
     def remove(self) -> None:
@@ -251,6 +292,10 @@ class NonBlockingModule(nn.Module):
         self._first_forward = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._exchange.elastic and torch.is_grad_enabled() and self.training:
+            # Votes last step's exchange (the group's before_start_step hook), then adopts the latest
+            # quorum (rebuild, heal) before this step's first collective.
+            self.group.start_step()  # type: ignore[attr-defined]
         if self.broadcast_buffers and self.training and self.group.size > 1:  # eval may run on one rank
             buffers = list(self.module.buffers())
             if buffers:
@@ -259,7 +304,10 @@ class NonBlockingModule(nn.Module):
         # Layers this forward skipped (dynamic graphs) get last step's update now.
         skipped = self._exchange.pending()
         if skipped and self._exchange._step_hparams is not None:
-            self._exchange.apply(skipped)
+            if self._exchange.elastic:
+                self._exchange.end_step()   # one vote for the whole exchange
+            else:
+                self._exchange.apply(skipped)
         if torch.is_grad_enabled() and self.training:
             self._exchange.arm()
             if not self._first_forward:
@@ -313,6 +361,18 @@ class NonBlocking(Strategy):
     optimizers (through :meth:`wrap`), it warns and falls back to blocking:
     :class:`shoal.DistributedDataParallel` and ordinary steps.
 
+    On an :class:`~shoal.elastic.ElasticGroup` each step's exchange is one
+    elastic step: started by the forward (or ``ElasticSampler.next_batch``)
+    before the backward that launches it, voted when it is waited, at the
+    start of the next step (or by ``finalize()``, ``eval()``,
+    ``state_dict()``). Commit: the update is applied as usual; discard: it is
+    dropped on every member alike (``FailurePolicy.DISCARD``). The whole
+    exchange is waited for before the next forward's first layer (one vote,
+    so no layer may step alone): the forward no longer overlaps the
+    transfer. The module, the optimizer and the codec (``newcomer_state``)
+    heal into newcomers; there is never an exchange in flight when they do.
+    ``hierarchical=True`` and the blocking fall-back raise ``ConfigError``.
+
     Example::
 
         model, opt = shoal.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-4), shoal.NonBlocking())
@@ -342,12 +402,11 @@ class NonBlocking(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         from shoal.comm.elastic import ElasticGroup
 
-        if isinstance(group, ElasticGroup):
-            raise ConfigError("NonBlocking does not run on an elastic group yet (its per-host subgroups and "
-                              "in-flight reductions would outlive a quorum change); use a static group")
         reason, single = _fallback_reason(model, optimizer)
         if single is None:
             return self._fall_back(model, group, reason)
+        if isinstance(group, ElasticGroup):
+            return self._setup_elastic(model, single, group)
         self._bind(model, single, group)
         from shoal.parallel import check_same_model
 
@@ -357,8 +416,30 @@ class NonBlocking(Strategy):
         self._exchange = _Exchange(find_layers(model), single, group, codec)
         return NonBlockingModule(model, self._exchange, group, self.broadcast_buffers)
 
+    def _setup_elastic(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> nn.Module:
+        """No collective: the first quorum's heal copies one member's state everywhere (as DDP does)."""
+        if self.hierarchical:
+            raise ConfigError("hierarchical=True is not supported on an elastic group: host subgroups would "
+                              "have to be rebuilt at every quorum; leave it None (flat) or pass False")
+        self._bind(model, optimizer, group)
+        codec = self.codec
+        group.register_state("nonblocking/module", model.state_dict, model.load_state_dict)
+        group.register_state("nonblocking/optimizer", optimizer.state_dict, optimizer.load_state_dict)
+        if codec is not None:  # a discarded exchange may have half-updated it: roll back on discard
+            group.register_state("nonblocking/codec", codec.state_dict, codec.load_state_dict, rollback=True,
+                                 heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)))
+        self._exchange = _Exchange(find_layers(model), optimizer, group, codec, elastic=True)
+        group.before_start_step(self._exchange.end_step)
+        return NonBlockingModule(model, self._exchange, group, self.broadcast_buffers)
+
     def _fall_back(self, model: nn.Module, group: Group, reason: str) -> nn.Module:
+        from shoal.comm.elastic import ElasticGroup
         from shoal.parallel import DistributedDataParallel
+
+        if isinstance(group, ElasticGroup):
+            raise ConfigError(f"NonBlocking cannot fall back to blocking on an elastic group ({reason}): the "
+                              "optimizers would step without a vote; use shoal.strategies.Sync (DDP) with one "
+                              "optimizer, or one optimizer over exactly the model's trainable parameters")
 
         warnings.warn(f"NonBlocking falls back to blocking gradient all-reduce (shoal.DistributedDataParallel): "
                       f"{reason}", UserWarning, stacklevel=3)

@@ -66,3 +66,42 @@ def test_streaming_diloco_with_overlap_is_refused(group: ElasticGroup, overlap: 
                                           r".*use overlap_steps=0"):
         _setup(strategy, group)
 
+
+
+@pytest.mark.timeout(30)
+def test_nonblocking_hierarchical_is_refused(group: ElasticGroup) -> None:
+    with pytest.raises(ConfigError, match=r"hierarchical=True is not supported on an elastic group"):
+        _setup(shoal.NonBlocking(hierarchical=True), group)
+
+
+@pytest.mark.timeout(30)
+def test_nonblocking_fallback_to_blocking_is_refused(group: ElasticGroup) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opts = [torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[2].parameters(), lr=0.1)]
+    with pytest.raises(ConfigError, match=r"cannot fall back to blocking on an elastic group \(2 optimizers"):
+        shoal.NonBlocking().wrap(net, opts, process_group=group)
+
+
+@pytest.mark.timeout(30)
+def test_zero_overlapped_with_ddp_is_refused_with_the_alternative(group: ElasticGroup) -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+    with pytest.raises(ConfigError, match=r"optimizer=zero\) is not supported on an elastic group.*call zero\.step\(\)"):
+        shoal.DistributedDataParallel(net, process_group=group, optimizer=zero)
+
+
+def test_zero_replicate_needs_an_elastic_group() -> None:
+    net = nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match=r"replicate=True .* needs an ElasticGroup"):
+        shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, replicate=True, lr=0.1)
+    with pytest.raises(ConfigError, match=r"replicate must be True or False"):
+        shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, replicate=1, lr=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_zero_step_closure_is_refused_on_an_elastic_group(group: ElasticGroup) -> None:
+    net = nn.Linear(4, 2)
+    zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+    with pytest.raises(ConfigError, match=r"step\(closure\) is not supported on an elastic group"):
+        zero.step(lambda: 0.0)

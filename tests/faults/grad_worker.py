@@ -1,0 +1,171 @@
+"""One worker of the elastic NonBlocking / ZeRO fault tests (per-step gradient strategies, DISCARD).
+
+``--kind nonblocking``: ``shoal.wrap(net, opt, NonBlocking(), process_group=group)``.
+``--kind zero``: ``shoal.DistributedDataParallel(net, process_group=group)`` and a
+``ZeroRedundancyOptimizer`` on the same elastic group (``--replicate``: ring replicas).
+
+Started by harness.py as a plain process (so that it can be SIGKILLed and
+restarted). Data: an :class:`ElasticSampler` without shuffling, so the test
+can rebuild every committed step's global batch from ``(cursor, size)``. The
+loop is the user's; every worker stops at the first step start at or past
+``--steps`` committed steps once the last four commits had ``--want-size``
+members (a count healed into newcomers, so all members stop together).
+Writes ``<out>/<rank>-<incarnation>.pt``: the batches of every committed step
+(``{step: (cursor, size)}``), final parameters and optimizer state (ZeRO:
+this member's shard and replica, keyed by global parameter index), counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
+from shoal.testing import FaultPlan
+
+N, BATCH = 256, 8
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N, 16, generator=g)
+    return x, torch.tanh(x @ torch.randn(16, 4, generator=g))
+
+
+def make_net(seed: int, width: int = 32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+
+
+def optim_args(name: str) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    if name == "adam":
+        return torch.optim.Adam, {"lr": 1e-2}
+    return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+
+
+def state_tensors(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, torch.Tensor]]:
+    return {i: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for i, st in state.items()}
+
+
+def static_nonblocking(rank: int, world: int, init: list[torch.Tensor],
+                       batches: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
+    """The reference run: NonBlocking on a static world group, from ``init``, over ``batches``.
+
+    ``shoal.testing.run_workers`` calls it in each process. Step ``k`` of a
+    quorum of ``size`` reads samples ``cursor + rank * BATCH`` onwards (the
+    sampler's slice of rank ``rank``), as the elastic run did.
+    """
+    torch.set_num_threads(1)
+    net = make_net(0)
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), init):
+            p.copy_(v)
+    cls, kw = optim_args("adam")
+    model, opt = shoal.wrap(net, cls(net.parameters(), **kw), shoal.NonBlocking())
+    x, y = data()
+    for step in range(len(batches)):
+        cursor, size = batches[step]
+        assert size == world, "the reference runs fault-free elastic runs only"
+        idx = torch.arange(cursor + rank * BATCH, cursor + (rank + 1) * BATCH) % N
+        F.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    model.finalize()   # type: ignore[operator]
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", choices=["nonblocking", "zero", "ddp"], required=True)
+    ap.add_argument("--optim", choices=["adam", "sgdm"], default="adam")
+    ap.add_argument("--replicate", action="store_true")
+    ap.add_argument("--consolidate", action="store_true", help="ZeRO: consolidate the state on rank 0 at the end")
+    ap.add_argument("--codec", choices=["none", "powersgd"], default="none", help="NonBlocking's codec")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--op", type=float, default=5.0)
+    ap.add_argument("--min-workers", type=int, default=2)
+    ap.add_argument("--want-size", type=int, default=0)
+    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--width", type=int, default=32, help="hidden width (measurements; the tests use 32)")
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
+    timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
+                        quorum=a.op + 10, join=a.op + 60)
+    group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers,
+                         backend_factory=FaultPlan.from_env().backend_factory())
+    net = make_net(100 + 10 * rank + life, a.width)   # different on purpose: the first heal must equalise
+    cls, kw = optim_args(a.optim)
+    full = {"rounds": 0}
+    group.register_state("test/full", lambda: dict(full), full.update)
+    group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size == a.want_size else 0))
+    sampler = ElasticSampler(N, group, batch_size=BATCH, shuffle=False)
+    zero = None
+    if a.kind == "nonblocking":
+        codec = shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if a.codec == "powersgd" else None
+        model, opt = shoal.wrap(net, cls(net.parameters(), **kw), shoal.NonBlocking(codec=codec), process_group=group)
+    elif a.kind == "ddp":   # the baseline: DDP with the unsharded optimizer
+        model = shoal.DistributedDataParallel(net, process_group=group)
+        opt = ElasticOptimizer(cls(net.parameters(), **kw), group)  # type: ignore[assignment]
+    else:
+        model = shoal.DistributedDataParallel(net, process_group=group)
+        zero = shoal.ZeroRedundancyOptimizer(net.parameters(), cls, process_group=group,
+                                             replicate=a.replicate, **kw)
+        opt = zero
+    x, y = data()
+    batches: dict[int, tuple[int, int]] = {}   # committed step -> (cursor, quorum size)
+    init: list[torch.Tensor] | None = None      # parameters at this worker's first step (healed)
+    t0, first = time.perf_counter(), 0
+    while True:
+        idx = sampler.next_batch()    # NonBlocking: votes the last exchange first; then starts the step
+        if init is None:
+            init = [p.detach().clone() for p in net.parameters()]
+            t0, first = time.perf_counter(), group.step
+        if group.step >= a.max_steps or (group.step >= a.steps and (not a.want_size or full["rounds"] >= 4)):
+            break
+        batches[group.step] = (sampler.cursor, group.size)
+        if os.environ.get("GRAD_WORKER_VERBOSE"):
+            print(f"rank {rank}.{life} step {group.step} size {group.size} stats {group.stats}", flush=True)
+        loss = F.mse_loss(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if a.pace:
+            time.sleep(a.pace)
+    result: dict[str, Any] = {"rank": rank, "life": life, "step": group.step, "batches": batches, "init": init,
+                              "params": [p.detach().clone() for p in net.parameters()],
+                              "stats": vars(group.stats),
+                              "s_per_step": (time.perf_counter() - t0) / max(group.step - first, 1)}
+    if a.kind == "ddp":
+        result["state"] = state_tensors(opt.state_dict()["state"])
+    elif zero is None:
+        result["state"] = state_tensors(opt.state_dict()["state"])
+        exchange = model._exchange  # type: ignore[union-attr]
+        result["exchange"] = {"commits": exchange.commits, "discards": exchange.discards}
+    else:
+        el = zero._elastic
+        assert el is not None
+        result["state"] = state_tensors(el.held_state(replica=False))
+        result["replica"] = state_tensors(el.held_state(replica=True))
+        result["zero"] = {**vars(el.stats), "size": zero.world_size}
+        if a.consolidate:
+            zero.consolidate_state_dict(to=0)
+            if zero.rank == 0:
+                result["consolidated"] = state_tensors(zero.state_dict()["state"])
+    path = os.path.join(a.out, f"{rank}-{life}.pt")
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    group.leave()
+
+
+if __name__ == "__main__":
+    main()
