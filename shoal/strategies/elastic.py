@@ -130,17 +130,27 @@ class ElasticRounds:
         """False for a member healed in this round: it holds a copy of a peer's progress, not its own."""
         return self.group.rank not in self.group.newcomers
 
-    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], codec: Codec, tag: str) -> None:
+    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], codec: Codec, tag: str,
+             group: ElasticGroup | None = None) -> None:
         """Overwrite scratch ``tensors`` with their mean over this round's live contributors.
 
         Non-contributors send zeros; the codec's mean over all members is then
-        scaled by ``size / contributors``.
+        scaled by ``size / contributors``. ``group`` (default: the round's
+        group) may be a per-quorum subgroup
+        (:class:`~shoal.comm.elastic_sub.ElasticSubgroup`): the mean is then
+        over its members, and when every one of them was healed in this round
+        (none brings progress of its own) it is skipped and the tensors keep
+        their values (a copy of a peer's state).
         """
-        if not self.contributes:
+        g = self.group if group is None else group
+        newcomers = g.newcomers
+        live = g.size - len(newcomers)
+        if live == 0:
+            return
+        if g.rank in newcomers:
             for t in tensors:
                 t.zero_()
         with torch.no_grad():
-            codec.mean(list(tensors), list(names), self.group, tag)
-            live = self.group.size - len(self.group.newcomers)
-            if 0 < live < self.group.size:
-                torch._foreach_mul_(list(tensors), self.group.size / live)
+            codec.mean(list(tensors), list(names), g, tag)
+            if 0 < live < g.size:
+                torch._foreach_mul_(list(tensors), g.size / live)

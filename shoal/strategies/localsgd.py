@@ -99,9 +99,22 @@ class AveragingStrategy(Strategy):
                                                          self.average_optimizer_state)
             live, names = live + extra, names + extra_names
         scratch = [t.detach().clone() for t in live]
-        tag = f"{self.name}/grad" if kind == "grad" else f"{self.name}/params"
-        self.rounds.mean(scratch, names, self.rounds.codec if kind != "grad" else self._grad_codec, tag)
+        if kind == "grad":
+            self.rounds.mean(scratch, names, self._grad_codec, f"{self.name}/grad")
+        else:
+            group, tag = self._elastic_target(kind)
+            self.rounds.mean(scratch, names, self.rounds.codec, tag, group)
         self._pending = (live, scratch)
+
+    def _elastic_kind(self, step: int) -> str | None:
+        """The round due after optimizer step ``step`` (counted from 0), if any."""
+        return "params" if self.averager is not None and self.averager._group_at(step) is not None else None
+
+    def _elastic_target(self, kind: str) -> tuple[ElasticGroup, str]:
+        """The group a parameter round of ``kind`` averages over, and its meter tag."""
+        if not isinstance(self.group, ElasticGroup):  # pragma: no cover - only elastic rounds ask
+            raise ConfigError("not an elastic group")
+        return self.group, f"{self.name}/params"
 
     @torch.no_grad()
     def _elastic_apply(self, kind: str) -> None:
@@ -119,10 +132,10 @@ class AveragingStrategy(Strategy):
     def _elastic_after_step(self) -> None:
         if self.averager is None or self.rounds is None:  # pragma: no cover - set up together
             raise ConfigError("not set up")
-        due = self.averager._group_at(self.averager.step)
+        kind = self._elastic_kind(self.averager.step)
         self.averager.step += 1
-        if due is not None:
-            self.rounds.run("params")
+        if kind is not None:
+            self.rounds.run(kind)
         self._mark_step()
 
     def _quiet_averager(self, group: Group) -> ModelAverager:
