@@ -60,3 +60,52 @@ def test_fault_free_elastic_equals_static(strategy: str, tmp_path: Any) -> None:
     # Static Hierarchical: both pretend hosts hold the same parameters after the last (global) step.
     for r in elastic[1:]:
         _close(elastic[0]["params"], r["params"], 1e-6)
+
+
+def _assert_fault_run(final: list[dict[str, Any]], logs: str, crashed: int) -> None:
+    assert [(r["rank"], r["life"]) for r in final] == [(r, int(r == crashed)) for r in range(4)], logs
+    survivors = [r for r in final if r["rank"] != crashed]
+    reborn = final[crashed]
+    for s in survivors:
+        assert s["stats"]["discards"] >= 1, logs          # the round the crash hit was dropped
+        assert s["skipped"] == 0, logs                     # and re-run by the survivors, not given up
+        times = [e["t"] for e in s["log"]]
+        assert max(b - a for a, b in zip(times, times[1:])) <= OP + 5, logs
+        assert [e["step"] for e in s["log"]] == list(range(s["log"][-1]["step"] + 1)), logs
+    assert any(e["size"] == 3 for e in survivors[0]["log"]), logs    # they went on as three
+    assert reborn["stats"]["heals_received"] >= 1 and reborn["first"] > 0, logs
+    assert reborn["log"][-1]["step"] == survivors[0]["log"][-1]["step"], logs
+    assert [e["step"] for e in reborn["log"]] == list(range(reborn["first"], reborn["log"][-1]["step"] + 1)), logs
+    for r in final[1:]:      # the last step synchronised everyone: equal parameters, bitwise
+        assert all(torch.equal(a, b) for a, b in zip(final[0]["params"], r["params"])), logs
+
+
+OP = 5.0
+
+
+@pytest.mark.timeout(150)
+def test_hierarchical_sigkill_survivors_average_and_restart_rejoins_its_group(tmp_path: Any) -> None:
+    # Rank 2 dies inside the round of elastic step 5 (averaging rounds are the only elastic steps).
+    plan = FaultPlan().crash(rank=2, step=5, nth=0)
+    final, logs = _elastic(tmp_path, "hierarchical", ["--pace", "0.05", "--want-full", "6", "--op", str(OP)],
+                           env={"SHOAL_FAULT_PLAN": plan.to_json()},
+                           launcher=["--min-workers", "2", "--max-restarts", "1"], limit=130)
+    _assert_fault_run(final, logs, crashed=2)
+
+
+@pytest.mark.timeout(150)
+def test_daso_sigkill_survivors_go_on_and_restart_heals_from_its_host(tmp_path: Any) -> None:
+    # Rank 2 dies in its first collective of elastic step 6: in the warm-up epoch every training
+    # step is a gradient vote then a global round, so this is the third step's global round.
+    plan = FaultPlan().crash(rank=2, step=6, nth=0)
+    final, logs = _elastic(tmp_path, "daso", ["--pace", "0.1", "--op", str(OP), "--want-full", "8"],
+                           env={"SHOAL_FAULT_PLAN": plan.to_json()},
+                           launcher=["--min-workers", "2", "--max-restarts", "1"], limit=130)
+    _assert_fault_run(final, logs, crashed=2)
+    # Optimizer state is replicated inside a host (DDP there): the restarted worker has its host's.
+    hosts = [(0, 1), (2, 3)]
+    for a, b in hosts:
+        assert all(torch.equal(x, y) for x, y in zip(final[a]["momentum"], final[b]["momentum"])), logs
+    # Its schedule was healed: the same launches and landings after it came back.
+    back = final[2]["first"]
+    assert [e for e in final[0]["events"] if e[0] >= back] == final[2]["events"], logs

@@ -36,7 +36,14 @@ def make_strategy(name: str, epochs: int, spe: int) -> Any:
 
 
 def train(rank: int, life: int, name: str, group: Any, epochs: int, spe: int, pace: float = 0.0,
-          stop: Any = None) -> dict[str, Any]:
+          stop: Any = None, want_full: int = 0) -> dict[str, Any]:
+    """Train; stop at the first synchronised step at or past ``stop`` (Hierarchical: a global
+    averaging; DASO: the schedule's end) after which the last ``want_full`` committed elastic steps
+    had 4 members (a count healed into newcomers, so all stop together)."""
+    full = {"rounds": 0}
+    if want_full:
+        group.register_state("test/full_rounds", lambda: dict(full), full.update)
+        group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size == 4 else 0))
     torch.manual_seed(100 + 10 * rank * life)   # a restarted worker starts different: its heal must equalise
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     strategy = make_strategy(name, epochs, spe)
@@ -51,8 +58,14 @@ def train(rank: int, life: int, name: str, group: Any, epochs: int, spe: int, pa
     def step_of() -> int:
         return strategy.schedule.step if name == "daso" else strategy.step
 
+    def done() -> bool:
+        s = step_of()
+        if name == "daso":   # past total_epochs every step is a blocking sync (the cool-down goes on)
+            return s >= total and full["rounds"] >= want_full
+        return s >= total and (s - 1) % 4 == 0 and full["rounds"] >= want_full
+
     first = step_of()
-    while step_of() < total:
+    while not done():
         s = step_of()
         pick = torch.Generator().manual_seed(1000 * rank + s)   # this rank's batch at step s
         idx = torch.randint(0, 256, (8,), generator=pick)
@@ -93,6 +106,7 @@ def main() -> None:
     ap.add_argument("--op", type=float, default=5.0)
     ap.add_argument("--min-workers", type=int, default=2)
     ap.add_argument("--pace", type=float, default=0.0)
+    ap.add_argument("--want-full", type=int, default=0)
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -100,7 +114,7 @@ def main() -> None:
                         quorum=a.op + 10, join=a.op + 60)
     group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers, host_id=f"h{rank // PER_HOST}",
                          backend_factory=FaultPlan.from_env().backend_factory())
-    result = train(rank, life, a.strategy, group, a.epochs, a.spe, a.pace, stop=a.stop)
+    result = train(rank, life, a.strategy, group, a.epochs, a.spe, a.pace, stop=a.stop, want_full=a.want_full)
     path = os.path.join(a.out, f"{rank}-{life}.pt")
     torch.save(result, path + ".tmp")
     os.replace(path + ".tmp", path)
