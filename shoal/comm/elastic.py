@@ -565,7 +565,7 @@ class ElasticGroup(Group):
 
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
         raise ShoalError("an elastic group cannot be split: its members change from one quorum to the "
-                         "next; use one ElasticGroup per level instead")
+                         "next; use shoal.comm.elastic_sub.ElasticSubgroup (a rule applied to each quorum)")
 
     def __repr__(self) -> str:
         qid = self.quorum.qid if self.quorum else None

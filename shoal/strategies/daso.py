@@ -238,6 +238,12 @@ class DASO(Strategy):
     :meth:`report_loss` so the skips can adapt (without losses they stay at
     1). Hosts come from :mod:`shoal.comm.topology`.
 
+    On an :class:`~shoal.elastic.ElasticGroup` hosts and leaders follow each
+    quorum, every step is voted (a failed one is dropped), and each global
+    sync is a blocking elastic round re-run with the survivors (its result
+    still lands ``global_skips // 4`` steps later); newcomers heal from the
+    run and then from their host. See :mod:`shoal.strategies.daso_elastic`.
+
     Example::
 
         daso = shoal.DASO(total_epochs=20, steps_per_epoch=len(loader))
