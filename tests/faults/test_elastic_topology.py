@@ -62,20 +62,21 @@ def test_fault_free_elastic_equals_static(strategy: str, tmp_path: Any) -> None:
         _close(elastic[0]["params"], r["params"], 1e-6)
 
 
-def _assert_fault_run(final: list[dict[str, Any]], logs: str, crashed: int) -> None:
-    assert [(r["rank"], r["life"]) for r in final] == [(r, int(r == crashed)) for r in range(4)], logs
-    survivors = [r for r in final if r["rank"] != crashed]
-    reborn = final[crashed]
+def _assert_fault_run(final: list[dict[str, Any]], logs: str, crashed: tuple[int, ...]) -> None:
+    assert [(r["rank"], r["life"]) for r in final] == [(r, int(r in crashed)) for r in range(4)], logs
+    survivors = [r for r in final if r["rank"] not in crashed]
     for s in survivors:
         assert s["stats"]["discards"] >= 1, logs          # the round the crash hit was dropped
         assert s["skipped"] == 0, logs                     # and re-run by the survivors, not given up
         times = [e["t"] for e in s["log"]]
         assert max(b - a for a, b in zip(times, times[1:])) <= OP + 5, logs
         assert [e["step"] for e in s["log"]] == list(range(s["log"][-1]["step"] + 1)), logs
-    assert any(e["size"] == 3 for e in survivors[0]["log"]), logs    # they went on as three
-    assert reborn["stats"]["heals_received"] >= 1 and reborn["first"] > 0, logs
-    assert reborn["log"][-1]["step"] == survivors[0]["log"][-1]["step"], logs
-    assert [e["step"] for e in reborn["log"]] == list(range(reborn["first"], reborn["log"][-1]["step"] + 1)), logs
+    assert any(e["size"] < 4 for e in survivors[0]["log"]), logs    # they went on without it
+    for c in crashed:
+        reborn = final[c]
+        assert reborn["stats"]["heals_received"] >= 1 and reborn["first"] > 0, logs
+        assert reborn["log"][-1]["step"] == survivors[0]["log"][-1]["step"], logs
+        assert [e["step"] for e in reborn["log"]] == list(range(reborn["first"], reborn["log"][-1]["step"] + 1)), logs
     for r in final[1:]:      # the last step synchronised everyone: equal parameters, bitwise
         assert all(torch.equal(a, b) for a, b in zip(final[0]["params"], r["params"])), logs
 
@@ -90,22 +91,27 @@ def test_hierarchical_sigkill_survivors_average_and_restart_rejoins_its_group(tm
     final, logs = _elastic(tmp_path, "hierarchical", ["--pace", "0.05", "--want-full", "6", "--op", str(OP)],
                            env={"SHOAL_FAULT_PLAN": plan.to_json()},
                            launcher=["--min-workers", "2", "--max-restarts", "1"], limit=130)
-    _assert_fault_run(final, logs, crashed=2)
+    _assert_fault_run(final, logs, crashed=(2,))
 
 
 @pytest.mark.timeout(150)
-def test_daso_sigkill_survivors_go_on_and_restart_heals_from_its_host(tmp_path: Any) -> None:
-    # Rank 2 dies in its first collective of elastic step 6: in the warm-up epoch every training
-    # step is a gradient vote then a global round, so this is the third step's global round.
+def test_daso_sigkill_survivors_go_on_and_restarts_heal_from_their_host(tmp_path: Any) -> None:
+    # Host 1 (ranks 2, 3) loses rank 2 in its first collective of elastic step 6 (in the warm-up
+    # epoch every training step is a gradient vote then a global round: the third step's round),
+    # then rank 3 at its first collective from step 16: by then it is surely its host's leader (alone, or the lower quorum
+    # rank next to the restarted rank 2, which joins last), so a leader is lost and replaced, and
+    # the host may be left empty (a one-host quorum) or be restarted as a whole.
     plan = FaultPlan().crash(rank=2, step=6, nth=0)
+    for step in range(16, 24):   # alone on its host, rank 3 talks only in global rounds: the first one from 16
+        plan = plan.crash(rank=3, step=step, nth=0)
     final, logs = _elastic(tmp_path, "daso", ["--pace", "0.1", "--op", str(OP), "--want-full", "8"],
                            env={"SHOAL_FAULT_PLAN": plan.to_json()},
                            launcher=["--min-workers", "2", "--max-restarts", "1"], limit=130)
-    _assert_fault_run(final, logs, crashed=2)
-    # Optimizer state is replicated inside a host (DDP there): the restarted worker has its host's.
-    hosts = [(0, 1), (2, 3)]
-    for a, b in hosts:
+    _assert_fault_run(final, logs, crashed=(2, 3))
+    # Optimizer state is replicated inside a host (DDP there); restarted workers took their host's.
+    for a, b in [(0, 1), (2, 3)]:
         assert all(torch.equal(x, y) for x, y in zip(final[a]["momentum"], final[b]["momentum"])), logs
-    # Its schedule was healed: the same launches and landings after it came back.
-    back = final[2]["first"]
-    assert [e for e in final[0]["events"] if e[0] >= back] == final[2]["events"], logs
+    # Schedules were healed: the same launches and landings once back.
+    for c in (2, 3):
+        back = final[c]["first"]
+        assert [e for e in final[0]["events"] if e[0] >= back] == final[c]["events"], logs
