@@ -111,7 +111,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
     timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
-                        quorum=a.op + 10, join=a.op + 60)
+                        quorum=a.op + 25, join=a.op + 60)   # quorum: room for a few op-long stalls in a row
     group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers, host_id=f"h{rank // PER_HOST}",
                          backend_factory=FaultPlan.from_env().backend_factory())
     result = train(rank, life, a.strategy, group, a.epochs, a.spe, a.pace, stop=a.stop, want_full=a.want_full)
