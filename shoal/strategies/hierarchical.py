@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Mapping, Sequence
 
 from shoal.averagers import HierarchicalModelAverager, Hierarchy, ModelAverager
@@ -11,12 +10,9 @@ from torch import nn
 
 from shoal.codecs.base import Codec
 from shoal.comm.elastic import ElasticGroup
-from shoal.comm.elastic_sub import ElasticSubgroup, by_slot
 from shoal.comm.group import Group
-from shoal.errors import ConfigError
+from shoal.strategies.elastic import ElasticLevels, check_slots
 from shoal.strategies.localsgd import AveragingStrategy
-
-TAG = "hierarchical/params"
 
 
 class Hierarchical(AveragingStrategy):
@@ -62,56 +58,10 @@ class Hierarchical(AveragingStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         if isinstance(group, ElasticGroup):
-            slot = os.environ.get("RANK", "")
-            if not slot.isdigit():
-                raise ConfigError(
-                    "Hierarchical on an ElasticGroup places each worker in its level groups by its launch RANK "
-                    f"(stable across restarts), but RANK is {slot!r}; launch with `shoal run --elastic` or set "
-                    "RANK to the worker's slot 0..N-1"
-                )
-            world = os.environ.get("WORLD_SIZE", "")
-            if world.isdigit():
-                self.hierarchy.check_world(int(world))
+            check_slots(self.hierarchy, "Hierarchical")
         return super().setup(model, optimizer, group)
 
     def _make_averager(self, group: Group) -> ModelAverager:
         if isinstance(group, ElasticGroup):
             return ElasticLevels(self.hierarchy, group, self.codec)
         return HierarchicalModelAverager(dict(self.hierarchy.levels), self.hierarchy.warmup_steps, group, self.codec)
-
-    def _elastic_kind(self, step: int) -> str | None:
-        level = self.hierarchy.level_at(step)
-        return None if level is None else f"params@{level}"
-
-    def _elastic_target(self, kind: str) -> tuple[ElasticGroup, str]:
-        if not isinstance(self.averager, ElasticLevels):  # pragma: no cover - set up together
-            raise ConfigError("Hierarchical is not set up on an elastic group")
-        level = int(kind.partition("@")[2])
-        return self.averager.groups[level], f"{TAG}/g{self.hierarchy.levels[level][1]}"
-
-
-class ElasticLevels(ModelAverager):
-    """The schedule of :class:`HierarchicalModelAverager` over per-quorum groups (no split).
-
-    Level ``i < last`` is an :class:`~shoal.comm.elastic_sub.ElasticSubgroup`
-    by launch slot (``by_slot(size)``); the last level is the elastic group
-    itself. Used by :class:`Hierarchical` on an elastic group, whose rounds
-    do the averaging (:meth:`average_named` is not for elastic use).
-    """
-
-    tag = TAG
-
-    def __init__(self, hierarchy: Hierarchy, group: ElasticGroup, codec: Codec | None) -> None:
-        super().__init__(group, codec)
-        self.hierarchy = hierarchy
-        last = len(hierarchy.levels) - 1
-        self.groups: list[ElasticGroup] = [
-            group if i == last else ElasticSubgroup(group, f"hierarchical/level{i}", by_slot(size))
-            for i, (_, size) in enumerate(hierarchy.levels)
-        ]
-
-    def _group_at(self, step: int) -> tuple[Group, str] | None:
-        level = self.hierarchy.level_at(step)
-        if level is None:
-            return None
-        return self.groups[level], f"{self.tag}/g{self.hierarchy.levels[level][1]}"

@@ -1,4 +1,4 @@
-"""Hierarchical SGD and DASO on elastic groups: real processes, gloo, world 4 (two pretend hosts).
+"""Hierarchical SGD, post-local SGD with a {period: size} map and DASO on elastic groups: real processes, gloo, world 4 (two pretend hosts).
 
 Fault-free, an elastic run equals the static run of the same program (same
 model, data and seeds) up to float summation order. With a worker SIGKILLed
@@ -44,7 +44,7 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float) -> float:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["hierarchical", "daso"])
+@pytest.mark.parametrize("strategy", ["hierarchical", "postlocal", "daso"])
 def test_fault_free_elastic_equals_static(strategy: str, tmp_path: Any) -> None:
     static = run_workers(topo_worker.static_worker, 4, strategy, EPOCHS, SPE, STOP, timeout=100)
     elastic, logs = _elastic(tmp_path, strategy, [])
@@ -57,7 +57,7 @@ def test_fault_free_elastic_equals_static(strategy: str, tmp_path: Any) -> None:
         assert e["stats"]["discards"] == 0, logs
     if strategy == "daso":
         assert any(gs > 1 for _, _, gs in static[0]["events"]), "the schedule never skipped: test too weak"
-    # Static Hierarchical: both pretend hosts hold the same parameters after the last (global) step.
+    # Both pretend hosts hold the same parameters after the last (global or DASO cool-down) step.
     for r in elastic[1:]:
         _close(elastic[0]["params"], r["params"], 1e-6)
 

@@ -29,6 +29,8 @@ HIER = {2: 2, 4: 4}
 def make_strategy(name: str, epochs: int, spe: int) -> Any:
     if name == "hierarchical":
         return shoal.Hierarchical(HIER)
+    if name == "postlocal":
+        return shoal.PostLocalSGD(period=HIER, warmup_steps=6)
     if name == "daso":
         return shoal.DASO(total_epochs=epochs, steps_per_epoch=spe, warmup_epochs=1, cooldown_epochs=1,
                           max_global_skips=4, stability_level=0.9)
@@ -98,7 +100,7 @@ def main() -> None:
     from shoal.testing import FaultPlan
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["hierarchical", "daso"], required=True)
+    ap.add_argument("--strategy", choices=["hierarchical", "postlocal", "daso"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--spe", type=int, default=6)
