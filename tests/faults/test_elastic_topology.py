@@ -70,13 +70,17 @@ def _assert_fault_run(final: list[dict[str, Any]], logs: str, crashed: tuple[int
         assert s["skipped"] == 0, logs                     # and re-run by the survivors, not given up
         times = [e["t"] for e in s["log"]]
         assert max(b - a for a, b in zip(times, times[1:])) <= OP + 5, logs
-        assert [e["step"] for e in s["log"]] == list(range(s["log"][-1]["step"] + 1)), logs
+        # Every step was taken, in order; DASO's gradient step hit by a failure is dropped and taken again.
+        steps = [e["step"] for e in s["log"]]
+        assert steps == sorted(steps) and sorted(set(steps)) == list(range(steps[-1] + 1)), logs
+        assert len(steps) - len(set(steps)) <= s["stats"]["discards"], logs
     assert any(e["size"] < 4 for e in survivors[0]["log"]), logs    # they went on without it
     for c in crashed:
         reborn = final[c]
         assert reborn["stats"]["heals_received"] >= 1 and reborn["first"] > 0, logs
         assert reborn["log"][-1]["step"] == survivors[0]["log"][-1]["step"], logs
-        assert [e["step"] for e in reborn["log"]] == list(range(reborn["first"], reborn["log"][-1]["step"] + 1)), logs
+        steps = [e["step"] for e in reborn["log"]]
+        assert steps == sorted(steps) and sorted(set(steps)) == list(range(reborn["first"], steps[-1] + 1)), logs
     for r in final[1:]:      # the last step synchronised everyone: equal parameters, bitwise
         assert all(torch.equal(a, b) for a, b in zip(final[0]["params"], r["params"])), logs
 
