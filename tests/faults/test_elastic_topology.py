@@ -115,7 +115,8 @@ def test_daso_sigkill_survivors_go_on_and_restarts_heal_from_their_host(tmp_path
     # Optimizer state is replicated inside a host (DDP there); restarted workers took their host's.
     for a, b in [(0, 1), (2, 3)]:
         assert all(torch.equal(x, y) for x, y in zip(final[a]["momentum"], final[b]["momentum"])), logs
-    # Schedules were healed: the same launches and landings once back.
+    # Schedules were healed: the same launches and landings once back (a worker admitted in an
+    # epoch's loss round or a global round finishes that step's schedule with its peers).
     for c in (2, 3):
-        back = final[c]["first"]
-        assert [e for e in final[0]["events"] if e[0] >= back] == final[c]["events"], logs
+        mine = final[c]["events"]
+        assert mine and mine[0][0] >= final[c]["first"] - 1 and final[0]["events"][-len(mine):] == mine, logs
