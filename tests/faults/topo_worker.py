@@ -77,7 +77,8 @@ def train(rank: int, life: int, name: str, group: Any, epochs: int, spe: int, pa
         opt.zero_grad()
         if name == "daso":
             strategy.report_loss(loss.item())
-        log.append({"step": s, "size": getattr(group, "size", 0), "t": time.time()})
+        log.append({"step": s, "size": getattr(group, "size", 0), "t": time.time(),
+                    "discards": group.stats.discards if hasattr(group, "stats") else 0})
         if pace:
             time.sleep(pace)
     state = opt0.state_dict()["state"]
