@@ -56,6 +56,7 @@ import torch.distributed as dist
 from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all
 from shoal.comm.membership import MemberClient, Quorum, Timeouts
 from shoal.comm.meter import Meter
+from shoal.comm.topology import host_identity
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
 CONTROL_TAG = "elastic/control"
@@ -157,6 +158,9 @@ class ElasticGroup(Group):
         backend_factory: builds a quorum's process group from a
             :class:`BackendSpec` (default :func:`gloo_backend`; tests wrap it
             to inject faults, see :mod:`shoal.testing.faults`).
+        host_id: this worker's host identity, published with its join
+            record so that per-quorum subgroups (:mod:`shoal.comm.elastic_sub`)
+            know who shares a host (default: ``$SHOAL_HOST_ID``, else the hostname).
 
     Example::
 
@@ -166,7 +170,8 @@ class ElasticGroup(Group):
 
     def __init__(self, run_id: str | None = None, *, coordinator: str | None = None,
                  timeouts: Timeouts | None = None, min_workers: int | None = None, meter: Meter | None = None,
-                 backend_factory: BackendFactory | None = None, client: MemberClient | None = None) -> None:
+                 backend_factory: BackendFactory | None = None, client: MemberClient | None = None,
+                 host_id: str | None = None) -> None:
         # Group.__init__ wants the default process group; an elastic group has none.
         if timeouts is not None and not isinstance(timeouts, Timeouts):
             raise ConfigError(f"timeouts must be a shoal Timeouts, got {type(timeouts).__name__}")
@@ -192,9 +197,10 @@ class ElasticGroup(Group):
         self._after = 0              # adopt a quorum newer than this one at the next start_step
         self._fresh = True           # holds no state received from the run yet
         self.newcomers: tuple[int, ...] = ()  # ranks healed at this step's start_step
+        self._on_abandon: list[Callable[[], None]] = []  # subgroups drop their groups with this one's
         if min_workers is None:
             min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
-        info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid()}
+        info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid(), "host": host_identity(host_id)}
         # ``client``: a subclass that joins with its own MemberClient (a token, a role) passes it, so
         # that no second store connection is opened for nothing.
         self.client = client or MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
@@ -428,6 +434,8 @@ class ElasticGroup(Group):
         if self.pg is not None:
             self._abandoned.append((time.monotonic(), self.pg))
         self.pg = None
+        for drop in self._on_abandon:
+            drop()
 
     def _release_abandoned(self) -> None:
         # Past the op timeout gloo has failed their stuck operations: dropping them is quick now.
@@ -570,7 +578,7 @@ class ElasticGroup(Group):
 
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
         raise ShoalError("an elastic group cannot be split: its members change from one quorum to the "
-                         "next; use one ElasticGroup per level instead")
+                         "next; use shoal.comm.elastic_sub.ElasticSubgroup (a rule applied to each quorum)")
 
     def __repr__(self) -> str:
         qid = self.quorum.qid if self.quorum else None

@@ -24,7 +24,7 @@ import math
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from shoal.comm.group import Group
 from shoal.comm.topology import HostGroups
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy, broadcast_module
+
+if TYPE_CHECKING:
+    from shoal.strategies.daso_elastic import ElasticDASO
 
 TAG = "daso/global"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -235,6 +238,12 @@ class DASO(Strategy):
     :meth:`report_loss` so the skips can adapt (without losses they stay at
     1). Hosts come from :mod:`shoal.comm.topology`.
 
+    On an :class:`~shoal.elastic.ElasticGroup` hosts and leaders follow each
+    quorum, every step is voted (a failed one is dropped), and each global
+    sync is a blocking elastic round re-run with the survivors (its result
+    still lands ``global_skips // 4`` steps later); newcomers heal from the
+    run and then from their host. See :mod:`shoal.strategies.daso_elastic`.
+
     Example::
 
         daso = shoal.DASO(total_epochs=20, steps_per_epoch=len(loader))
@@ -258,25 +267,38 @@ class DASO(Strategy):
         self.schedule = DASOSchedule(self.config)
         self.levels: HostGroups | None = None
         self._sync: _GlobalSync | None = None
+        self.elastic: "ElasticDASO | None" = None
         self._loss_sum = 0.0
         self._loss_count = 0
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         from shoal.comm.elastic import ElasticGroup
-
-        if isinstance(group, ElasticGroup):
-            raise ConfigError("DASO does not run on an elastic group yet (its per-host subgroups and "
-                              "in-flight reductions would outlive a quorum change); use a static group")
         from shoal.parallel import DistributedDataParallel, check_same_model
 
         self._bind(model, optimizer, group)
+        dtype = self.config.downcast_type
+        codec: Codec = Identity() if dtype == torch.float32 else Cast(dtype)
+        if isinstance(group, ElasticGroup):
+            from shoal.strategies.daso_elastic import ElasticDASO
+
+            self.elastic = ElasticDASO(group, model, optimizer, self.params, self.schedule, codec, self._take_losses)
+            self.elastic.join()
+            self._mark_step()
+            return self.elastic.ddp
         check_same_model(group, list(zip(self.names, self.params)))
         broadcast_module(model, group, tag="daso/init")
         self.levels = HostGroups.build(group)
-        dtype = self.config.downcast_type
-        codec: Codec = Identity() if dtype == torch.float32 else Cast(dtype)
         self._sync = _GlobalSync(self.params, self.levels, codec)
         return DistributedDataParallel(model, process_group=self.levels.local, hierarchical=False)
+
+    def _take_losses(self) -> tuple[float, int]:
+        total, count = self._loss_sum, self._loss_count
+        self._loss_sum, self._loss_count = 0.0, 0
+        return total, count
+
+    def before_step(self) -> bool | None:
+        """On an elastic group: the step's vote (a failed step is dropped on every worker)."""
+        return self.elastic.before_step() if self.elastic is not None else None
 
     def report_loss(self, loss: float | torch.Tensor) -> None:
         """This step's training loss on this rank (the schedule adapts to the world's epoch mean)."""
@@ -284,6 +306,10 @@ class DASO(Strategy):
         self._loss_count += 1
 
     def after_step(self) -> None:
+        if self.elastic is not None:
+            self.elastic.after_step()
+            self._mark_step()
+            return
         if self._sync is None or self.group is None:
             raise ShoalError("DASO is not set up: pass it to shoal.wrap(model, optimizer, strategy) first")
         if (self.schedule.step + 1) % self.config.steps_per_epoch == 0:

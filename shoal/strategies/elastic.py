@@ -34,13 +34,17 @@ Example (what :class:`shoal.LocalSGD` does on an elastic group)::
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from shoal.averagers import Hierarchy, ModelAverager
 from shoal.codecs.base import Codec
 from shoal.comm.elastic import ElasticGroup
+from shoal.comm.elastic_sub import ElasticSubgroup, by_slot
+from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
 ADOPT = "adopt"  # a round with no collective: adopt the latest quorum, heal newcomers
@@ -130,17 +134,81 @@ class ElasticRounds:
         """False for a member healed in this round: it holds a copy of a peer's progress, not its own."""
         return self.group.rank not in self.group.newcomers
 
-    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], codec: Codec, tag: str) -> None:
+    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], codec: Codec, tag: str,
+             group: ElasticGroup | None = None) -> None:
         """Overwrite scratch ``tensors`` with their mean over this round's live contributors.
 
         Non-contributors send zeros; the codec's mean over all members is then
-        scaled by ``size / contributors``.
+        scaled by ``size / contributors``. ``group`` (default: the round's
+        group) may be a per-quorum subgroup
+        (:class:`~shoal.comm.elastic_sub.ElasticSubgroup`): the mean is then
+        over its members, and when every one of them was healed in this round
+        (none brings progress of its own) it is skipped and the tensors keep
+        their values (a copy of a peer's state).
         """
-        if not self.contributes:
+        g = self.group if group is None else group
+        newcomers = g.newcomers
+        live = g.size - len(newcomers)
+        if live == 0:
+            return
+        if g.rank in newcomers:
             for t in tensors:
                 t.zero_()
         with torch.no_grad():
-            codec.mean(list(tensors), list(names), self.group, tag)
-            live = self.group.size - len(self.group.newcomers)
-            if 0 < live < self.group.size:
-                torch._foreach_mul_(list(tensors), self.group.size / live)
+            codec.mean(list(tensors), list(names), g, tag)
+            if 0 < live < g.size:
+                torch._foreach_mul_(list(tensors), g.size / live)
+
+
+def check_slots(hierarchy: Hierarchy, who: str) -> None:
+    """Level groups on an elastic group are launch slots (``$RANK``): it must be set; the map is
+    checked against ``$WORLD_SIZE`` (the launched world) when that is set."""
+    slot = os.environ.get("RANK", "")
+    if not slot.isdigit():
+        raise ConfigError(
+            f"{who} on an ElasticGroup places each worker in its level groups by its launch RANK "
+            f"(stable across restarts), but RANK is {slot!r}; launch with `shoal run --elastic` or set "
+            "RANK to the worker's slot 0..N-1"
+        )
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit():
+        hierarchy.check_world(int(world))
+
+
+class ElasticLevels(ModelAverager):
+    """The schedule of :class:`~shoal.averagers.HierarchicalModelAverager` over per-quorum groups.
+
+    Level ``i < last`` is an :class:`~shoal.comm.elastic_sub.ElasticSubgroup`
+    by launch slot (``by_slot(size)``): the static groups of consecutive
+    ranks when the quorum is complete, shrunk by lost workers, rejoined by
+    restarted ones (same ``RANK``); the last level is the elastic group
+    itself. Strategies run its averagings as elastic rounds of kind
+    ``params@<level>`` (:meth:`kind_at`, :meth:`target`).
+    """
+
+    tag = "hierarchical/params"
+
+    def __init__(self, hierarchy: Hierarchy, group: ElasticGroup, codec: Codec | None) -> None:
+        super().__init__(group, codec)
+        self.hierarchy = hierarchy
+        last = len(hierarchy.levels) - 1
+        self.groups: list[ElasticGroup] = [
+            group if i == last else ElasticSubgroup(group, f"levels/{i}", by_slot(size))
+            for i, (_, size) in enumerate(hierarchy.levels)
+        ]
+
+    def _group_at(self, step: int) -> tuple[Group, str] | None:
+        level = self.hierarchy.level_at(step)
+        if level is None:
+            return None
+        return self.groups[level], f"{self.tag}/g{self.hierarchy.levels[level][1]}"
+
+    def kind_at(self, step: int) -> str | None:
+        """The round due after optimizer step ``step``, if any."""
+        level = self.hierarchy.level_at(step)
+        return None if level is None else f"params@{level}"
+
+    def target(self, kind: str) -> tuple[ElasticGroup, str]:
+        """The group and meter tag of a round of ``kind``."""
+        level = int(kind.partition("@")[2])
+        return self.groups[level], f"{self.tag}/g{self.hierarchy.levels[level][1]}"

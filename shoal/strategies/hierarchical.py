@@ -11,7 +11,7 @@ from torch import nn
 from shoal.codecs.base import Codec
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
-from shoal.errors import ConfigError
+from shoal.strategies.elastic import ElasticLevels, check_slots
 from shoal.strategies.localsgd import AveragingStrategy
 
 
@@ -26,8 +26,17 @@ class Hierarchical(AveragingStrategy):
     during warm-up (:class:`shoal.PostLocalSGD` accepts the same map and
     all-reduces gradients then).
 
-    Not available on an :class:`~shoal.elastic.ElasticGroup` (its membership
-    changes, so fixed subgroups cannot be kept): a ConfigError says what to use.
+    On an :class:`~shoal.elastic.ElasticGroup` each averaging is an elastic
+    round (:class:`~shoal.strategies.elastic.ElasticRounds`,
+    ``AVERAGE_SURVIVORS``) over that level's group in the current quorum:
+    groups of size ``k`` are the live workers whose launch ``RANK`` (stable
+    across restarts under ``shoal run --elastic``) divided by ``k`` is equal,
+    i.e. the static groups, shrunk by lost workers; the last level is the
+    whole quorum. A failure anywhere fails the round for every group; it is
+    run again on the next quorum. A newcomer contributes zeros in its group;
+    a group made only of newcomers keeps the healed copy. Workers need
+    ``RANK`` set (``shoal run`` does); when ``WORLD_SIZE`` is set, the map is
+    checked against it as on a static group. See docs/elastic.md.
 
     Raises :class:`~shoal.errors.ConfigError` for an empty map, a non-positive
     smallest period, negative ``warmup_steps`` (here) and a last group size
@@ -49,12 +58,10 @@ class Hierarchical(AveragingStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         if isinstance(group, ElasticGroup):
-            raise ConfigError(
-                "Hierarchical needs fixed groups of consecutive ranks whose sizes tile the world; an elastic "
-                "group's members and size change from one quorum to the next, so the levels cannot be kept. "
-                "On an ElasticGroup use shoal.LocalSGD or shoal.DiLoCo (one level over whoever is live)"
-            )
+            check_slots(self.hierarchy, "Hierarchical")
         return super().setup(model, optimizer, group)
 
     def _make_averager(self, group: Group) -> ModelAverager:
+        if isinstance(group, ElasticGroup):
+            return ElasticLevels(self.hierarchy, group, self.codec)
         return HierarchicalModelAverager(dict(self.hierarchy.levels), self.hierarchy.warmup_steps, group, self.codec)

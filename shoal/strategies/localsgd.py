@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from shoal.averagers import HierarchicalModelAverager, PeriodicModelAverager, Periodic, ModelAverager
+from shoal.averagers import HierarchicalModelAverager, Hierarchy, PeriodicModelAverager, Periodic, ModelAverager
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.comm.elastic import ElasticGroup
@@ -25,7 +25,7 @@ from shoal.errors import ConfigError
 from shoal.parallel import DistributedDataParallel
 from shoal.reducer import GradBucket
 from shoal.strategies.base import Strategy, broadcast_module, check_state_keys, optimizer_state_tensors
-from shoal.strategies.elastic import ADOPT, ElasticRounds
+from shoal.strategies.elastic import ADOPT, ElasticLevels, ElasticRounds, check_slots
 
 
 class AveragingStrategy(Strategy):
@@ -99,9 +99,26 @@ class AveragingStrategy(Strategy):
                                                          self.average_optimizer_state)
             live, names = live + extra, names + extra_names
         scratch = [t.detach().clone() for t in live]
-        tag = f"{self.name}/grad" if kind == "grad" else f"{self.name}/params"
-        self.rounds.mean(scratch, names, self.rounds.codec if kind != "grad" else self._grad_codec, tag)
+        if kind == "grad":
+            self.rounds.mean(scratch, names, self._grad_codec, f"{self.name}/grad")
+        else:
+            group, tag = self._elastic_target(kind)
+            self.rounds.mean(scratch, names, self.rounds.codec, tag, group)
         self._pending = (live, scratch)
+
+    def _elastic_kind(self, step: int) -> str | None:
+        """The round due after optimizer step ``step`` (counted from 0), if any."""
+        if isinstance(self.averager, ElasticLevels):
+            return self.averager.kind_at(step)
+        return "params" if self.averager is not None and self.averager._group_at(step) is not None else None
+
+    def _elastic_target(self, kind: str) -> tuple[ElasticGroup, str]:
+        """The group a parameter round of ``kind`` averages over, and its meter tag."""
+        if isinstance(self.averager, ElasticLevels):
+            return self.averager.target(kind)
+        if not isinstance(self.group, ElasticGroup):  # pragma: no cover - only elastic rounds ask
+            raise ConfigError("not an elastic group")
+        return self.group, f"{self.name}/params"
 
     @torch.no_grad()
     def _elastic_apply(self, kind: str) -> None:
@@ -119,10 +136,10 @@ class AveragingStrategy(Strategy):
     def _elastic_after_step(self) -> None:
         if self.averager is None or self.rounds is None:  # pragma: no cover - set up together
             raise ConfigError("not set up")
-        due = self.averager._group_at(self.averager.step)
+        kind = self._elastic_kind(self.averager.step)
         self.averager.step += 1
-        if due is not None:
-            self.rounds.run("params")
+        if kind is not None:
+            self.rounds.run(kind)
         self._mark_step()
 
     def _quiet_averager(self, group: Group) -> ModelAverager:
@@ -205,7 +222,9 @@ class PostLocalSGD(AveragingStrategy):
     ``PostLocalSGDOptimizer``. :func:`shoal.wrap` returns a
     :class:`shoal.DistributedDataParallel` (on an
     :class:`~shoal.elastic.ElasticGroup`: the module itself; warm-up gradients
-    are then averaged in a round at ``optimizer.step()``, an int ``period`` only).
+    are then averaged in a round at ``optimizer.step()``; a ``{period: size}``
+    map averages over groups by launch ``RANK`` as :class:`shoal.Hierarchical`
+    does there; ``local_group_size`` is refused).
 
     Example::
 
@@ -234,17 +253,21 @@ class PostLocalSGD(AveragingStrategy):
 
     def _make_averager(self, group: Group) -> ModelAverager:
         if isinstance(self.period, Mapping):
+            if isinstance(group, ElasticGroup):
+                return ElasticLevels(Hierarchy.from_dict(self.period, self.warmup_steps), group, self.codec)
             return HierarchicalModelAverager(self.period, self.warmup_steps, group, self.codec)
         return PeriodicModelAverager(self.period, self.warmup_steps, group, self.codec)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         if isinstance(group, ElasticGroup):
-            if isinstance(self.period, Mapping) or self.local_group_size is not None:
+            if self.local_group_size is not None:
                 raise ConfigError(
-                    "PostLocalSGD with a {period: group_size} map or local_group_size needs fixed subgroups of "
-                    "consecutive ranks, which an elastic group cannot keep (its members change from one quorum "
-                    "to the next); on an ElasticGroup use an int period and no local_group_size"
+                    "PostLocalSGD with local_group_size averages gradients inside fixed groups at every step, "
+                    "which on an elastic group would be one voted round per step; on an ElasticGroup leave "
+                    "local_group_size None (a {period: group_size} map is supported)"
                 )
+            if isinstance(self.period, Mapping):
+                check_slots(Hierarchy.from_dict(self.period, self.warmup_steps), "PostLocalSGD")
             self._bind(model, optimizer, group)
             return self._setup_elastic(group)
         self._bind(model, optimizer, group)

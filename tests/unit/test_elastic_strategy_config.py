@@ -44,17 +44,34 @@ def _setup(strategy: shoal.Strategy, group: ElasticGroup) -> Any:
 
 
 @pytest.mark.timeout(30)
-def test_hierarchical_is_refused_with_the_alternatives(group: ElasticGroup) -> None:
-    with pytest.raises(ConfigError, match=r"fixed groups of consecutive ranks.*shoal\.LocalSGD or shoal\.DiLoCo"):
+def test_hierarchical_needs_the_launch_rank(group: ElasticGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its levels are groups of launch slots (RANK, stable across restarts): without one it cannot place a worker.
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"by its launch RANK.*RANK is ''"):
         _setup(shoal.Hierarchical({2: 1, 4: 2}), group)
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kwargs", [{"period": {2: 1, 8: 2}}, {"period": 4, "local_group_size": 1}],
-                         ids=["period-map", "local-group-size"])
-def test_post_local_sgd_with_subgroups_is_refused(group: ElasticGroup, kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match=r"fixed subgroups.*use an int period and no local_group_size"):
-        _setup(shoal.PostLocalSGD(warmup_steps=2, **kwargs), group)
+def test_hierarchical_map_is_checked_against_the_launched_world(group: ElasticGroup,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"last group size .* is 2 but the process group has 3 ranks"):
+        _setup(shoal.Hierarchical({2: 1, 4: 2}), group)
+
+
+@pytest.mark.timeout(30)
+def test_post_local_sgd_with_local_groups_is_refused(group: ElasticGroup) -> None:
+    with pytest.raises(ConfigError, match=r"local_group_size averages gradients inside fixed groups.*leave "
+                                          r"local_group_size None"):
+        _setup(shoal.PostLocalSGD(period=4, warmup_steps=2, local_group_size=1), group)
+
+
+@pytest.mark.timeout(30)
+def test_post_local_sgd_map_needs_the_launch_rank(group: ElasticGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"PostLocalSGD on an ElasticGroup .* by its launch RANK"):
+        _setup(shoal.PostLocalSGD(period={2: 1, 8: 2}, warmup_steps=2), group)
 
 
 @pytest.mark.timeout(30)
