@@ -113,7 +113,14 @@ class DistributedDataParallel(nn.Module):
             A7). ``None`` (default): on when the ranks span several hosts and
             some host holds several ranks (host identity: ``SHOAL_HOST_ID``,
             else the hostname); ``False``: always flat; ``True``: always
-            two-level. The layout is in ``model.topology``.
+            two-level. The layout is in ``model.topology``. On an elastic
+            group, ``True`` (or a ``Hierarchical`` codec) rebuilds the host
+            and leader subgroups at every quorum from the members' host
+            identities (``ElasticGroup(host_id=...)``); a failure at any
+            level drops the step on every member (the vote in
+            ``ElasticOptimizer.step()``); ``model.topology`` is the current
+            quorum's. ``None`` stays flat there: the layout is known only per
+            quorum, so pass ``True`` for a multi-host elastic run.
 
     Example::
 
