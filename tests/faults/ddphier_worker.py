@@ -45,7 +45,13 @@ def momentum(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [state[i]["momentum_buffer"].clone() for i in sorted(state)]
 
 
-def static_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
+def make_codec(name: str) -> Any:
+    from shoal import codecs
+
+    return codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if name == "powersgd" else None
+
+
+def static_worker(rank: int, world: int, steps: int, codec: str = "none") -> dict[str, Any]:
     """Shoal's static DDP(hierarchical=True) and torch's DDP, same data, on the static world."""
     import shoal
 
@@ -56,7 +62,8 @@ def static_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     for name in ("shoal", "torch"):
         net = make_net(0)
         if name == "shoal":
-            model: nn.Module = shoal.DistributedDataParallel(net, hierarchical=True, bucket_cap_mb=0.002)
+            model: nn.Module = shoal.DistributedDataParallel(net, hierarchical=True, bucket_cap_mb=0.002,
+                                                             codec=make_codec(codec))
             assert model.topology is not None and model.topology.num_hosts == 2  # type: ignore[union-attr]
         else:
             model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.002)
@@ -83,6 +90,7 @@ def main() -> None:
                     help="after --steps, go on until this many steps in a row had 4 members")
     ap.add_argument("--distinct-init", action="store_true", help="each (rank, life) starts from its own weights")
     ap.add_argument("--pace", type=float, default=0.0)
+    ap.add_argument("--codec", choices=["none", "powersgd"], default="none", help="the leaders' inner codec")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -94,7 +102,8 @@ def main() -> None:
     group.register_state("test/full", lambda: dict(full), full.update)
     group.on_commit(lambda: full.update(n=full["n"] + 1 if group.size == 4 else 0))
     net = make_net(100 + 10 * rank + life if a.distinct_init else 0)
-    model = shoal.DistributedDataParallel(net, process_group=group, hierarchical=True, bucket_cap_mb=0.002)
+    model = shoal.DistributedDataParallel(net, process_group=group, hierarchical=True, bucket_cap_mb=0.002,
+                                          codec=make_codec(a.codec))
     inner = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     opt = ElasticOptimizer(inner, group)
     armed = {"on": False}

@@ -4,7 +4,8 @@ Fault-free, elastic two-level DDP equals static two-level DDP and torch's
 own DDP on the same data. With a host leader SIGKILLed in the middle of a
 backward, the survivors discard that step, go on, and end (with the
 restarted worker, healed) holding bitwise equal parameters and optimizer
-state. Every run has a hard limit below its pytest timeout.
+state (that run reduces among leaders with PowerSGD, whose state lives on
+the leaders). Every run has a hard limit below its pytest timeout.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def test_fault_free_elastic_two_level_equals_static_and_torch_ddp(tmp_path: Any)
 @pytest.mark.timeout(120)
 def test_sigkill_host_leader_survivors_discard_and_restart_heals(tmp_path: Any) -> None:
     kill = 4
+    # PowerSGD among the leaders: its state (on leaders only) is rolled back on the discard, healed
+    # into the restarted worker, and starts afresh on the survivor that becomes h1's leader.
     args = ["--steps", "10", "--kill-step", str(kill), "--want-full", "3", "--distinct-init",
-            "--op", str(OP), "--pace", "0.05"]
+            "--op", str(OP), "--pace", "0.05", "--codec", "powersgd"]
     out = harness.run(str(tmp_path), 4, args, script=WORKER, hard_limit=100, restarts=1)
     final = out.final()
     dead = [r for r, _ in out.deaths]
@@ -71,6 +74,7 @@ def test_sigkill_host_leader_survivors_discard_and_restart_heals(tmp_path: Any) 
         assert committed == list(range(len(committed))), out.logs                  # no step lost or doubled
         times = [e["t"] for e in s["log"]]
         assert max(b - a for a, b in zip(times, times[1:])) <= OP + 5, out.logs
+    assert any(s["tags"].get("ddp/grad/powersgd/p", 0) > 0 for s in survivors), out.logs   # leaders compressed
     seqs = [[(e["step"], e["committed"]) for e in s["log"]] for s in survivors]
     assert seqs[0] == seqs[1] == seqs[2], out.logs                                  # one verdict everywhere
     reborn = final[dead[0]]
