@@ -74,6 +74,8 @@ def static_worker(rank: int, world: int, steps: int, codec: str = "none") -> dic
             opt.step()
             opt.zero_grad()
         out[name] = {"params": [p.detach().clone() for p in net.parameters()], "momentum": momentum(opt)}
+        if name == "shoal":
+            out[name]["tags"] = {t: c.bytes_sent for t, c in model.group.meter.by_tag().items()}  # type: ignore[union-attr]
     return out
 
 

@@ -47,6 +47,11 @@ def test_fault_free_elastic_two_level_equals_static_and_torch_ddp(tmp_path: Any)
             assert _worst(s["torch"][key], e[key]) <= 1e-6, (key, out.logs)
         # Byte accounting as on a static group: host stages, then the leaders' exact all-reduce.
         assert e["tags"]["ddp/grad/intra"] > 0, e["tags"]
+    def grad_bytes(tags: dict[str, int]) -> tuple[int, int]:
+        return tags.get("ddp/grad/intra", 0), tags.get("ddp/grad/identity", 0)
+
+    # The same bytes per role as the static run (leaders may be other launch ranks than 0 and 2).
+    assert sorted(grad_bytes(s["shoal"]["tags"]) for s in static) == sorted(grad_bytes(e["tags"]) for e in elastic)
     leaders = [e for e in elastic if e["log"][0]["leader"]]
     assert sorted(r["rank"] // 2 for r in leaders) == [0, 1], out.logs      # one leader per host
     assert all(e["tags"].get("ddp/grad/identity", 0) > 0 for e in leaders), out.logs
