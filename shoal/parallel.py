@@ -24,7 +24,7 @@ from torch import nn
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
 from shoal.codecs.base import Codec
-from shoal.codecs.hierarchical import reduction_codec
+from shoal.codecs.hierarchical import Hierarchical, reduction_codec
 from shoal.comm.topology import Topology
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
@@ -113,7 +113,14 @@ class DistributedDataParallel(nn.Module):
             A7). ``None`` (default): on when the ranks span several hosts and
             some host holds several ranks (host identity: ``SHOAL_HOST_ID``,
             else the hostname); ``False``: always flat; ``True``: always
-            two-level. The layout is in ``model.topology``.
+            two-level. The layout is in ``model.topology``. On an elastic
+            group, ``True`` (or a ``Hierarchical`` codec) rebuilds the host
+            and leader subgroups at every quorum from the members' host
+            identities (``ElasticGroup(host_id=...)``); a failure at any
+            level drops the step on every member (the vote in
+            ``ElasticOptimizer.step()``); ``model.topology`` is the current
+            quorum's. ``None`` stays flat there: the layout is known only per
+            quorum, so pass ``True`` for a multi-host elastic run.
 
     Example::
 
@@ -165,17 +172,18 @@ class DistributedDataParallel(nn.Module):
         if not named:
             raise ConfigError("the module has no parameter that requires grad: nothing to synchronise")
         self.elastic = isinstance(self.group, ElasticGroup)
-        if self.elastic:
-            self._register_elastic_state(codec)
-        else:
+        if not self.elastic:
             check_same_model(self.group, named)
             self._broadcast_state()
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
                                find_unused_parameters, gradient_as_bucket_view)
         self.codec = codec
-        self.topology: Topology | None = None
+        self._topology: Topology | None = None
+        self._two_level: Hierarchical | None = None
         self._auto_hierarchical = False
         reducer_codec = self._reduction_codec(codec, hierarchical)
+        if self.elastic:  # after every check, so that a refused model leaves nothing registered
+            self._register_elastic_state(codec)
         if reducer_codec is not None:
             self.reducer.set_codec(reducer_codec)
         self._steps = StepMeter(self.group.meter, "ddp")
@@ -186,15 +194,20 @@ class DistributedDataParallel(nn.Module):
 
     def _reduction_codec(self, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
         """The codec buckets go through: ``codec``, or it inside a two-level reduction."""
-        if self.elastic:
-            # Membership changes at every quorum; host subgroups would have to be rebuilt with it.
-            if hierarchical:
-                raise ConfigError("hierarchical=True is not supported on an elastic group yet; "
-                                  "leave it None (flat) or pass False")
-            return codec
-        chosen, self.topology = reduction_codec(self.group, codec, hierarchical)
+        chosen, self._topology = reduction_codec(self.group, codec, hierarchical)
+        self._two_level = chosen if isinstance(chosen, Hierarchical) else None
         self._auto_hierarchical = hierarchical is None and codec is None and chosen is not None
         return chosen
+
+    @property
+    def topology(self) -> Topology | None:
+        """Where the ranks are (hosts, leaders), if it was discovered; on an elastic group with a
+        two-level reduction, the current quorum's (``None`` before the first forward)."""
+        if self.elastic and self._two_level is not None and isinstance(self.group, ElasticGroup):
+            if self.group.quorum is None:
+                return None
+            return self._two_level.levels(self.group).topology
+        return self._topology
 
     def _register_elastic_state(self, codec: Codec | None) -> None:
         # No collective here: a newcomer's peers are mid-training, not constructing.

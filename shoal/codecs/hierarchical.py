@@ -8,6 +8,8 @@ import torch
 
 from shoal.codecs.base import BufferPool, Codec, LossyCodec, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
 from shoal.codecs.identity import Identity
+from shoal.comm.elastic import ElasticGroup
+from shoal.comm.elastic_sub import ElasticHostGroups
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.comm.topology import HostGroups, Topology, discover
@@ -39,6 +41,12 @@ class Hierarchical(LossyCodec):
     (``SHOAL_HOST_ID``, else the hostname). Meter tags: ``<tag>/intra`` for
     the host stages, ``inner``'s own tags for the leaders' stage.
 
+    On an :class:`~shoal.comm.elastic.ElasticGroup` the layout and the
+    subgroups follow each quorum (:class:`~shoal.comm.elastic_sub.ElasticHostGroups`,
+    made by :meth:`setup_elastic`, no collective): hosts and their leaders
+    are recomputed from the quorum's members, and a failure at any level
+    fails the step on every member (the group's vote discards it).
+
     Example::
 
         codec = Hierarchical(Cast(torch.bfloat16))   # bf16 between hosts only
@@ -62,9 +70,26 @@ class Hierarchical(LossyCodec):
         self._pool = BufferPool()
         # keyed by id(group); the group is kept so its id cannot be reused
         self._levels: dict[int, tuple[Group, HostGroups]] = {}
+        self._elastic: dict[int, ElasticHostGroups] = {}
+
+    def setup_elastic(self, group: ElasticGroup) -> ElasticHostGroups:
+        """Make the per-quorum host and leader subgroups of ``group`` (no collective; every member
+        must call it in the same order, e.g. when building the model)."""
+        levels = self._elastic.get(id(group))
+        if levels is None:
+            levels = self._elastic[id(group)] = ElasticHostGroups(group, "hier")
+        return levels
+
+    def levels(self, group: Group) -> HostGroups:
+        """The subgroups a mean over ``group`` uses now (an elastic group's: this quorum's)."""
+        if isinstance(group, ElasticGroup):
+            return self.setup_elastic(group).current()
+        return self.setup(group)
 
     def setup(self, group: Group, topology: Topology | None = None) -> HostGroups:
         """Discover the topology and make the subgroups for ``group`` now (collective)."""
+        if isinstance(group, ElasticGroup):
+            raise ConfigError("an elastic group's layout changes with each quorum: use setup_elastic(group)")
         cached = self._levels.get(id(group))
         if cached is not None:
             return cached[1]
@@ -82,7 +107,7 @@ class Hierarchical(LossyCodec):
         residuals: Sequence[torch.Tensor] | None,
     ) -> None:
         check_inputs(tensors, names, "Hierarchical")
-        levels = self.setup(group)
+        levels = self.levels(group)
         if not tensors:
             return
         topo = levels.topology
@@ -182,6 +207,8 @@ def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None
     """
     if hierarchical is not None and not isinstance(hierarchical, bool):
         raise ConfigError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
+    if isinstance(group, ElasticGroup):
+        return _elastic_reduction_codec(group, codec, hierarchical), None
     if isinstance(codec, Hierarchical):
         if hierarchical is False:
             raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
@@ -194,3 +221,20 @@ def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None
     two_level = Hierarchical(codec)
     two_level.setup(group, topology)
     return two_level, topology
+
+
+def _elastic_reduction_codec(group: ElasticGroup, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
+    """On an elastic group: two-level with per-quorum subgroups when asked for (``True`` or a
+    :class:`Hierarchical` codec); ``None`` stays flat, because the layout is known only per quorum
+    and moving the codec's state between leaders and every worker at each quorum would change
+    what it means. No collective."""
+    if isinstance(codec, Hierarchical):
+        if hierarchical is False:
+            raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
+        codec.setup_elastic(group)
+        return codec
+    if not hierarchical:
+        return codec
+    two_level = Hierarchical(codec)
+    two_level.setup_elastic(group)
+    return two_level

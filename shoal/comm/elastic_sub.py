@@ -40,14 +40,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from shoal.comm.elastic import BackendSpec, ElasticGroup, ElasticStats
-from shoal.comm.group import Handle
+from shoal.comm.group import _REDUCE_OPS, Handle, _nbytes
 from shoal.comm.membership import MemberClient, Quorum
+from shoal.comm.topology import HostGroups, Topology
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
 
@@ -346,6 +349,70 @@ class ElasticSubgroup(ElasticGroup):
         self._connect()
         return super()._issue(tag, result, launch, post)
 
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", tag: str = "misc") -> Handle:
+        """Reduce into subgroup rank ``dst``'s ``tensor`` (the intra-host stage of a two-level mean)."""
+        self._check_rank(dst, "dst")
+        if op not in _REDUCE_OPS:
+            raise ConfigError(f"reduce supports {sorted(_REDUCE_OPS)}, got {op!r}")
+        self.meter.record(tag, "reduce", _nbytes(tensor), self.size, self.rank, dst)
+        opts = dist.ReduceOptions()
+        opts.reduceOp, opts.rootRank, opts.rootTensor = _REDUCE_OPS[op], dst, 0  # type: ignore[assignment]
+        return self._issue(tag, tensor, lambda: self.pg.reduce([tensor], opts))
+
     def __repr__(self) -> str:
         return (f"ElasticSubgroup({self.name!r}, parent_ranks={self._ranks}, member={self._member}, "
                 f"quorum={self._qid})")
+
+
+_LEVEL_NAMES: "weakref.WeakKeyDictionary[ElasticGroup, set[str]]" = weakref.WeakKeyDictionary()
+
+
+class ElasticHostGroups:
+    """The subgroups of a two-level mean over an elastic group, for each quorum.
+
+    The elastic counterpart of :class:`~shoal.comm.topology.HostGroups`:
+    :meth:`current` gives the quorum's :class:`HostGroups`, whose ``local``
+    is this worker's host (:func:`by_host`) and ``leaders`` the hosts'
+    lowest-ranked workers (:func:`host_leaders`, ``None`` on the others);
+    the topology is computed from the quorum's join records (no
+    collective). Subgroup names are ``<name>/host`` and ``<name>/leaders``;
+    a second instance on the same group gets ``<name>-2``, ... (every worker
+    builds them in the same order, so they agree).
+
+    Example::
+
+        levels = ElasticHostGroups(group, "ddp")
+        group.start_step()
+        now = levels.current()          # now.topology.num_hosts, now.local.size, now.leaders
+    """
+
+    def __init__(self, group: ElasticGroup, name: str) -> None:
+        if isinstance(group, ElasticSubgroup):
+            raise ConfigError(f"a two-level reduction needs a whole elastic group, got subgroup {group.name!r} "
+                              "(an ElasticSubgroup cannot be split again); build it over the ElasticGroup")
+        if not isinstance(group, ElasticGroup):
+            raise ConfigError(f"group must be a shoal ElasticGroup, got {type(group).__name__}")
+        taken = _LEVEL_NAMES.setdefault(group, set())
+        base, n = name, 1
+        while name in taken:
+            n += 1
+            name = f"{base}-{n}"
+        taken.add(name)
+        self.group, self.name = group, name
+        self.local = ElasticSubgroup(group, f"{name}/host", by_host)
+        self.leaders = ElasticSubgroup(group, f"{name}/leaders", host_leaders)
+        self._qid = -1
+        self._levels: HostGroups | None = None
+
+    def current(self) -> HostGroups:
+        """This quorum's layout and subgroups (recomputed when a new quorum was adopted)."""
+        q = self.group.quorum
+        if q is None:
+            raise ShoalError("no quorum yet: start a step first (shoal's DistributedDataParallel does in forward)")
+        if self._levels is None or self._qid != q.qid:
+            hosts = [m.host for m in member_infos(self.group.client, q)]
+            topo = Topology.from_host_ids(hosts, self.group.rank)
+            self._levels = HostGroups(topology=topo, parent=self.group, local=self.local,
+                                      leaders=self.leaders if self.leaders.member else None)
+            self._qid = q.qid
+        return self._levels

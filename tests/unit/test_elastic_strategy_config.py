@@ -122,3 +122,31 @@ def test_zero_step_closure_is_refused_on_an_elastic_group(group: ElasticGroup) -
     zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
     with pytest.raises(ConfigError, match=r"step\(closure\) is not supported on an elastic group"):
         zero.step(lambda: 0.0)
+
+
+def test_ddp_hierarchical_on_an_elastic_group_builds_without_a_collective(group: ElasticGroup) -> None:
+    # The host and leader subgroups are rules applied per quorum: nothing is awaited here
+    # (a collective would wait for a quorum that never forms and fail on the join timeout).
+    from shoal.codecs.hierarchical import Hierarchical
+
+    model = shoal.DistributedDataParallel(nn.Linear(4, 2), process_group=group, hierarchical=True)
+    assert isinstance(model.reducer.codec, Hierarchical) and model.topology is None
+
+
+def test_ddp_automatic_choice_stays_flat_on_an_elastic_group(group: ElasticGroup) -> None:
+    flat = shoal.DistributedDataParallel(nn.Linear(4, 2), process_group=group)   # hierarchical=None
+    assert flat.reducer.codec is None
+
+
+def test_ddp_hierarchical_refusals_on_elastic_groups_say_why(group: ElasticGroup) -> None:
+    from shoal.codecs.hierarchical import Hierarchical
+    from shoal.comm.elastic_sub import ElasticSubgroup, by_host
+
+    host = ElasticSubgroup(group, "test/host", by_host)
+    with pytest.raises(ConfigError, match=r"needs a whole elastic group.*cannot be split again"):
+        shoal.DistributedDataParallel(nn.Linear(4, 2), process_group=host, hierarchical=True)
+    with pytest.raises(ConfigError, match=r"Hierarchical codec but hierarchical=False"):
+        shoal.DistributedDataParallel(nn.Linear(4, 2), process_group=group, codec=Hierarchical(),
+                                      hierarchical=False)
+    with pytest.raises(ConfigError, match=r"hierarchical must be True, False or None"):
+        shoal.DistributedDataParallel(nn.Linear(4, 2), process_group=group, hierarchical="yes")  # type: ignore[arg-type]
