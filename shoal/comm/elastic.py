@@ -59,6 +59,7 @@ from shoal.comm.meter import Meter
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
 CONTROL_TAG = "elastic/control"
+_SLICE = datetime.timedelta(milliseconds=10)   # _await checks the abort flag and deadline this often
 HEAL_TAG = "elastic/heal"
 
 
@@ -444,13 +445,24 @@ class ElasticGroup(Group):
         self._record(err)
 
     def _await(self, work: Any, limit: float | None, tag: str) -> bool:
-        """Wait for ``work``; on any failure record it and return False, never raise."""
+        """Wait for ``work``; on any failure record it and return False, never raise.
+
+        Waits in slices of ``work.wait(timeout)`` in this thread: no Python
+        callback is attached to the work's future, because gloo runs those in
+        its own threads, where a garbage collection could destroy a process
+        group whose peer just closed its sockets, and an exception there
+        aborts the process (an uncaught gloo::IoException).
+        """
         if self.error is not None:
             return False
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _f: done.set())
         deadline = time.monotonic() + (limit if limit is not None else self.timeouts.op)
-        while not done.wait(0.01):
+        while True:
+            try:
+                work.wait(_SLICE)
+                return True
+            except RuntimeError as e:
+                if work.is_completed():      # a failure, not the end of a slice
+                    return self._finish(work, tag, e)
             if self.error is not None:
                 return False
             if self.client.remote_abort.is_set():
@@ -460,12 +472,16 @@ class ElasticGroup(Group):
                 self._record(CommTimeoutError(f"collective {tag!r} did not finish within {limit} s "
                                               "(Timeouts.op); a peer is slow, hung or gone"))
                 return False
+
+    def _finish(self, work: Any, tag: str, e: RuntimeError) -> bool:
         try:
-            work.wait()
-        except RuntimeError as e:
-            self._record(PeerLostError(f"collective {tag!r} failed: {e}"))
-            return False
-        return True
+            work.wait()                      # completed: returns at once, or raises its own error
+        except RuntimeError as err:
+            e = err
+        else:
+            return True                      # it completed just after the slice ran out
+        self._record(PeerLostError(f"collective {tag!r} failed: {e}"))
+        return False
 
     # --- collectives ---------------------------------------------------------------
     def _issue(self, tag: str, result: Any, launch: Callable[[], Any],
