@@ -104,6 +104,7 @@ class _State:
     load: Callable[[Any], Any]
     rollback: bool
     heal_load: Callable[[Any], Any] | None = None
+    snapshot: Callable[[], Any] | None = None
 
 
 class _ElasticHandle(Handle):
@@ -209,7 +210,8 @@ class ElasticGroup(Group):
 
     # --- state --------------------------------------------------------------
     def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
-                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None) -> None:
+                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None,
+                       snapshot: Callable[[], Any] | None = None) -> None:
         """Add state that newcomers receive when they heal.
 
         ``get()`` returns something ``torch.save`` can write; ``load(x)``
@@ -223,11 +225,15 @@ class ElasticGroup(Group):
         from a peer rather than from a rollback snapshot: state that is the
         peer's own and must not be copied (an error-feedback residual, see
         :meth:`shoal.codecs.Codec.newcomer_state`) is dropped there.
+        ``snapshot()``, if given, replaces ``get`` for the per-step rollback
+        snapshot: something cheaper that ``load`` accepts and that stays valid
+        through one step (a codec's :meth:`~shoal.codecs.Codec.rollback_state`
+        holds its tensors by reference and never overwrites them in place).
         Every member must register the same keys.
         """
         if key in self._states:
             raise ConfigError(f"state {key!r} is already registered on this group")
-        self._states[key] = _State(get, load, rollback, heal_load)
+        self._states[key] = _State(get, load, rollback, heal_load, snapshot)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
@@ -261,7 +267,7 @@ class ElasticGroup(Group):
             t0 = time.monotonic()
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
-        self._snapshots = {k: s.get() for k, s in self._states.items() if s.rollback}
+        self._snapshots = {k: (s.snapshot or s.get)() for k, s in self._states.items() if s.rollback}
         self.error = None
         self._in_step = True
 
