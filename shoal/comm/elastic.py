@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all
-from shoal.comm.membership import MemberClient, Quorum, Timeouts
+from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
@@ -201,6 +201,7 @@ class ElasticGroup(Group):
         self.client = client or MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
                                              _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
         self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
+        self.trace = Trace()
         # Joining waits for the first start_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
@@ -283,6 +284,7 @@ class ElasticGroup(Group):
         self._in_step = False
         q = self.quorum
         verdict = self._vote(q)
+        self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
         commit, latest = verdict.startswith("commit"), int(verdict.partition(":")[2] or 0)
         if commit:
             self.step += 1
@@ -336,6 +338,7 @@ class ElasticGroup(Group):
         deadline = time.monotonic() + limit
         while True:
             q = self.client.wait_quorum(self._after, max(deadline - time.monotonic(), 0.0))
+            self.trace("quorum", qid=q.qid, size=len(q.members))
             if self._enter(q, deadline):
                 return
             self._after = q.qid
@@ -354,6 +357,7 @@ class ElasticGroup(Group):
             if self.client.latest() > q.qid or time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
+        self.trace("barrier", qid=q.qid)
         self.client.remote_abort.clear()
         self.client.watched_prefix = q.prefix
         self.quorum, self.rank, self.size = q, q.rank_of(self.client.member_id), len(q.members)
@@ -366,8 +370,10 @@ class ElasticGroup(Group):
         except Exception as e:  # noqa: BLE001 - a peer did not connect: next quorum
             self._record(PeerLostError(f"building the group of quorum {q.qid} failed: {e}"))
         self.stats.quorums += 1
+        self.trace("built", qid=q.qid, ok=self.error is None)
         if self.error is None:
             self._heal(q)
+            self.trace("healed", qid=q.qid, ok=self.error is None)
         if self.error is not None:
             self._abandon()
             self.client.request_quorum(q.qid)
@@ -439,6 +445,8 @@ class ElasticGroup(Group):
             first = self.error is None
             if first:
                 self.error = err
+        if first:
+            self.trace("error", what=str(err)[:200])
         if first and self.quorum is not None:
             try:
                 with self._lock:
