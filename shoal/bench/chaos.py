@@ -303,7 +303,8 @@ def _recovery(folder: str, kills: list[dict[str, Any]]) -> dict[str, Any]:
         v = sorted(c[key] for c in cases if key in c)
         return {"n": len(v), "median": round(statistics.median(v), 3), "max": round(v[-1], 3)} if v else {"n": 0}
 
-    return {"cases": len(cases), **{k: dist(k) for k in ("detect", "commit", "kill_to_commit", *PHASES)}}
+    return {"cases": len(cases), **{k: dist(k) for k in ("detect", "commit", "kill_to_commit", *PHASES)},
+            "each": [{k: round(v, 3) for k, v in c.items()} for c in cases]}
 
 
 def _interrupt(signum: int, _frame: object) -> None:
