@@ -216,7 +216,8 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
                 pr.wait()
     res = _summarise(out, kills, time.monotonic() - t0)
     if os.path.isdir(os.path.join(out, "trace")):
-        res["recovery"] = _recovery(os.path.join(out, "trace"), kills)
+        res["recovery"] = _recovery(os.path.join(out, "trace"), kills, out)
+        res["kill_log"] = kills
     return res
 
 
@@ -264,7 +265,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float) -> dict[str, 
 PHASES = ("request", "publish", "quorum", "barrier", "built", "healed")
 
 
-def _recovery(folder: str, kills: list[dict[str, Any]]) -> dict[str, Any]:
+def _recovery(folder: str, kills: list[dict[str, Any]], out: str) -> dict[str, Any]:
     """Where each recovery's seconds went, from the trace files (``--trace``).
 
     For every kill and every worker alive at that moment: ``detect`` (kill to
@@ -272,17 +273,28 @@ def _recovery(folder: str, kills: list[dict[str, Any]]) -> dict[str, Any]:
     then ``commit`` (that failure to its next committed step), and the time
     of each phase in between, measured from the failure: the coordinator's
     re-quorum request and publication, the worker's adoption of the quorum,
-    the store barrier, the group built, the heal done. For DDP, kill to
-    commit is the stall the survivors saw.
+    the store barrier, the group built, the heal done. ``stall``: the
+    longest gap between two of the survivor's logged steps until the next
+    kill (it includes what follows the first commit, e.g. adopting a quorum
+    that still lists the dead worker). Failures after the next kill are not
+    this kill's: a kill that cost a survivor nothing has no case.
     """
+    steps: dict[int, list[float]] = {}
+    for name in os.listdir(out):
+        if name.startswith("log-"):
+            lg = _read(os.path.join(out, name))
+            pid = next((e["pid"] for e in lg if e.get("event") == "joined"), None)
+            if pid is not None:
+                steps[pid] = [e["t"] for e in lg if "dt" in e]
     events: dict[int, list[dict[str, Any]]] = {}
     for name in os.listdir(folder):
         events[int(name.split(".")[0])] = _read(os.path.join(folder, name))
     coord = [e for evs in events.values() for e in evs if e["ev"] in ("request", "publish")]
     cases = []
-    for k in kills:
+    for n, k in enumerate(kills):
+        until = kills[n + 1]["t"] if n + 1 < len(kills) else float("inf")
         for pid in k["survivors"]:
-            evs = [e for e in events.get(pid, []) if e["t"] >= k["t"]]
+            evs = [e for e in events.get(pid, []) if k["t"] <= e["t"] < until]
             fail = next((e["t"] for e in evs if e["ev"] == "error"
                          or (e["ev"] == "vote" and e["verdict"] == "discard")), None)
             if fail is None:
@@ -292,6 +304,9 @@ def _recovery(folder: str, kills: list[dict[str, Any]]) -> dict[str, Any]:
             if commit is None:
                 continue
             case = {"detect": fail - k["t"], "commit": commit - fail, "kill_to_commit": commit - k["t"]}
+            ts = [k["t"]] + [t for t in steps.get(pid, []) if k["t"] < t < until]
+            if len(ts) > 1:
+                case["stall"] = max(b - a for a, b in zip(ts, ts[1:]))
             for ph in PHASES:
                 pool = coord if ph in ("request", "publish") else evs
                 t = next((e["t"] for e in pool if e["ev"] == ph and fail <= e["t"] <= commit), None)
@@ -303,7 +318,7 @@ def _recovery(folder: str, kills: list[dict[str, Any]]) -> dict[str, Any]:
         v = sorted(c[key] for c in cases if key in c)
         return {"n": len(v), "median": round(statistics.median(v), 3), "max": round(v[-1], 3)} if v else {"n": 0}
 
-    return {"cases": len(cases), **{k: dist(k) for k in ("detect", "commit", "kill_to_commit", *PHASES)},
+    return {"cases": len(cases), **{k: dist(k) for k in ("detect", "commit", "kill_to_commit", "stall", *PHASES)},
             "each": [{k: round(v, 3) for k, v in c.items()} for c in cases]}
 
 
