@@ -366,7 +366,7 @@ class ElasticGroup(Group):
         try:
             pg_store = dist.PrefixStore(q.prefix + "pg/", st.clone())  # type: ignore[attr-defined]
             spec = BackendSpec(pg_store, self.rank, self.size, self.timeouts.op, lambda: self.step)
-            self.pg = self._build(q, spec) if self.size > 1 else None
+            self.pg = self._factory(spec) if self.size > 1 else None
         except Exception as e:  # noqa: BLE001 - a peer did not connect: next quorum
             self._record(PeerLostError(f"building the group of quorum {q.qid} failed: {e}"))
         self.stats.quorums += 1
@@ -379,43 +379,6 @@ class ElasticGroup(Group):
             self.client.request_quorum(q.qid)
             return False
         return True
-
-    def _build(self, q: Quorum, spec: BackendSpec) -> Any:
-        """The factory's group for ``q``, built in a helper thread: False starts are cut short.
-
-        gloo's constructor waits for every member to connect for up to
-        ``Timeouts.op`` and cannot be interrupted. A member that dies inside
-        that rendezvous (SIGKILL right after the store barrier) would cost
-        the others ``op``; the training thread watches instead, like the
-        vote: a member whose heartbeat stops for ``probe``, the quorum's
-        abort flag or a newer quorum ends the wait at once (the helper
-        thread finishes on its own and its group is dropped there).
-        """
-        box: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                box["pg"] = self._factory(spec)
-            except Exception as e:  # noqa: BLE001 - handed to the training thread
-                box["error"] = e
-
-        thread = threading.Thread(target=build, name="shoal-build-group", daemon=True)
-        thread.start()
-        beats, next_probe = self._beats(q), time.monotonic() + self.timeouts.probe
-        while thread.is_alive():
-            thread.join(0.01)
-            if not thread.is_alive():
-                break
-            if self.client.remote_abort.is_set() or self.client.latest() > q.qid:
-                raise ShoalError("another member gave up on this quorum, or a newer one was published")
-            if time.monotonic() > next_probe:
-                latest, next_probe = self._beats(q), time.monotonic() + self.timeouts.probe
-                if any(a == b for a, b in zip(beats, latest)):
-                    raise ShoalError("a member stopped heartbeating while the group was connecting")
-                beats = latest
-        if "error" in box:
-            raise box["error"]
-        return box.pop("pg")
 
     def _heal(self, q: Quorum) -> None:
         t0 = time.monotonic()
