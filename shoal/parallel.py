@@ -218,7 +218,8 @@ class DistributedDataParallel(nn.Module):
         group.register_state("ddp/module", self.module.state_dict, self.module.load_state_dict)
         if codec is not None:  # a failed step may have half-updated it: roll back on discard
             group.register_state("ddp/codec", codec.state_dict, codec.load_state_dict, rollback=True,
-                                 heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)))
+                                 heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)),
+                                 snapshot=codec.rollback_state)
 
     @staticmethod
     def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:

@@ -150,7 +150,7 @@ def worker(a: argparse.Namespace) -> None:
         return int(getattr(strategy, "step", group.step))
 
     log = open(os.path.join(a.out, f"log-{rank}-{life}.jsonl"), "a", buffering=1)
-    log.write(json.dumps({"event": "joined", "t": time.time(), "started": started, "step": step_of(),
+    log.write(json.dumps({"event": "joined", "t": time.time(), "started": started, "step": step_of(), "pid": os.getpid(),
                           "heal_s": group.stats.heal_s, "heal_bytes": group.stats.heal_bytes,
                           "healed": group.stats.heals_received,
                           "params": sum(q.numel() for q in net.parameters())}) + "\n")
@@ -171,13 +171,25 @@ def worker(a: argparse.Namespace) -> None:
 def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
     with ExitStack() as stack:
         env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1"}
+        env.pop("SHOAL_ELASTIC_TRACE", None)
+        if a.trace:   # the workers and the coordinator write timestamped events (see _recovery)
+            env["SHOAL_ELASTIC_TRACE"] = os.path.join(out, "trace")
+            os.makedirs(env["SHOAL_ELASTIC_TRACE"], exist_ok=True)
         emu: EmulatedCluster | None = None
         if a.bandwidth:   # one worker per emulated host; the coordinator must live inside the cluster
             emu = stack.enter_context(EmulatedCluster(ClusterSpec(a.workers, 1, (a.bandwidth,))))
             env["SHOAL_COORDINATOR"] = stack.enter_context(
                 NamespacedCoordinator(emu, initial_workers=a.workers, env=env)).address
         else:
-            coord = Coordinator(port=0, initial_workers=a.workers).start()
+            old = os.environ.get("SHOAL_ELASTIC_TRACE")
+            os.environ["SHOAL_ELASTIC_TRACE"] = env.get("SHOAL_ELASTIC_TRACE", "")
+            try:
+                coord = Coordinator(port=0, initial_workers=a.workers).start()
+            finally:
+                if old is None:
+                    os.environ.pop("SHOAL_ELASTIC_TRACE")
+                else:
+                    os.environ["SHOAL_ELASTIC_TRACE"] = old
             stack.callback(coord.stop)
             env["SHOAL_COORDINATOR"] = coord.address
         res = _chaos_loop(a, chaos, out, env, emu)
@@ -215,21 +227,41 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
             # restarted now would find nobody to heal from and train alone from scratch).
             finished = any(pr.poll() == 0 for pr, _ in procs.values())
             if chaos and not finished and now >= next_kill and now - t0 < a.chaos_for:
+                # Only once every worker trains: a kill would otherwise hit one still starting (import,
+                # heal), or leave fewer than min_workers, and measure start-up rather than recovery.
+                ready = all(_training(out, r, life) for r, (_, life) in procs.items())
                 rank = rng.randrange(a.workers)
                 pr, life = procs[rank]
-                if pr.poll() is None:
-                    os.killpg(pr.pid, signal.SIGKILL)
-                    pr.wait()
-                    kills.append({"rank": rank, "life": life, "t": time.time()})
-                    start(rank, life + 1)
-                next_kill = now + a.kill_every * rng.uniform(0.7, 1.3)
+                if not ready:
+                    next_kill = now + 0.5
+                else:
+                    if pr.poll() is None:
+                        os.killpg(pr.pid, signal.SIGKILL)
+                        pr.wait()
+                        kills.append({"rank": rank, "life": life, "t": time.time(), "pid": pr.pid, "survivors":
+                                      [q.pid for r, (q, _) in procs.items() if r != rank and q.poll() is None]})
+                        start(rank, life + 1)
+                    next_kill = now + a.kill_every * rng.uniform(0.7, 1.3)
             time.sleep(0.05)
     finally:
         for pr, _ in procs.values():
             if pr.poll() is None:
                 os.killpg(pr.pid, signal.SIGKILL)
                 pr.wait()
-    return _summarise(out, kills, time.monotonic() - t0)
+    res = _summarise(out, kills, time.monotonic() - t0)
+    if os.path.isdir(os.path.join(out, "trace")):
+        res["recovery"] = _recovery(os.path.join(out, "trace"), kills, out)
+        res["kill_log"] = kills
+    return res
+
+
+def _training(out: str, rank: int, life: int) -> bool:
+    """Whether that incarnation has logged a training step (so it is past start-up and healing)."""
+    try:
+        with open(os.path.join(out, f"log-{rank}-{life}.jsonl")) as f:
+            return sum(1 for _ in f) >= 2
+    except FileNotFoundError:
+        return False
 
 
 def _read(path: str) -> list[dict[str, Any]]:
@@ -264,6 +296,66 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float) -> dict[str, 
     }
 
 
+PHASES = ("request", "publish", "quorum", "barrier", "built", "healed")
+
+
+def _recovery(folder: str, kills: list[dict[str, Any]], out: str) -> dict[str, Any]:
+    """Where each recovery's seconds went, from the trace files (``--trace``).
+
+    For every kill and every worker alive at that moment: ``detect`` (kill to
+    the survivor's first failure: a failed collective, or a discard vote),
+    then ``commit`` (that failure to its next committed step), and the time
+    of each phase in between, measured from the failure: the coordinator's
+    re-quorum request and publication, the worker's adoption of the quorum,
+    the store barrier, the group built, the heal done. ``stall``: the
+    longest gap between two of the survivor's logged steps until the next
+    kill (it includes what follows the first commit, e.g. adopting a quorum
+    that still lists the dead worker). Failures after the next kill are not
+    this kill's: a kill that cost a survivor nothing has no case.
+    """
+    steps: dict[int, list[float]] = {}
+    for name in os.listdir(out):
+        if name.startswith("log-"):
+            lg = _read(os.path.join(out, name))
+            pid = next((e["pid"] for e in lg if e.get("event") == "joined"), None)
+            if pid is not None:
+                steps[pid] = [e["t"] for e in lg if "dt" in e]
+    events: dict[int, list[dict[str, Any]]] = {}
+    for name in os.listdir(folder):
+        events[int(name.split(".")[0])] = _read(os.path.join(folder, name))
+    coord = [e for evs in events.values() for e in evs if e["ev"] in ("request", "publish")]
+    cases = []
+    for n, k in enumerate(kills):
+        until = kills[n + 1]["t"] if n + 1 < len(kills) else float("inf")
+        for pid in k["survivors"]:
+            evs = [e for e in events.get(pid, []) if k["t"] <= e["t"] < until]
+            fail = next((e["t"] for e in evs if e["ev"] == "error"
+                         or (e["ev"] == "vote" and e["verdict"] == "discard")), None)
+            if fail is None:
+                continue
+            commit = next((e["t"] for e in evs if e["ev"] == "vote" and e["t"] >= fail
+                           and e["verdict"].startswith("commit")), None)
+            if commit is None:
+                continue
+            case = {"detect": fail - k["t"], "commit": commit - fail, "kill_to_commit": commit - k["t"]}
+            ts = [k["t"]] + [t for t in steps.get(pid, []) if k["t"] < t < until]
+            if len(ts) > 1:
+                case["stall"] = max(b - a for a, b in zip(ts, ts[1:]))
+            for ph in PHASES:
+                pool = coord if ph in ("request", "publish") else evs
+                t = next((e["t"] for e in pool if e["ev"] == ph and fail <= e["t"] <= commit), None)
+                if t is not None:
+                    case[ph] = t - fail
+            cases.append(case)
+
+    def dist(key: str) -> dict[str, float]:
+        v = sorted(c[key] for c in cases if key in c)
+        return {"n": len(v), "median": round(statistics.median(v), 3), "max": round(v[-1], 3)} if v else {"n": 0}
+
+    return {"cases": len(cases), **{k: dist(k) for k in ("detect", "commit", "kill_to_commit", "stall", *PHASES)},
+            "each": [{k: round(v, 3) for k, v in c.items()} for c in cases]}
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -288,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=float, default=1200.0, help="hard limit per run (s)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--chaos-only", action="store_true", help="skip the fault-free run")
+    ap.add_argument("--trace", action="store_true",
+                    help="trace every worker's elastic events and report where recovery time goes")
     ap.add_argument("--keep", default=None, help="keep the workers' logs under this folder")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -301,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"task: order-1 Markov LM over {VOCAB} symbols, loss floor {chain_entropy(_chain()):.4f} nats")
     res = {}
-    for name, chaos in (("fault_free", False), ("chaos", True)):
+    for name, chaos in (("fault_free", False), ("chaos", True))[int(a.chaos_only):]:
         if a.keep:
             out = os.path.join(a.keep, name)
             os.makedirs(out, exist_ok=True)
@@ -310,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as out:
                 res[name] = _run(a, chaos, out)
         print(name, json.dumps(res[name]), flush=True)
-    ff, ch = res["fault_free"]["val_loss"], res["chaos"]["val_loss"]
-    print(f"validation loss: fault-free {ff:.4f}, chaos {ch:.4f} ({100 * (ch - ff) / ff:+.2f} %)")
+    if not a.chaos_only:
+        ff, ch = res["fault_free"]["val_loss"], res["chaos"]["val_loss"]
+        print(f"validation loss: fault-free {ff:.4f}, chaos {ch:.4f} ({100 * (ch - ff) / ff:+.2f} %)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), **res}, f, indent=1)

@@ -9,6 +9,7 @@ rollback state when a codec is used.
 
     python -m shoal.bench.elastic --workers 2 --steps 20 --rounds 5
     python -m shoal.bench.elastic --codec powersgd
+    python -m shoal.bench.elastic --snapshot-cost   # the per-step rollback snapshot alone
 """
 
 from __future__ import annotations
@@ -63,6 +64,41 @@ def _worker(rank: int, world: int, steps: int, rounds: int, codec: str) -> dict[
     return out
 
 
+def snapshot_cost(repeats: int = 30) -> dict[str, float]:
+    """Median ms of PowerSGD's ``state_dict()`` (the old per-step snapshot) and ``rollback_state()``.
+
+    One process, a world-1 gloo group, the bench's MLP gradients; the codec
+    steps between two snapshots as it does in training.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from shoal.comm import Group
+    from shoal.testing import free_port
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        group, net, codec = Group(), mlp(), codecs.PowerSGD(rank=4)
+        names = [n for n, _ in net.named_parameters()]
+        grads = [torch.randn_like(p) for p in net.parameters()]
+        out: dict[str, float] = {}
+        for fn in ("state_dict", "rollback_state"):
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                getattr(codec, fn)()
+                ts.append(time.perf_counter() - t0)
+                codec.mean([g.clone() for g in grads], names, group, "bench")
+            out[f"{fn}_ms"] = round(1e3 * statistics.median(ts), 3)
+        out["residual_mb"] = round(sum(v.numel() * v.element_size() for v in codec.errors.values()) / 1e6, 1)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shoal.bench.elastic", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps per block")
     ap.add_argument("--rounds", type=int, default=5, help="blocks per model (after one warm-up block)")
     ap.add_argument("--codec", choices=["none", "powersgd"], default="none")
+    ap.add_argument("--snapshot-cost", action="store_true",
+                    help="only time PowerSGD's rollback snapshot against a state_dict() copy (one process)")
     a = ap.parse_args(argv)
+    if a.snapshot_cost:
+        print(json.dumps(snapshot_cost()))
+        return 0
     coord = Coordinator(port=0, initial_workers=a.workers).start()
     try:
         env = {"SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": uuid.uuid4().hex[:8]}

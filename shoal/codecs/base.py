@@ -72,6 +72,16 @@ class Codec(abc.ABC):
         c = state["counters"]
         self._steps, self._numel_in, self._payload_bytes = int(c["steps"]), int(c["numel_in"]), int(c["payload_bytes"])
 
+    def rollback_state(self) -> dict[str, Any]:
+        """A snapshot to undo the next step with :meth:`load_state_dict` (elastic groups take one per step).
+
+        It must stay valid while the codec runs one more step. The default
+        is :meth:`state_dict` (a full copy); codecs with large state return
+        references instead and never write into a tensor that the latest
+        snapshot holds (see :class:`RollbackSlots`), so a step costs no copy.
+        """
+        return self.state_dict()
+
     def newcomer_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """What a worker joining a run loads from a peer's :meth:`state_dict` (elastic healing).
 
@@ -199,3 +209,75 @@ def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 def sub_tag(tag: str, suffix: str) -> str:
     """``tag/suffix`` so the meter can split a codec's traffic by kind."""
     return f"{tag}/{suffix}" if tag else suffix
+
+
+class RollbackSlots:
+    """Named tensors that a codec keeps across steps, cheap to snapshot for rollback.
+
+    :meth:`keep` stores a copy of a new value, normally in place. Once
+    :meth:`snapshot` has handed out references to the current tensors, those
+    are *pinned*: the next :meth:`keep` of a pinned name writes into a spare
+    tensor instead (allocated once, then the two alternate), so the snapshot
+    stays intact for a rollback without any per-step copy. Without snapshots
+    (a static group) it never allocates a spare.
+
+    >>> import torch
+    >>> slots = RollbackSlots()
+    >>> slots.keep("e", torch.ones(2))
+    >>> snap = slots.snapshot()
+    >>> slots.keep("e", torch.zeros(2))
+    >>> snap["e"].tolist(), slots["e"].tolist()
+    ([1.0, 1.0], [0.0, 0.0])
+    """
+
+    def __init__(self) -> None:
+        self.current: dict[str, torch.Tensor] = {}
+        self._spares: dict[str, torch.Tensor] = {}
+        self._pinned: set[int] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.current[name]
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.current.get(name)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        """Make ``value`` itself the current tensor (no copy)."""
+        self.current[name] = value
+
+    def keep(self, name: str, new: torch.Tensor) -> None:
+        """Store a copy of ``new`` under ``name``, never writing into a pinned tensor."""
+        cur = self.current.get(name)
+        if cur is not None and id(cur) not in self._pinned and _same(cur, new):
+            cur.copy_(new)
+            return
+        spare = self._spares.pop(name, None)
+        if spare is not None and id(spare) not in self._pinned and _same(spare, new):
+            spare.copy_(new)
+        else:
+            spare = new.detach().clone()
+        if cur is not None:
+            self._spares[name] = cur
+        self.current[name] = spare
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """References to the current tensors, which no :meth:`keep` overwrites until the next snapshot."""
+        self._pinned = {id(t) for t in self.current.values()}
+        return dict(self.current)
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the contents with copies of ``tensors`` (a state dict or a snapshot)."""
+        self.current = {k: v.detach().clone() for k, v in tensors.items()}
+
+    def items(self) -> Any:
+        return self.current.items()
+
+    def values(self) -> Any:
+        return self.current.values()
+
+    def __len__(self) -> int:
+        return len(self.current)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from shoal.codecs.base import BufferPool, LossyCodec, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
+from shoal.codecs.base import BufferPool, LossyCodec, RollbackSlots, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
 from shoal.codecs.feedback import finite_mask
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
@@ -112,8 +112,10 @@ class PowerSGD(LossyCodec):
         self.warm_start, self.error_feedback = bool(warm_start), bool(error_feedback)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.calls: dict[str, int] = {}
-        self.q: dict[str, torch.Tensor] = {}
-        self.errors: dict[str, torch.Tensor] = {}
+        # Warm-start Qs and error-feedback residuals; RollbackSlots make an elastic group's
+        # per-step rollback snapshot free (references, not a copy of the gradient-sized residuals).
+        self.q = RollbackSlots()
+        self.errors = RollbackSlots()
         self.draws: dict[str, int] = {}
         self.numel_before = 0
         self.numel_after = 0
@@ -235,13 +237,9 @@ class PowerSGD(LossyCodec):
             if not (ok[k] and ok[n + k]):
                 continue
             if self.warm_start:
-                old = self.q.get(x.name)
-                if old is not None and old.shape == qs[k].shape and old.device == qs[k].device:
-                    old.copy_(qs[k])
-                else:
-                    self.q[x.name] = qs[k].clone()
+                self.q.keep(x.name, qs[k])
             if self.error_feedback:
-                self.errors[x.name].copy_(res[k])
+                self.errors.keep(x.name, res[k])
 
     def _orthonormalize(self, mats: list[_Mat], p_flat: torch.Tensor) -> None:
         offset, start = 0, 0
@@ -286,12 +284,25 @@ class PowerSGD(LossyCodec):
     # --- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
+            **self._state(),
+            "q": {k: v.detach().clone() for k, v in self.q.items()},
+            "errors": {k: v.detach().clone() for k, v in self.errors.items()},
+        }
+
+    def rollback_state(self) -> dict[str, Any]:
+        """Like :meth:`state_dict` but holding the Qs and residuals by reference (no copy).
+
+        The next step writes its Qs and residuals into other tensors (see
+        :class:`~shoal.codecs.base.RollbackSlots`), so the snapshot stays valid.
+        """
+        return {**self._state(), "q": self.q.snapshot(), "errors": self.errors.snapshot()}
+
+    def _state(self) -> dict[str, Any]:
+        return {
             **super().state_dict(),
             "config": self.config(),
             "calls": dict(self.calls),
             "draws": dict(self.draws),
-            "q": {k: v.detach().clone() for k, v in self.q.items()},
-            "errors": {k: v.detach().clone() for k, v in self.errors.items()},
             "numel_before": self.numel_before,
             "numel_after": self.numel_after,
             "nonfinite_steps": self.nonfinite_steps,
@@ -307,8 +318,8 @@ class PowerSGD(LossyCodec):
             raise ConfigError(f"PowerSGD state was saved with config {state['config']}, this codec has {self.config()}")
         self.calls = {k: int(v) for k, v in state["calls"].items()}
         self.draws = {k: int(v) for k, v in state["draws"].items()}
-        self.q = {k: v.detach().clone() for k, v in state["q"].items()}
-        self.errors = {k: v.detach().clone() for k, v in state["errors"].items()}
+        self.q.load(state["q"])
+        self.errors.load(state["errors"])
         self.numel_before, self.numel_after = int(state["numel_before"]), int(state["numel_after"])
         self.nonfinite_steps = int(state["nonfinite_steps"])
 

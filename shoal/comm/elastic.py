@@ -54,12 +54,13 @@ import torch
 import torch.distributed as dist
 
 from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all
-from shoal.comm.membership import MemberClient, Quorum, Timeouts
+from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.topology import host_identity
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
 CONTROL_TAG = "elastic/control"
+_SLICE = datetime.timedelta(milliseconds=10)   # _await checks the abort flag and deadline this often
 HEAL_TAG = "elastic/heal"
 
 
@@ -104,6 +105,7 @@ class _State:
     load: Callable[[Any], Any]
     rollback: bool
     heal_load: Callable[[Any], Any] | None = None
+    snapshot: Callable[[], Any] | None = None
 
 
 class _ElasticHandle(Handle):
@@ -206,6 +208,7 @@ class ElasticGroup(Group):
         self.client = client or MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
                                              _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
         self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
+        self.trace = Trace()
         # Joining waits for the first start_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
@@ -215,7 +218,8 @@ class ElasticGroup(Group):
 
     # --- state --------------------------------------------------------------
     def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
-                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None) -> None:
+                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None,
+                       snapshot: Callable[[], Any] | None = None) -> None:
         """Add state that newcomers receive when they heal.
 
         ``get()`` returns something ``torch.save`` can write; ``load(x)``
@@ -229,11 +233,15 @@ class ElasticGroup(Group):
         from a peer rather than from a rollback snapshot: state that is the
         peer's own and must not be copied (an error-feedback residual, see
         :meth:`shoal.codecs.Codec.newcomer_state`) is dropped there.
+        ``snapshot()``, if given, replaces ``get`` for the per-step rollback
+        snapshot: something cheaper that ``load`` accepts and that stays valid
+        through one step (a codec's :meth:`~shoal.codecs.Codec.rollback_state`
+        holds its tensors by reference and never overwrites them in place).
         Every member must register the same keys.
         """
         if key in self._states:
             raise ConfigError(f"state {key!r} is already registered on this group")
-        self._states[key] = _State(get, load, rollback, heal_load)
+        self._states[key] = _State(get, load, rollback, heal_load, snapshot)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
@@ -279,7 +287,7 @@ class ElasticGroup(Group):
             t0 = time.monotonic()
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
-        self._snapshots = {k: s.get() for k, s in self._states.items() if s.rollback}
+        self._snapshots = {k: (s.snapshot or s.get)() for k, s in self._states.items() if s.rollback}
         self.error = None
         self._in_step = True
 
@@ -295,6 +303,7 @@ class ElasticGroup(Group):
         self._in_step = False
         q = self.quorum
         verdict = self._vote(q)
+        self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
         commit, latest = verdict.startswith("commit"), int(verdict.partition(":")[2] or 0)
         if commit:
             self.step += 1
@@ -336,7 +345,7 @@ class ElasticGroup(Group):
             if self.error is not None or self.client.remote_abort.is_set() or now > deadline:
                 return _s(st.compare_set(key, "", "discard"))
             time.sleep(pause)
-            pause = min(2 * pause, 0.005)
+            pause = min(2 * pause, 0.001)   # the decision is read at most ~1 ms late (a store RTT is ~15 us)
         return _s(st.get(key))
 
     def _beats(self, q: Quorum) -> list[bytes]:
@@ -348,6 +357,7 @@ class ElasticGroup(Group):
         deadline = time.monotonic() + limit
         while True:
             q = self.client.wait_quorum(self._after, max(deadline - time.monotonic(), 0.0))
+            self.trace("quorum", qid=q.qid, size=len(q.members))
             if self._enter(q, deadline):
                 return
             self._after = q.qid
@@ -366,6 +376,7 @@ class ElasticGroup(Group):
             if self.client.latest() > q.qid or time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
+        self.trace("barrier", qid=q.qid)
         self.client.remote_abort.clear()
         self.client.watched_prefix = q.prefix
         self.quorum, self.rank, self.size = q, q.rank_of(self.client.member_id), len(q.members)
@@ -378,8 +389,10 @@ class ElasticGroup(Group):
         except Exception as e:  # noqa: BLE001 - a peer did not connect: next quorum
             self._record(PeerLostError(f"building the group of quorum {q.qid} failed: {e}"))
         self.stats.quorums += 1
+        self.trace("built", qid=q.qid, ok=self.error is None)
         if self.error is None:
             self._heal(q)
+            self.trace("healed", qid=q.qid, ok=self.error is None)
         if self.error is not None:
             self._abandon()
             self.client.request_quorum(q.qid)
@@ -453,6 +466,8 @@ class ElasticGroup(Group):
             first = self.error is None
             if first:
                 self.error = err
+        if first:
+            self.trace("error", what=str(err)[:200])
         if first and self.quorum is not None:
             try:
                 with self._lock:
@@ -465,13 +480,24 @@ class ElasticGroup(Group):
         self._record(err)
 
     def _await(self, work: Any, limit: float | None, tag: str) -> bool:
-        """Wait for ``work``; on any failure record it and return False, never raise."""
+        """Wait for ``work``; on any failure record it and return False, never raise.
+
+        Waits in slices of ``work.wait(timeout)`` in this thread: no Python
+        callback is attached to the work's future, because gloo runs those in
+        its own threads, where a garbage collection could destroy a process
+        group whose peer just closed its sockets, and an exception there
+        aborts the process (an uncaught gloo::IoException).
+        """
         if self.error is not None:
             return False
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _f: done.set())
         deadline = time.monotonic() + (limit if limit is not None else self.timeouts.op)
-        while not done.wait(0.01):
+        while True:
+            try:
+                work.wait(_SLICE)
+                return True
+            except RuntimeError as e:
+                if work.is_completed():      # a failure, not the end of a slice
+                    return self._finish(work, tag, e)
             if self.error is not None:
                 return False
             if self.client.remote_abort.is_set():
@@ -481,12 +507,16 @@ class ElasticGroup(Group):
                 self._record(CommTimeoutError(f"collective {tag!r} did not finish within {limit} s "
                                               "(Timeouts.op); a peer is slow, hung or gone"))
                 return False
+
+    def _finish(self, work: Any, tag: str, e: RuntimeError) -> bool:
         try:
-            work.wait()
-        except RuntimeError as e:
-            self._record(PeerLostError(f"collective {tag!r} failed: {e}"))
-            return False
-        return True
+            work.wait()                      # completed: returns at once, or raises its own error
+        except RuntimeError as err:
+            e = err
+        else:
+            return True                      # it completed just after the slice ran out
+        self._record(PeerLostError(f"collective {tag!r} failed: {e}"))
+        return False
 
     # --- collectives ---------------------------------------------------------------
     def _issue(self, tag: str, result: Any, launch: Callable[[], Any],

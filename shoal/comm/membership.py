@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -136,6 +137,24 @@ class Quorum:
 
     def rank_of(self, member_id: int) -> int:
         return self.members.index(member_id)
+
+
+class Trace:
+    """Timestamped events of one worker's elastic life, for finding where recovery time goes.
+
+    Off unless ``$SHOAL_ELASTIC_TRACE`` names a folder: then each process appends
+    ``{"ev": ..., "t": time.time(), ...}`` lines to ``<folder>/<pid>.jsonl``
+    (``python -m shoal.bench.chaos --trace`` reads them; the
+    coordinator writes its own).
+    """
+
+    def __init__(self) -> None:
+        folder = os.environ.get("SHOAL_ELASTIC_TRACE")
+        self._f = open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a", buffering=1) if folder else None
+
+    def __call__(self, ev: str, **info: Any) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps({"ev": ev, "t": time.time(), **info}) + "\n")
 
 
 def connect(address: str, timeout: float, is_master: bool = False) -> dist.TCPStore:
@@ -237,6 +256,7 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.trace = Trace()
 
     @property
     def address(self) -> str:
@@ -331,14 +351,25 @@ class Coordinator:
         st = self._store
         # Requests name the quorum they abandon: those about an older one were served already.
         if run.probe_since is None and run.current and st.check([run.key(f"req/{run.qid}")]):
+            self.trace("request", run=run.run_id, qid=run.qid)
             run.probe_since = now
             run.probe_base = {i: m.beats for i, m in run.members.items()}
         alive = tuple(sorted(run.members))
         if run.probe_since is not None:
             answered = tuple(i for i in alive if run.members[i].beats > run.probe_base.get(i, -1))
-            if len(answered) < len(alive) and now - run.probe_since < t.probe:
+            # Silent for a whole probe window already (e.g. a member that died before voting, judged
+            # so by the voters): no need to wait another window for it.
+            silent = [i for i in alive if i not in answered and now - run.members[i].seen >= t.probe]
+            if len(answered) + len(silent) < len(alive) and now - run.probe_since < t.probe:
                 return
             run.probe_since = None
+            # Members that missed the probe are dropped now, not at heartbeat_timeout: kept, they
+            # would be published again at the next tick (alive != current), and the survivors would
+            # wait for them at the new group's barrier until heartbeat_timeout. One that was only
+            # slow finds itself outside the next quorum and joins again under a new id.
+            for i in alive:
+                if i not in answered:
+                    del run.members[i]
             self._publish(run, answered)
             return
         changed = alive != run.current
@@ -358,6 +389,7 @@ class Coordinator:
             record["mac"] = auth.sign(self.token, _quorum_text(run.qid, members, record["prefix"]))
         self._store.set(run.key(f"q/{run.qid}"), json.dumps(record))
         self._store.add(run.key("q/latest"), 1)  # only the coordinator writes it: it equals qid
+        self.trace("publish", run=run.run_id, qid=run.qid, members=list(members))
 
 
 def _quorum_text(qid: int, members: tuple[int, ...] | list[int], prefix: str) -> str:

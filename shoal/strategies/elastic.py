@@ -92,7 +92,8 @@ class ElasticRounds:
         group.register_state(f"{name}/optimizer", optimizer.state_dict, optimizer.load_state_dict)
         group.register_state(f"{name}/strategy", get_state, load_state)
         group.register_state(f"{name}/codec", codec.state_dict, codec.load_state_dict, rollback=True,
-                             heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)))
+                             heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)),
+                             snapshot=codec.rollback_state)
         group.register_state(f"{name}/round", lambda: {"kind": self.current}, self._load_round)
 
     def _load_round(self, state: dict[str, Any]) -> None:

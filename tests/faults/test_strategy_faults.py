@@ -91,9 +91,6 @@ def test_sigkill_mid_round_survivors_agree_and_restart_heals(strategy: str, tmp_
             raise AssertionError(f"no round averaged by the two survivors alone {why}")
 
 
-@pytest.mark.skip(reason="flaky, bug open in issue #8: the newcomer sometimes aborts in gloo's pair thread "
-                         "('Connection closed by peer', an uncaught gloo::IoException) while it joins, then "
-                         "waits out the join timeout; passed in most runs, failed once in a clean-clone run")
 @pytest.mark.timeout(110)
 def test_join_newcomer_heals_and_contributes_then_one_leaves(tmp_path: Any) -> None:
     # Two workers; a third joins at 4 s (shoal run --join), heals, contributes; after three rounds of
