@@ -552,6 +552,16 @@ class ElasticGroup(Group):
         opts.rootRank, opts.rootTensor = src, 0
         return self._issue(tag, tensor, lambda: self.pg.broadcast([tensor], opts))
 
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", tag: str = "misc") -> Handle:
+        """Reduce into rank ``dst``'s ``tensor`` (e.g. the intra-host stage of a two-level mean)."""
+        self._check_rank(dst, "dst")
+        if op not in _REDUCE_OPS:
+            raise ConfigError(f"reduce supports {sorted(_REDUCE_OPS)}, got {op!r}")
+        self.meter.record(tag, "reduce", _nbytes(tensor), self.size, self.rank, dst)
+        opts = dist.ReduceOptions()
+        opts.reduceOp, opts.rootRank, opts.rootTensor = _REDUCE_OPS[op], dst, 0  # type: ignore[assignment]
+        return self._issue(tag, tensor, lambda: self.pg.reduce([tensor], opts))
+
     def all_gather(self, tensor: torch.Tensor, tag: str = "misc") -> Handle:
         self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
         out = [tensor] if self.size == 1 else [torch.empty_like(tensor) for _ in range(self.size)]

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.comm.elastic import BackendSpec, ElasticGroup, ElasticStats
-from shoal.comm.group import _REDUCE_OPS, Handle, _nbytes
+from shoal.comm.group import Handle
 from shoal.comm.membership import MemberClient, Quorum
 from shoal.comm.topology import HostGroups, Topology
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
@@ -245,8 +245,9 @@ class ElasticSubgroup(ElasticGroup):
         return self.parent.quorum_pending
 
     def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
-                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None) -> None:
-        self.parent.register_state(key, get, load, rollback, heal_load)
+                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None,
+                       snapshot: Callable[[], Any] | None = None) -> None:
+        self.parent.register_state(key, get, load, rollback, heal_load, snapshot)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.parent.on_commit(fn)
@@ -348,16 +349,6 @@ class ElasticSubgroup(ElasticGroup):
                post: Callable[[Any], Any] | None = None) -> Handle:
         self._connect()
         return super()._issue(tag, result, launch, post)
-
-    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", tag: str = "misc") -> Handle:
-        """Reduce into subgroup rank ``dst``'s ``tensor`` (the intra-host stage of a two-level mean)."""
-        self._check_rank(dst, "dst")
-        if op not in _REDUCE_OPS:
-            raise ConfigError(f"reduce supports {sorted(_REDUCE_OPS)}, got {op!r}")
-        self.meter.record(tag, "reduce", _nbytes(tensor), self.size, self.rank, dst)
-        opts = dist.ReduceOptions()
-        opts.reduceOp, opts.rootRank, opts.rootTensor = _REDUCE_OPS[op], dst, 0  # type: ignore[assignment]
-        return self._issue(tag, tensor, lambda: self.pg.reduce([tensor], opts))
 
     def __repr__(self) -> str:
         return (f"ElasticSubgroup({self.name!r}, parent_ranks={self._ranks}, member={self._member}, "
