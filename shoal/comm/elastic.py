@@ -25,8 +25,9 @@ writes ``discard`` the same way. The first write wins, so every member reads
 one decision.
 
 Healing: in each new group the members exchange (committed step, fresh); if
-anyone is behind or new, the lowest-ranked up-to-date member broadcasts every
-registered state (model, optimizer, codec, counters) as one serialised blob.
+anyone is behind or new, the lowest-ranked up-to-date member sends every
+registered state (model, optimizer, codec, counters) as one serialised blob,
+point to point and in chunks, to those members only.
 
 Example::
 
@@ -62,6 +63,7 @@ from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalErro
 CONTROL_TAG = "elastic/control"
 _SLICE = datetime.timedelta(milliseconds=10)   # _await checks the abort flag and deadline this often
 HEAL_TAG = "elastic/heal"
+HEAL_CHUNK = 4 << 20  # bytes per point-to-point heal message (1.7 s at 20 mbit)
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,7 @@ class ElasticGroup(Group):
         self._in_step = False
         self._after = 0              # adopt a quorum newer than this one at the next start_step
         self._fresh = True           # holds no state received from the run yet
+        self.heal_chunk = HEAL_CHUNK  # bytes per heal message; each must arrive within Timeouts.op
         self.newcomers: tuple[int, ...] = ()  # ranks healed at this step's start_step
         self._on_abandon: list[Callable[[], None]] = []  # subgroups drop their groups with this one's
         if min_workers is None:
@@ -418,7 +421,8 @@ class ElasticGroup(Group):
             self.broadcast(n, src=src, tag=HEAL_TAG).wait()
             if self.rank != src:
                 blob = torch.empty(int(n.item()), dtype=torch.uint8)
-            self.broadcast(blob, src=src, tag=HEAL_TAG).wait(timeout=self.timeouts.quorum)
+            if self.rank == src or self.rank in needy:
+                self._send_state(blob, src, needy)
             if self.error is not None:
                 return
             self.stats.heal_bytes = blob.numel()
@@ -429,6 +433,32 @@ class ElasticGroup(Group):
                 self.stats.heals_received += 1
             self.stats.heal_s = time.monotonic() - t0
         self._fresh = False
+
+    def _send_state(self, blob: torch.Tensor, src: int, needy: list[int]) -> None:
+        """Copy ``src``'s blob into the ``needy`` members' ``blob``, point to point, in chunks.
+
+        Only the members that need the state receive it (a broadcast would
+        push it through every member's link), and every chunk is one
+        operation bounded by ``Timeouts.op``, so a model whose state takes
+        longer than ``op`` to cross a slow link still heals.
+        """
+        step = self.heal_chunk
+        for i, start in enumerate(range(0, blob.numel(), step)):
+            chunk = blob[start:start + step]
+            if self.rank == src:
+                handles = [self._p2p("send", chunk, dst, i) for dst in needy]
+            else:
+                handles = [self._p2p("recv", chunk, src, i)]
+            for h in handles:
+                h.wait()
+            if self.error is not None:
+                return
+
+    def _p2p(self, op: str, chunk: torch.Tensor, peer: int, slot: int) -> Handle:
+        self.meter.record(HEAL_TAG, op, _nbytes(chunk), self.size, self.rank)
+        if op == "send":
+            return self._issue(HEAL_TAG, chunk, lambda: self.pg.send([chunk], peer, slot))
+        return self._issue(HEAL_TAG, chunk, lambda: self.pg.recv([chunk], peer, slot))
 
     def _blob(self) -> torch.Tensor:
         buf = io.BytesIO()

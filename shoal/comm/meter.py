@@ -29,7 +29,7 @@ import threading
 from dataclasses import asdict, dataclass, fields
 
 # Ops whose wire cost the meter knows. Anything else is a programming error.
-_OPS = ("all_reduce", "all_gather", "all_to_all", "broadcast", "reduce", "reduce_scatter", "barrier")
+_OPS = ("all_reduce", "all_gather", "all_to_all", "broadcast", "reduce", "reduce_scatter", "barrier", "send", "recv")
 
 
 def _binomial_children(rel_rank: int, n: int) -> int:
@@ -70,6 +70,8 @@ def wire_bytes(op: str, payload: int, group_size: int, rank: int = 0, root: int 
     n = group_size
     if n <= 1 or op == "barrier":
         return 0, 0
+    if op in ("send", "recv"):      # point to point: the payload leaves or arrives once
+        return (payload, 0) if op == "send" else (0, payload)
     if op == "all_reduce":
         b = 2 * (n - 1) * payload // n
         return b, b

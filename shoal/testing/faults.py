@@ -175,3 +175,12 @@ class FaultyBackend:
 
     def alltoall_base(self, output: Any, tensor: Any, out_splits: Any, in_splits: Any, opts: Any) -> Any:
         return self._run("alltoall", lambda: self.inner.alltoall_base(output, tensor, out_splits, in_splits, opts))
+
+    def reduce(self, tensors: Any, opts: Any) -> Any:
+        return self._run("reduce", lambda: self.inner.reduce(tensors, opts))
+
+    def send(self, tensors: Any, dst: int, tag: int) -> Any:
+        return self._run("send", lambda: self.inner.send(tensors, dst, tag))
+
+    def recv(self, tensors: Any, src: int, tag: int) -> Any:
+        return self._run("recv", lambda: self.inner.recv(tensors, src, tag))

@@ -59,6 +59,7 @@ def main() -> None:
                         quorum=a.op + 10, join=a.op + 40)
     group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers,
                          backend_factory=FaultPlan.from_env().backend_factory())
+    group.heal_chunk = 1024   # small models: heals still take many messages (the 4 MiB default would take one)
     torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the first heal must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     codec = codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if a.mode == "powersgd" else None
