@@ -114,15 +114,16 @@ class _ElasticHandle(Handle):
     """A collective on an elastic group: its wait records failures instead of raising."""
 
     def __init__(self, group: "ElasticGroup", work: Any, result: Any, tag: str,
-                 post: Callable[[Any], Any] | None) -> None:
+                 post: Callable[[Any], Any] | None, whole: bool = False) -> None:
         super().__init__(work, result, group.meter, tag, group.timeout, post)
         self._group = group
+        self._whole = whole
 
     def wait(self, timeout: float | None = None) -> Any:
         if self._done:
             return self._result
         t0 = time.perf_counter()
-        ok = self._group._await(self._work, self._timeout if timeout is None else timeout, self._tag)
+        ok = self._group._await(self._work, self._timeout if timeout is None else timeout, self._tag, self._whole)
         self._meter.add_wait(self._tag, time.perf_counter() - t0)
         self._done = True
         if ok and self._post is not None:
@@ -423,6 +424,7 @@ class ElasticGroup(Group):
                 blob = torch.empty(int(n.item()), dtype=torch.uint8)
             if self.rank == src or self.rank in needy:
                 self._send_state(blob, src, needy)
+            self._healed_barrier(q)
             if self.error is not None:
                 return
             self.stats.heal_bytes = blob.numel()
@@ -439,8 +441,9 @@ class ElasticGroup(Group):
 
         Only the members that need the state receive it (a broadcast would
         push it through every member's link), and every chunk is one
-        operation bounded by ``Timeouts.op``, so a model whose state takes
-        longer than ``op`` to cross a slow link still heals.
+        operation bounded by ``Timeouts.op``; with :meth:`_healed_barrier`
+        (bounded by ``Timeouts.quorum``) a state that takes longer than
+        ``op`` to cross a slow link still heals.
         """
         step = self.heal_chunk
         for i, start in enumerate(range(0, blob.numel(), step)):
@@ -454,11 +457,32 @@ class ElasticGroup(Group):
             if self.error is not None:
                 return
 
+    def _healed_barrier(self, q: Quorum) -> None:
+        """Wait in the store until every member is past the heal (``Timeouts.quorum``), or a failure.
+
+        Members not involved in the heal would otherwise wait for the others
+        in their next collective, i.e. only ``Timeouts.op``.
+        """
+        st, key = self.client.store, q.prefix + "healed"
+        st.add(key, 1)
+        deadline = time.monotonic() + self.timeouts.quorum
+        while st.add(key, 0) < self.size:
+            if self.error is not None:
+                return
+            if self.client.remote_abort.is_set():
+                self._record(PeerLostError("a member failed while the run's state was healed"))
+                return
+            if time.monotonic() > deadline:
+                self._record(CommTimeoutError(f"healing did not finish within {self.timeouts.quorum} s "
+                                              "(Timeouts.quorum)"))
+                return
+            time.sleep(0.002)
+
     def _p2p(self, op: str, chunk: torch.Tensor, peer: int, slot: int) -> Handle:
         self.meter.record(HEAL_TAG, op, _nbytes(chunk), self.size, self.rank)
         if op == "send":
-            return self._issue(HEAL_TAG, chunk, lambda: self.pg.send([chunk], peer, slot))
-        return self._issue(HEAL_TAG, chunk, lambda: self.pg.recv([chunk], peer, slot))
+            return self._issue(HEAL_TAG, chunk, lambda: self.pg.send([chunk], peer, slot), whole=True)
+        return self._issue(HEAL_TAG, chunk, lambda: self.pg.recv([chunk], peer, slot), whole=True)
 
     def _blob(self) -> torch.Tensor:
         buf = io.BytesIO()
@@ -509,7 +533,7 @@ class ElasticGroup(Group):
         """Make this step fail on every member (e.g. a NaN found outside shoal)."""
         self._record(err)
 
-    def _await(self, work: Any, limit: float | None, tag: str) -> bool:
+    def _await(self, work: Any, limit: float | None, tag: str, whole: bool = False) -> bool:
         """Wait for ``work``; on any failure record it and return False, never raise.
 
         Waits in slices of ``work.wait(timeout)`` in this thread: no Python
@@ -517,10 +541,22 @@ class ElasticGroup(Group):
         its own threads, where a garbage collection could destroy a process
         group whose peer just closed its sockets, and an exception there
         aborts the process (an uncaught gloo::IoException).
+        ``whole``: one wait for the whole limit instead (point-to-point work:
+        a timed wait on a gloo send or recv that runs out closes every
+        connection of the group, so it must not be sliced).
         """
         if self.error is not None:
             return False
         deadline = time.monotonic() + (limit if limit is not None else self.timeouts.op)
+        if whole:
+            try:
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                return True
+            except RuntimeError as e:
+                late = time.monotonic() >= deadline
+                self._record(CommTimeoutError(f"{tag!r} did not finish within {limit} s (Timeouts.op)") if late
+                             else PeerLostError(f"{tag!r} failed: {e}"))
+                return False
         while True:
             try:
                 work.wait(_SLICE)
@@ -550,7 +586,7 @@ class ElasticGroup(Group):
 
     # --- collectives ---------------------------------------------------------------
     def _issue(self, tag: str, result: Any, launch: Callable[[], Any],
-               post: Callable[[Any], Any] | None = None) -> Handle:
+               post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
         if self.quorum is None:
             raise ShoalError("collective on an elastic group before its first step: call start_step() "
                              "first (shoal's DistributedDataParallel does so in forward)")
@@ -563,7 +599,7 @@ class ElasticGroup(Group):
         except Exception as e:  # noqa: BLE001 - e.g. the connection died before the op started
             self._record(PeerLostError(f"collective {tag!r} could not start: {e}"))
             return Handle(None, result, self.meter, tag, self.timeout)
-        return _ElasticHandle(self, work, result, tag, post)
+        return _ElasticHandle(self, work, result, tag, post, whole)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
         if op != "avg" and op not in _REDUCE_OPS:

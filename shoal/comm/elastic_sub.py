@@ -346,9 +346,9 @@ class ElasticSubgroup(ElasticGroup):
                 self._record(PeerLostError(f"building subgroup {self.name!r} of quorum {q.qid} failed: {e}"))
 
     def _issue(self, tag: str, result: Any, launch: Callable[[], Any],
-               post: Callable[[Any], Any] | None = None) -> Handle:
+               post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
         self._connect()
-        return super()._issue(tag, result, launch, post)
+        return super()._issue(tag, result, launch, post, whole)
 
     def __repr__(self) -> str:
         return (f"ElasticSubgroup({self.name!r}, parent_ranks={self._ranks}, member={self._member}, "
