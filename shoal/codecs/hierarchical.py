@@ -186,6 +186,13 @@ class Hierarchical(LossyCodec):
         super().load_state_dict(state)
         self.inner.load_state_dict(state["inner"])
 
+    def rollback_state(self) -> dict[str, Any]:
+        return {**super().state_dict(), "inner": self.inner.rollback_state()}
+
+    def newcomer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        # The leaders' codec: a newcomer healed from a leader must not inherit its error feedback.
+        return {**state, "inner": self.inner.newcomer_state(state["inner"])}
+
     def stats(self) -> dict[str, Any]:  # type: ignore[override]
         return {**super().stats(), "inner": self.inner.stats()}
 
