@@ -60,7 +60,10 @@ def test_parameters_match_torch_ddp(world: int) -> None:
             if name.endswith("/moved"):
                 assert d > 1e-3, f"{name}: parameters did not change; the comparison would be vacuous"
                 continue
-            assert d <= 1e-6, f"world {world} rank {rank} case {name}: max |shoal - torch| = {d:.3g}"
+            # At world 3 gloo's all-reduce and shoal's add the three gradients in another order;
+            # the last-bit differences grow through training (batchnorm most: 1.01e-6 seen).
+            tol = 1e-6 if world == 2 else 3e-6
+            assert d <= tol, f"world {world} rank {rank} case {name}: max |shoal - torch| = {d:.3g}"
 
 
 def _fp16_hook(rank: int, world: int) -> tuple[float, float]:

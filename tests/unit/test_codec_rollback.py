@@ -26,12 +26,16 @@ VERDICTS = [True, True, False, True, False, False, True, True, False, True]
 
 @pytest.fixture(scope="module")
 def group():
+    created = False
     if not dist.is_initialized():
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
             timeout=datetime.timedelta(seconds=30),
         )
+        created = True
     yield Group()
+    if created:  # later tests in this process check the no-process-group errors
+        dist.destroy_process_group()
 
 
 def _grads(step: int) -> list[torch.Tensor]:
