@@ -258,18 +258,22 @@ def test_zero_overlapped_fault_free_equals_static_overlap_and_serial_torch(tmp_p
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("replicate", [False, True], ids=["state-lost", "replicated"])
-def test_zero_overlapped_sigkill_discards_everywhere_and_restart_heals(replicate: bool, tmp_path: Any) -> None:
+@pytest.mark.parametrize("replicate,phase", [(False, "params"), (True, "grads")],
+                         ids=["state-lost-in-param-broadcast", "replicated-in-grad-reduce"])
+def test_zero_overlapped_sigkill_discards_everywhere_and_restart_heals(replicate: bool, phase: str,
+                                                                       tmp_path: Any) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    # Per step: three gradient all-reduces (buckets 0-2) on the group, three parameter broadcasts on the
-    # overlap subgroup; a plan's nth counts each group's own, the first to reach it crashes: so the kill
-    # lands in bucket nth's gradient reduction or its broadcast, while other buckets are already stepped.
+    # Per step: three gradient all-reduces (buckets 0-2) on the group, then as each completes, that bucket's
+    # parameter broadcast on the overlap subgroup. "grads": the kill lands in bucket nth's all-reduce (the
+    # group's collective #nth: earlier buckets are stepped and broadcast by then); "params": in bucket nth's
+    # broadcast (its broadcast #nth: the last one may even complete, then the vote finds the member gone).
     step, nth = rng.randrange(3, 7), rng.randrange(3)
-    plan = FaultPlan().crash(rank=2, step=step, nth=nth)
-    extra = ["--overlap", "--steps", "12", "--want-size", "3", "--pace", "0.05"] + (["--replicate"] if replicate else [])
+    plan = FaultPlan().crash(rank=2, step=step, nth=nth, op="broadcast" if phase == "params" else "")
+    extra = ["--overlap", "--steps", "12", "--want-size", "3", "--pace", "0.05"]
+    extra += ["--replicate"] if replicate else []
     final, logs = launch(tmp_path, zero_args("adam", *extra), plan, hard_limit=70)
-    why = f"(seed {seed}: crash at step {step}, collective #{nth})\n{logs}"
+    why = f"(seed {seed}: crash at step {step}, {phase} collective #{nth})\n{logs}"
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
     survivors, reborn = final[:2], final[2]
     assert survivors[0]["batches"] == survivors[1]["batches"], why
@@ -284,7 +288,7 @@ def test_zero_overlapped_sigkill_discards_everywhere_and_restart_heals(replicate
         assert lost == [] and all(r["zero"]["replica_drift"] == 0 for r in final), why
         assert all(r["zero"]["replica_bytes"] > 0 for r in final), why
     else:
-        assert len(lost) == 1 and lost[0][1], why   # the dead member's buckets' state, re-initialised once
+        assert len(lost) == 1 and lost[0][1], why   # the dead member's bucket's state, re-initialised once
     state = union_state(final, why)
     assert len(state) == len(final[0]["params"]), why
     # Nothing of the killed step survives anywhere (buckets stepped before the kill were restored):
