@@ -233,7 +233,7 @@ def _no_lost_state(r: dict[str, Any]) -> bool:
 
 @pytest.mark.timeout(90)
 def test_zero_overlapped_fault_free_equals_static_overlap_and_serial_torch(tmp_path: Any) -> None:
-    final, logs = launch(tmp_path, zero_args("adam", "--overlap", "--steps", "10", "--consolidate"), None,
+    final, logs = launch(tmp_path, zero_args("adam", "--overlap", "--steps", "8", "--consolidate"), None,
                          hard_limit=60)
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], logs
     assert_params_equal(final, logs)
@@ -249,11 +249,11 @@ def test_zero_overlapped_fault_free_equals_static_overlap_and_serial_torch(tmp_p
     assert_close_state(state, want_state, logs)
     (holder,) = [r for r in final if "consolidated" in r]
     assert holder["consolidated"].keys() == state.keys(), logs
-    # Static overlapped ZeRO (a world group, same start, same batches, same buckets and owners): the same
-    # gloo sums of the same gradients, the same per-bucket optimizer calls.
+    # Static overlapped ZeRO (a world group, same start, same batches, same buckets and owners) lands on the
+    # same parameters, bitwise: the same gloo sums of the same gradients, the same per-bucket optimizer calls.
     static = run_workers(grad_worker.static_zero_overlap, 3, final[0]["init"], final[0]["batches"], timeout=45)
     for i, (a, b) in enumerate(zip(final[0]["params"], static[0])):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), \
+        assert torch.equal(a, b), \
             f"param {i}: elastic and static overlap differ by {(a - b).abs().max().item():.3g}"
 
 
