@@ -106,8 +106,11 @@ class DistributedDataParallel(nn.Module):
             bucket belongs to one rank, which steps it as soon as it is
             reduced and broadcasts the result; the next forward waits for
             the broadcasts. ``optimizer.step()`` then has nothing left to do.
-            Not on an elastic group (``ConfigError``): there, keep the
-            optimizer out of the DDP and call ``zero.step()`` after backward.
+            On an elastic group (the optimizer on the same group) a
+            backward's bucket steps form one elastic step that
+            ``zero.step()`` votes (or, if the loop skips it, the next step
+            start): a failure anywhere discards it on every member; see
+            :mod:`shoal.optim.elastic_overlap`.
         hierarchical: reduce inside each host, all-reduce among one leader
             per host (through ``codec``), broadcast inside each host (SPEC
             A7). ``None`` (default): on when the ranks span several hosts and

@@ -91,6 +91,17 @@ def host_leaders(members: Sequence[MemberInfo]) -> list[list[int]]:
     return [[g[0] for g in by_host(members)]]
 
 
+def whole_quorum(members: Sequence[MemberInfo]) -> list[list[int]]:
+    """One group of every member, in quorum rank order: a second stream of collectives over the
+    quorum (e.g. one issued from another thread, whose order would otherwise interleave differently
+    with the group's own on each member).
+
+    >>> whole_quorum([MemberInfo(0, "a"), MemberInfo(1, "b")])
+    [[0, 1]]
+    """
+    return [list(range(len(members)))]
+
+
 def by_slot(size: int) -> Partition:
     """Groups of members whose launch slot divided by ``size`` is equal (static groups of ``size``).
 

@@ -9,6 +9,10 @@ One elastic step holds the whole ZeRO step, and one vote ends it::
                           vote: commit -> copy the received parameters in, adopt the new layout
                                 discard -> restore the snapshot: nothing happened, on every member
 
+Overlapped with that DDP (``DistributedDataParallel(..., optimizer=zero)``)
+the same step runs bucket by bucket during backward and ``zero.step()`` is
+only the vote; see :mod:`shoal.optim.elastic_overlap`.
+
 The parameter exchange comes *before* the vote, so a step commits only once
 every member holds every updated shard; a failure anywhere (gradient
 reduction, re-shard, parameter broadcast) discards the whole step
@@ -49,10 +53,14 @@ from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Handle
 from shoal.errors import ConfigError, ShoalError
 from shoal.optim.zero import (PARAM_TAG, STATE_TAG, _deserialise, _plain_units, _serialise, _sync_groups, _Unit,
-                              partition_by_size)
+                              assign_bucket_owners, partition_by_size)
 
 if TYPE_CHECKING:
+    from shoal.optim.elastic_overlap import ElasticOverlap
     from shoal.optim.zero import ZeroRedundancyOptimizer
+    from shoal.reducer import Reducer
+
+Snapshot = list[tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor, Any]]  # (optimizer, param, value, state)
 
 
 @dataclass
@@ -80,6 +88,15 @@ class _Shard:
     units: list[_Unit]
     optim: torch.optim.Optimizer
     replica: torch.optim.Optimizer | None = None
+    buckets: list[_Unit | None] | None = None   # overlapped with DDP: each gradient bucket's unit (or None)
+
+    def stepper(self, src: int) -> torch.optim.Optimizer | None:
+        """The optimizer of this member that steps the parameters owned by ``src`` (None: it takes no part)."""
+        if src == self.rank:
+            return self.optim
+        if self.replica is not None and src == (self.rank + 1) % self.size:
+            return self.replica
+        return None
 
 
 def _tensor_bytes(optim: torch.optim.Optimizer | None) -> int:
@@ -95,6 +112,11 @@ def _clone_state(st: Any) -> dict[str, Any] | None:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in st.items()}
 
 
+def snapshot(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> Snapshot:
+    """Copies of ``params`` and of their state in ``opt``, for :meth:`ElasticShards._restore`."""
+    return [(opt, p, p.detach().clone(), _clone_state(opt.state.get(p))) for p in params]
+
+
 class ElasticShards:
     """The elastic side of a :class:`ZeroRedundancyOptimizer` (see the module docstring)."""
 
@@ -107,7 +129,25 @@ class ElasticShards:
         self.dropped = False           # healed: the state held here is stale, contribute none
         self.shard = _Shard(None, zero.rank, zero.world_size, zero._owner, zero._units, zero.optim)
         self._new: tuple[_Shard, list[int], set[int], int] | None = None
+        self.overlap: ElasticOverlap | None = None   # set when attached to DistributedDataParallel
         group.register_state("zero/hparams", self._hparams, self._healed)
+
+    # --- overlap with DDP ----------------------------------------------------------
+    def check_attach(self, reducer: "Reducer") -> None:
+        """Raise ConfigError if ``reducer`` cannot drive the overlapped step (before anything changes)."""
+        from shoal.optim.elastic_overlap import check_attach
+
+        check_attach(self.group, reducer)
+
+    def attach(self, reducer: "Reducer") -> None:
+        """Step bucket by bucket during backward (``zero._attach`` has laid the buckets out)."""
+        from shoal.optim.elastic_overlap import ElasticOverlap
+
+        zero = self.zero
+        # No quorum's layout yet: the first bucket of the next step re-shards by bucket.
+        self.shard = _Shard(None, zero.rank, zero.world_size, zero._owner, zero._units, zero.optim, None,
+                            list(zero._bucket_units))
+        self.overlap = ElasticOverlap(self, reducer)
 
     # --- healing ---------------------------------------------------------------
     def _hparams(self) -> list[dict[str, Any]]:
@@ -128,7 +168,7 @@ class ElasticShards:
             raise ShoalError("no quorum after start_step")
         self._new = None
         if self.shard.qid != q.qid and g.error is None:
-            self._new = self._reshard(q.qid)
+            self._new = self.reshard(q.qid)
         shard = self._new[0] if self._new is not None else self.shard
         snap = None
         if g.error is None and shard.qid == q.qid:
@@ -162,7 +202,11 @@ class ElasticShards:
             handles.append(self.group.broadcast(u.flat, src=u.src, tag=PARAM_TAG))
         return handles
 
-    def _commit(self, shard: _Shard, step: int) -> None:
+    def _commit(self, shard: _Shard, step: int, stepped: set[int] | None = None) -> None:
+        """Apply a voted step: received parameters in, the new layout adopted, counters.
+
+        ``stepped``: global indices of the parameters the step updated (default: those with a gradient).
+        """
         neighbour = (shard.rank + 1) % shard.size
         for u in shard.units:
             if u.src == shard.rank:
@@ -185,23 +229,20 @@ class ElasticShards:
                               "from zero). ZeroRedundancyOptimizer(..., replicate=True) keeps a copy on a ring "
                               "neighbour", RuntimeWarning, stacklevel=4)
         self._new = None
-        self.known |= {self.index[p] for p in self.params if p.grad is not None}
+        self.known |= stepped if stepped is not None else {self.index[p] for p in self.params if p.grad is not None}
         self.stats.commits += 1
         self.stats.replica_bytes = _tensor_bytes(shard.replica)
 
     # --- snapshots -------------------------------------------------------------------
-    def _snapshot(self, shard: _Shard) -> list[tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor, Any]]:
-        out = []
+    def _snapshot(self, shard: _Shard) -> Snapshot:
+        out: Snapshot = []
         for opt in (shard.optim, shard.replica):
-            if opt is None:
-                continue
-            for grp in opt.param_groups:
-                for p in grp["params"]:
-                    out.append((opt, p, p.detach().clone(), _clone_state(opt.state.get(p))))
+            if opt is not None:
+                out += snapshot(opt, [p for grp in opt.param_groups for p in grp["params"]])
         return out
 
     @staticmethod
-    def _restore(shard: _Shard, snap: list[tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor, Any]]) -> None:
+    def _restore(shard: _Shard, snap: Snapshot) -> None:
         with torch.no_grad():
             for opt, p, value, st in snap:
                 p.copy_(value)
@@ -218,8 +259,13 @@ class ElasticShards:
             return {}
         return {self.index[p]: st for p, st in opt.state.items() if st}
 
-    def _reshard(self, qid: int) -> tuple[_Shard, list[int], set[int], int] | None:
-        g = self.group
+    def reshard(self, qid: int, via: ElasticGroup | None = None) -> tuple[_Shard, list[int], set[int], int] | None:
+        """Gather the held optimizer state over ``via`` (default: the group) and lay out quorum ``qid``.
+
+        ``via`` must span the quorum in its rank order (the overlapped step uses a
+        per-quorum subgroup of its own). None if a collective failed: the step is lost.
+        """
+        g = via if via is not None else self.group
         own, replica = self.held_state(), self.held_state(replica=True)
         held = own
         if self.replicate:
@@ -253,10 +299,15 @@ class ElasticShards:
     def layout(self, qid: int | None, rank: int, size: int, pool: dict[int, dict[str, Any]]) -> _Shard:
         """The shard of ``rank`` among ``size`` members, its state (and replica's) taken from ``pool``."""
         zero = self.zero
-        owners = partition_by_size([[p.numel() * p.element_size() for p in g["params"]] for g in zero.param_groups],
-                                   size)
-        owner = {p: r for g, rs in zip(zero.param_groups, owners) for p, r in zip(g["params"], rs)}
-        units = _plain_units(self.params, owner, size)
+        buckets: list[_Unit | None] | None = None
+        if zero._buckets is not None:   # overlapped with DDP: whole gradient buckets per member
+            owner, buckets = self._bucket_layout(size)
+            units = [u for u in buckets if u is not None]
+        else:
+            owners = partition_by_size([[p.numel() * p.element_size() for p in g["params"]]
+                                        for g in zero.param_groups], size)
+            owner = {p: r for g, rs in zip(zero.param_groups, owners) for p, r in zip(g["params"], rs)}
+            units = _plain_units(self.params, owner, size)
 
         def build(r: int) -> torch.optim.Optimizer:
             groups = [dict(g, params=[p for p in g["params"] if owner[p] == r]) for g in zero.param_groups]
@@ -270,7 +321,15 @@ class ElasticShards:
             return opt
 
         replica = build((rank + 1) % size) if self.replicate and size > 1 else None
-        return _Shard(qid, rank, size, owner, units, build(rank), replica)
+        return _Shard(qid, rank, size, owner, units, build(rank), replica, buckets)
+
+    def _bucket_layout(self, size: int) -> tuple[dict[torch.Tensor, int], list[_Unit | None]]:
+        """Owner of every parameter and one broadcast unit per gradient bucket, for ``size`` members."""
+        slots = self.zero._bucket_slots
+        sizes = [sum(p.numel() * p.element_size() for _, p in s) for s in slots]
+        bucket_owner = assign_bucket_owners(sizes, size)
+        owner = {p: bucket_owner[b] for b, s in enumerate(slots) for _, p in s}
+        return owner, [_Unit(bucket_owner[b], [p for _, p in s]) if s else None for b, s in enumerate(slots)]
 
     def _adopt(self, shard: _Shard) -> None:
         zero = self.zero

@@ -13,9 +13,11 @@ as PowerSGD) its owner steps those parameters at once and starts their
 broadcast, on a process group of its own. The broadcasts are waited for just
 before the next forward (a forward pre-hook on the module).
 
-On an :class:`~shoal.elastic.ElasticGroup` (with DDP on the same group, not
-overlapped) ``step()`` is the elastic step's vote and shards follow the
-quorum; see :mod:`shoal.optim.elastic_zero` and docs/zero.md.
+On an :class:`~shoal.elastic.ElasticGroup` (with DDP on the same group)
+``step()`` is the elastic step's vote and shards follow the quorum; see
+:mod:`shoal.optim.elastic_zero` and docs/zero.md. Overlapped with that DDP,
+a backward's bucket steps are held back until the vote in ``step()``, and
+broadcast over a per-quorum subgroup; see :mod:`shoal.optim.elastic_overlap`.
 
 The consolidated state dict has torch's optimizer format, keyed by the global
 index of each parameter over the parameter groups, so it loads into a
@@ -331,11 +333,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         On an elastic group it ends the elastic step (re-shard if the quorum
         changed, step, exchange parameters, vote) and returns whether the
         step committed; on False nothing changed and gradients are cleared.
+        Elastic and attached to DDP, backward did all but the vote: ``step()``
+        waits for the parameter broadcasts, votes, and applies or undoes them.
         """
         if self._elastic is not None:
             if closure is not None or kwargs:
                 raise ConfigError("step(closure) is not supported on an elastic group: the closure's forward "
                                   "would run outside the step's vote")
+            if self._elastic.overlap is not None and self._elastic.overlap.pending:
+                return self._elastic.overlap.end_step()   # backward stepped the buckets: vote
             return self._elastic.step()
         if self._stepped_in_backward:
             self._stepped_in_backward = False
@@ -361,7 +367,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._pending.append((u, handle))
 
     def _finish_broadcasts(self) -> None:
-        """Wait for parameter broadcasts in flight and write received values into the parameters."""
+        """Wait for parameter broadcasts in flight and write received values into the parameters.
+
+        Elastic and overlapped: end the open step (wait, vote, apply or undo).
+        """
+        if self._elastic is not None and self._elastic.overlap is not None:
+            self._elastic.overlap.end_step()
+            return
         with self._lock:
             pending, self._pending = self._pending, []
         for u, handle in pending:
@@ -373,7 +385,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Block until every parameter holds its updated value on this rank.
 
         Needed only to read parameters outside a forward or ``state_dict()``
-        after an overlapped step (those wait by themselves).
+        after an overlapped step (those wait by themselves). Elastic and
+        overlapped, an open step's vote decides the value: if ``step()`` was
+        not called after backward, this votes (as the next forward would).
 
         Example::
 
@@ -384,17 +398,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # --- overlap with DDP -----------------------------------------------------
     def _attach(self, reducer: Reducer, module: nn.Module) -> None:
-        """Step bucket by bucket inside ``reducer``'s backward (called by DistributedDataParallel)."""
-        if self._elastic is not None:
-            raise ConfigError(
-                "DistributedDataParallel(..., optimizer=zero) is not supported on an elastic group: each bucket "
-                "would be stepped during backward, before the step's vote, and its parameters broadcast on a "
-                "process group of its own that cannot follow the quorum. Keep zero out of the DDP and call "
-                "zero.step() after backward: on an elastic group it re-shards, steps, exchanges the parameters "
-                "and votes in one step")
+        """Step bucket by bucket inside ``reducer``'s backward (called by DistributedDataParallel).
+
+        On an elastic group the steps of a backward's buckets form one elastic
+        step that the next ``zero.step()`` votes; see :mod:`shoal.optim.elastic_overlap`.
+        """
         if self._buckets is not None:
             raise ConfigError("this ZeroRedundancyOptimizer is already attached to a DistributedDataParallel")
-        if reducer.group.pg is not self.group.pg:
+        if self._elastic is not None:
+            self._elastic.check_attach(reducer)
+        elif reducer.group.pg is not self.group.pg:
             raise ConfigError("the optimizer and DistributedDataParallel must use the same process group: "
                               "gradient buckets are assigned to the optimizer's ranks")
         if reducer.on_bucket_reduced is not None:
@@ -409,7 +422,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         sizes = [sum(_nbytes(p) for p in b if p in managed) for b in buckets]
         self._bucket_owner = assign_bucket_owners(sizes, self.world_size)
         idle = sorted(set(range(self.world_size)) - {r for r, s in zip(self._bucket_owner, sizes) if s})
-        if idle:
+        if idle and self._elastic is None:   # elastic: the quorum's size is known only per quorum
             warnings.warn(f"only {sum(1 for s in sizes if s)} gradient bucket(s) for {self.world_size} ranks: "
                           f"rank(s) {idle} hold no optimizer state; lower bucket_cap_mb for a finer split",
                           stacklevel=3)
@@ -418,8 +431,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optim = self._optimizer_class(self._local_groups(), **self.defaults)
         self.state = self.optim.state  # type: ignore[assignment]
         _sync_groups(self.param_groups, self.optim.param_groups)
-        self._bcast_group = self._new_broadcast_group()
-        reducer.on_bucket_reduced = self._on_bucket_reduced
+        if self._elastic is not None:
+            self._elastic.attach(reducer)
+        else:
+            self._bcast_group = self._new_broadcast_group()
+            reducer.on_bucket_reduced = self._on_bucket_reduced
         module.register_forward_pre_hook(lambda _m, _args: self._finish_broadcasts())
         module.register_state_dict_pre_hook(lambda *_: self._finish_broadcasts())
 

@@ -35,6 +35,7 @@ from shoal.comm.elastic import BackendFactory, BackendSpec, gloo_backend
 from shoal.errors import ConfigError
 
 _KINDS = ("fail", "delay", "crash")
+_OPS = ("", "allreduce", "broadcast", "allgather", "alltoall", "reduce", "send", "recv")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class Fault:
         incarnation: fires only in this incarnation of the worker
             (``$SHOAL_RESTART``, 0 for the first start), so a restarted
             worker does not crash again at the same step.
+        op: count only collectives of this kind (``"broadcast"``,
+            ``"allreduce"``, ...; ``""``: any): ``nth=1, op="broadcast"``
+            is the second broadcast of the step, whatever ran before it
+            (e.g. a parameter broadcast that runs on its own subgroup,
+            while gradient all-reduces race it on the main group).
     """
 
     kind: str
@@ -60,6 +66,7 @@ class Fault:
     nth: int = 0
     seconds: float = 0.0
     incarnation: int = 0
+    op: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -68,6 +75,8 @@ class Fault:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"Fault.{name} must be an integer >= 0, got {v!r}")
+        if self.op not in _OPS:
+            raise ConfigError(f"Fault.op must be one of {_OPS}, got {self.op!r}")
         if self.seconds < 0 or (self.kind == "delay" and self.seconds == 0):
             raise ConfigError(f"a delay needs seconds > 0, got {self.seconds!r}")
 
@@ -87,14 +96,15 @@ class FaultPlan:
     def _with(self, fault: Fault) -> "FaultPlan":
         return FaultPlan(self.faults + (fault,))
 
-    def fail(self, rank: int, step: int, nth: int = 0, incarnation: int = 0) -> "FaultPlan":
-        return self._with(Fault("fail", rank, step, nth, 0.0, incarnation))
+    def fail(self, rank: int, step: int, nth: int = 0, incarnation: int = 0, op: str = "") -> "FaultPlan":
+        return self._with(Fault("fail", rank, step, nth, 0.0, incarnation, op))
 
-    def delay(self, rank: int, step: int, seconds: float, nth: int = 0, incarnation: int = 0) -> "FaultPlan":
-        return self._with(Fault("delay", rank, step, nth, float(seconds), incarnation))
+    def delay(self, rank: int, step: int, seconds: float, nth: int = 0, incarnation: int = 0,
+              op: str = "") -> "FaultPlan":
+        return self._with(Fault("delay", rank, step, nth, float(seconds), incarnation, op))
 
-    def crash(self, rank: int, step: int, nth: int = 0, incarnation: int = 0) -> "FaultPlan":
-        return self._with(Fault("crash", rank, step, nth, 0.0, incarnation))
+    def crash(self, rank: int, step: int, nth: int = 0, incarnation: int = 0, op: str = "") -> "FaultPlan":
+        return self._with(Fault("crash", rank, step, nth, 0.0, incarnation, op))
 
     def to_json(self) -> str:
         return json.dumps([asdict(f) for f in self.faults])
@@ -140,18 +150,21 @@ class FaultyBackend:
         self.faults = faults
         self.step = step
         self.fired = fired
-        self.calls: Counter[int] = Counter()
+        self.calls: Counter[tuple[int, str]] = Counter()   # (step, "" or op) -> collectives so far
 
     def _run(self, what: str, launch: Callable[[], Any]) -> Any:
         step = self.step()
-        nth = self.calls[step]
-        self.calls[step] += 1
+        nth = {"": self.calls[(step, "")], what: self.calls[(step, what)]}
+        self.calls[(step, "")] += 1
+        self.calls[(step, what)] += 1
         for f in self.faults:
-            if f in self.fired or f.step != step or f.nth != nth:
+            if f in self.fired or f.step != step or f.op not in nth or f.nth != nth[f.op]:
                 continue
             self.fired.add(f)
             if f.kind == "fail":
-                raise RuntimeError(f"injected fault: {what} #{nth} of step {step} failed (connection reset by plan)")
+                among = f" among {f.op}s" if f.op else ""
+                raise RuntimeError(f"injected fault: {what} #{nth[f.op]}{among} of step {step} failed "
+                                   "(connection reset by plan)")
             if f.kind == "delay":
                 time.sleep(f.seconds)
             if f.kind == "crash":

@@ -2,7 +2,9 @@
 
 ``--kind nonblocking``: ``shoal.wrap(net, opt, NonBlocking(), process_group=group)``.
 ``--kind zero``: ``shoal.DistributedDataParallel(net, process_group=group)`` and a
-``ZeroRedundancyOptimizer`` on the same elastic group (``--replicate``: ring replicas).
+``ZeroRedundancyOptimizer`` on the same elastic group (``--replicate``: ring replicas;
+``--overlap``: the optimizer handed to the DDP, stepped bucket by bucket during backward,
+three buckets of :data:`OVERLAP_CAP_MB`).
 
 Started by harness.py as a plain process (so that it can be SIGKILLed and
 restarted). Data: an :class:`ElasticSampler` without shuffling, so the test
@@ -31,6 +33,7 @@ from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeou
 from shoal.testing import FaultPlan
 
 N, BATCH = 256, 8
+OVERLAP_CAP_MB = 0.0003   # ~78 floats: make_net(0) falls into 3 buckets (head, middle, first layer)
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,11 +84,35 @@ def static_nonblocking(rank: int, world: int, init: list[torch.Tensor],
     return [p.detach().clone() for p in net.parameters()]
 
 
+def static_zero_overlap(rank: int, world: int, init: list[torch.Tensor],
+                        batches: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
+    """The reference run: ZeRO overlapped with DDP on a static world group, from ``init``, over ``batches``."""
+    torch.set_num_threads(1)
+    net = make_net(0)
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), init):
+            p.copy_(v)
+    cls, kw = optim_args("adam")
+    zero = shoal.ZeroRedundancyOptimizer(net.parameters(), cls, **kw)
+    model = shoal.DistributedDataParallel(net, bucket_cap_mb=OVERLAP_CAP_MB, optimizer=zero)
+    x, y = data()
+    for step in range(len(batches)):
+        cursor, size = batches[step]
+        assert size == world, "the reference runs fault-free elastic runs only"
+        idx = torch.arange(cursor + rank * BATCH, cursor + (rank + 1) * BATCH) % N
+        F.mse_loss(model(x[idx]), y[idx]).backward()
+        zero.step()
+        zero.zero_grad()
+    zero.wait_for_params()
+    return [p.detach().clone() for p in net.parameters()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=["nonblocking", "zero", "ddp"], required=True)
     ap.add_argument("--optim", choices=["adam", "sgdm"], default="adam")
     ap.add_argument("--replicate", action="store_true")
+    ap.add_argument("--overlap", action="store_true", help="ZeRO: DistributedDataParallel(..., optimizer=zero)")
     ap.add_argument("--consolidate", action="store_true", help="ZeRO: consolidate the state on rank 0 at the end")
     ap.add_argument("--codec", choices=["none", "powersgd"], default="none", help="NonBlocking's codec")
     ap.add_argument("--steps", type=int, default=20)
@@ -117,9 +144,13 @@ def main() -> None:
         model = shoal.DistributedDataParallel(net, process_group=group)
         opt = ElasticOptimizer(cls(net.parameters(), **kw), group)  # type: ignore[assignment]
     else:
-        model = shoal.DistributedDataParallel(net, process_group=group)
         zero = shoal.ZeroRedundancyOptimizer(net.parameters(), cls, process_group=group,
                                              replicate=a.replicate, **kw)
+        if a.overlap:
+            model = shoal.DistributedDataParallel(net, process_group=group, optimizer=zero,
+                                                  bucket_cap_mb=OVERLAP_CAP_MB)
+        else:
+            model = shoal.DistributedDataParallel(net, process_group=group)
         opt = zero
     x, y = data()
     batches: dict[int, tuple[int, int]] = {}   # committed step -> (cursor, quorum size)

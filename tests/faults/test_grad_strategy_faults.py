@@ -222,3 +222,77 @@ def test_zero_sigkill_survivors_equal_serial_replay_and_restart_heals(replicate:
     want_params, want_state = replay(survivors[0], "adam", resets=lost)
     assert_close_params(survivors[0]["params"], want_params, why)
     assert_close_state(state, want_state, why)
+
+
+# --- ZeRO overlapped with DDP (bucket by bucket during backward) ----------------------------------
+
+def _no_lost_state(r: dict[str, Any]) -> bool:
+    z = r["zero"]
+    return z["lost_params"] == 0 and z["lost"] == []
+
+
+@pytest.mark.timeout(90)
+def test_zero_overlapped_fault_free_equals_static_overlap_and_serial_torch(tmp_path: Any) -> None:
+    final, logs = launch(tmp_path, zero_args("adam", "--overlap", "--steps", "8", "--consolidate"), None,
+                         hard_limit=60)
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], logs
+    assert_params_equal(final, logs)
+    for r in final:
+        z = r["zero"]
+        assert z["size"] == 3 and z["reshards"] == 1 and z["discards"] == 0 and _no_lost_state(r), logs
+        assert z["commits"] == r["step"] == r["stats"]["commits"], logs   # every step voted once, in zero.step()
+        assert r["state"], f"rank {r['rank']} owns no gradient bucket {logs}"
+    state = union_state(final, logs)
+    assert sum(len(r["state"]) for r in final) == len(state) == len(final[0]["params"]), logs  # disjoint shards
+    want_params, want_state = replay(final[0], "adam")
+    assert_close_params(final[0]["params"], want_params, logs)
+    assert_close_state(state, want_state, logs)
+    (holder,) = [r for r in final if "consolidated" in r]
+    assert holder["consolidated"].keys() == state.keys(), logs
+    # Static overlapped ZeRO (a world group, same start, same batches, same buckets and owners) lands on the
+    # same parameters, bitwise: the same gloo sums of the same gradients, the same per-bucket optimizer calls.
+    static = run_workers(grad_worker.static_zero_overlap, 3, final[0]["init"], final[0]["batches"], timeout=45)
+    for i, (a, b) in enumerate(zip(final[0]["params"], static[0])):
+        assert torch.equal(a, b), \
+            f"param {i}: elastic and static overlap differ by {(a - b).abs().max().item():.3g}"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("replicate,phase", [(False, "params"), (True, "grads")],
+                         ids=["state-lost-in-param-broadcast", "replicated-in-grad-reduce"])
+def test_zero_overlapped_sigkill_discards_everywhere_and_restart_heals(replicate: bool, phase: str,
+                                                                       tmp_path: Any) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    # Per step: three gradient all-reduces (buckets 0-2) on the group, then as each completes, that bucket's
+    # parameter broadcast on the overlap subgroup. "grads": the kill lands in bucket nth's all-reduce (the
+    # group's collective #nth: earlier buckets are stepped and broadcast by then); "params": in bucket nth's
+    # broadcast (its broadcast #nth: the last one may even complete, then the vote finds the member gone).
+    step, nth = rng.randrange(3, 7), rng.randrange(3)
+    plan = FaultPlan().crash(rank=2, step=step, nth=nth, op="broadcast" if phase == "params" else "")
+    extra = ["--overlap", "--steps", "12", "--want-size", "3", "--pace", "0.05"]
+    extra += ["--replicate"] if replicate else []
+    final, logs = launch(tmp_path, zero_args("adam", *extra), plan, hard_limit=70)
+    why = f"(seed {seed}: crash at step {step}, {phase} collective #{nth})\n{logs}"
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    survivors, reborn = final[:2], final[2]
+    assert survivors[0]["batches"] == survivors[1]["batches"], why
+    for s in survivors:
+        assert s["stats"]["discards"] >= 1 and s["zero"]["discards"] >= 1, why
+        assert s["zero"]["reshards"] >= 3, why   # first quorum, survivors alone, restarted worker back
+    assert reborn["stats"]["heals_received"] >= 1 and reborn["state"], why
+    assert_params_equal(final, why)
+    assert survivors[0]["zero"]["lost"] == survivors[1]["zero"]["lost"], why
+    lost = survivors[0]["zero"]["lost"]
+    if replicate:
+        assert lost == [] and all(r["zero"]["replica_drift"] == 0 for r in final), why
+        assert all(r["zero"]["replica_bytes"] > 0 for r in final), why
+    else:
+        assert len(lost) == 1 and lost[0][1], why   # the dead member's bucket's state, re-initialised once
+    state = union_state(final, why)
+    assert len(state) == len(final[0]["params"]), why
+    # Nothing of the killed step survives anywhere (buckets stepped before the kill were restored):
+    # the run equals serial unsharded Adam over the committed steps, with the reported resets.
+    want_params, want_state = replay(survivors[0], "adam", resets=lost)
+    assert_close_params(survivors[0]["params"], want_params, why)
+    assert_close_state(state, want_state, why)

@@ -7,6 +7,7 @@ import pytest
 from shoal.elastic import FailurePolicy, Timeouts, run_round, shard
 from shoal.errors import ConfigError
 from shoal.testing import Fault, FaultPlan
+from shoal.testing.faults import FaultyBackend
 
 
 def test_default_timeouts_are_a_valid_hierarchy() -> None:
@@ -38,6 +39,27 @@ def test_fault_plan_round_trips_and_validates() -> None:
         Fault("explode", 0, 1)
     with pytest.raises(ConfigError, match="seconds"):
         FaultPlan().delay(rank=0, step=1, seconds=0)
+    with pytest.raises(ConfigError, match="Fault.op"):
+        FaultPlan().crash(rank=0, step=1, op="bcast")
+    assert FaultPlan.from_json(FaultPlan().crash(rank=2, step=4, nth=1, op="broadcast").to_json()).faults[0].op == \
+        "broadcast"
+
+
+def test_fault_op_counts_only_its_kind_of_collective() -> None:
+    class Inner:
+        def allreduce(self, tensors: object, opts: object) -> str:
+            return "work"
+
+        def broadcast(self, tensors: object, opts: object) -> str:
+            return "work"
+
+    plan = FaultPlan().fail(rank=0, step=0, nth=1, op="broadcast")
+    backend = FaultyBackend(Inner(), list(plan.faults), lambda: 0, set())
+    assert backend.allreduce([], None) == "work"     # collective #0
+    assert backend.broadcast([], None) == "work"     # #1, broadcast #0
+    assert backend.allreduce([], None) == "work"     # #2
+    with pytest.raises(RuntimeError, match="broadcast #1 among broadcasts of step 0"):
+        backend.broadcast([], None)                  # #3, broadcast #1
 
 
 def test_shard_follows_rank_and_size() -> None:

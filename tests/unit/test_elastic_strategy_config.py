@@ -101,11 +101,30 @@ def test_nonblocking_fallback_to_blocking_is_refused(group: ElasticGroup) -> Non
 
 
 @pytest.mark.timeout(30)
-def test_zero_overlapped_with_ddp_is_refused_with_the_alternative(group: ElasticGroup) -> None:
+def test_zero_overlapped_with_ddp_on_an_elastic_group_attaches_without_a_collective(group: ElasticGroup) -> None:
+    # The broadcast subgroup is a rule applied per quorum and the layout waits for the first bucket:
+    # attaching awaits nothing (a collective here would wait for a quorum that never forms).
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
-    with pytest.raises(ConfigError, match=r"optimizer=zero\) is not supported on an elastic group.*call zero\.step\(\)"):
-        shoal.DistributedDataParallel(net, process_group=group, optimizer=zero)
+    model = shoal.DistributedDataParallel(net, process_group=group, optimizer=zero, bucket_cap_mb=0.0001)
+    assert zero._elastic is not None and zero._elastic.overlap is not None
+    assert model.reducer.on_bucket_reduced == zero._elastic.overlap.on_bucket
+    assert not zero._elastic.overlap.pending
+
+
+@pytest.mark.timeout(30)
+def test_zero_overlapped_with_ddp_on_another_group_is_refused(group: ElasticGroup) -> None:
+    coord = Coordinator(port=0)
+    other = ElasticGroup("config-test-2", coordinator=coord.address, timeouts=_FAST, min_workers=1)
+    try:
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        with pytest.raises(ConfigError, match=r"must use the same ElasticGroup"):
+            shoal.DistributedDataParallel(net, process_group=other, optimizer=zero)
+        assert zero._buckets is None and zero._elastic is not None and zero._elastic.overlap is None
+    finally:
+        other.leave()
+        coord.stop()
 
 
 def test_zero_replicate_needs_an_elastic_group() -> None:
