@@ -42,6 +42,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _context() -> Any:
+    """Workers fork from a server that has imported torch and shoal once (about 1.3 s of CPU saved
+    per worker over a fresh interpreter); plain spawn where fork servers do not exist."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shoal"])
+    return ctx
+
+
 def _entry(
     fn: Callable[..., Any],
     rank: int,
@@ -53,6 +63,8 @@ def _entry(
     init_group: bool,
     op_timeout: float,
 ) -> None:
+    # Forked from the fork server, this process has the server's environment: take the caller's.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -100,13 +112,14 @@ def run_workers(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="shoal-workers-") as out_dir:
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, r, world_size, port, args, out_dir, dict(env or {}), init_group, op_timeout),
+                args=(fn, r, world_size, port, args, out_dir, {**os.environ, **(env or {})}, init_group,
+                      op_timeout),
                 daemon=True,
             )
             for r in range(world_size)

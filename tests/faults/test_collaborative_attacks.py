@@ -43,7 +43,7 @@ def test_a_peer_lying_about_its_epoch_is_excluded_and_never_loaded_from(tmp_path
     common = {"target": 96, "epochs": 4, "max_seconds": 40}
     coord = Coordinator(port=0, initial_workers=3, token=TOKEN).start()
     run_id = uuid.uuid4().hex[:8]
-    spec = json.dumps({"common": common, "ranks": {"2": {"batch": 16, "role": "epochlie", "max_seconds": 25,
+    spec = json.dumps({"common": common, "ranks": {"2": {"batch": 16, "role": "epochlie", "max_seconds": 12,
                                                          "epochs": 1000, "linger": 0.0}}})
     try:
         with cf.ThreadPoolExecutor(1) as pool:

@@ -7,6 +7,7 @@ fail with the short join timeout below instead of raising ConfigError.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Iterator
 
 import pytest
@@ -22,15 +23,25 @@ from shoal.errors import ConfigError
 _FAST = Timeouts(op=1.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=0.5, quorum=15.0, join=20.0)
 
 
+@pytest.fixture(scope="module")
+def coord() -> Iterator[Coordinator]:
+    # A store server only: nobody publishes quorums. One per module: setting one up after another
+    # was torn down sometimes took 5 s here.
+    c = Coordinator(port=0)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
 @pytest.fixture
-def group() -> Iterator[ElasticGroup]:
-    coord = Coordinator(port=0)  # a store server only: nobody publishes quorums
-    g = ElasticGroup("config-test", coordinator=coord.address, timeouts=_FAST, min_workers=1)
+def group(coord: Coordinator) -> Iterator[ElasticGroup]:
+    g = ElasticGroup(f"config-test-{uuid.uuid4().hex[:8]}", coordinator=coord.address, timeouts=_FAST,
+                     min_workers=1)
     try:
         yield g
     finally:
         g.leave()
-        coord.stop()
 
 
 def _setup(strategy: shoal.Strategy, group: ElasticGroup) -> Any:
