@@ -15,10 +15,12 @@ whole step::
 
 Where the step ends: ``zero.step()`` after backward is the vote and returns
 its verdict, as without overlap. A loop that skips it is still safe: the next
-``start_step`` (the next DDP forward or ``ElasticSampler.next_batch``, through
-the group's ``before_start_step`` hook), ``wait_for_params()`` or
-``state_dict()`` ends the open step the same way, so a new quorum or a heal
-never finds a step in flight.
+``start_step`` (the next DDP forward, also a validation forward, or
+``ElasticSampler.next_batch``, through the group's ``before_start_step``
+hook), ``wait_for_params()`` or the DDP module's ``state_dict()`` ends the
+open step the same way, so a new quorum or a heal never finds a step in
+flight; a ``zero.step()`` after such a vote returns that verdict and steps
+nothing.
 
 Why a failure anywhere discards the whole step on every member: an owner
 updates its bucket in place but keeps a snapshot until the vote; the other
@@ -93,6 +95,10 @@ class ElasticOverlap:
         # Broadcasts and re-shard: issued from the bucket-done thread, so on a stream of their own.
         self.bcast = ElasticSubgroup(group, f"zero/overlap/{n}", whole_quorum)
         self._open: _Open | None = None
+        # The verdict of the last overlapped step when something other than zero.step() voted it
+        # (the next forward, wait_for_params(), a sampler): zero.step() returns it instead of stepping
+        # again with the same gradients. Cleared when the next backward opens a step.
+        self.unclaimed: bool | None = None
         reducer.on_bucket_reduced = self.on_bucket
         group.before_start_step(self._end_before_start)
 
@@ -106,6 +112,7 @@ class ElasticOverlap:
         """The reducer's callback: bucket 0 opens the step (re-shard first); each owner steps its bucket."""
         b = bucket.index()
         if b == 0:
+            self.unclaimed = None
             self._open = self._begin()
         st = self._open
         if st is None:  # pragma: no cover - bucket 0 always comes first
@@ -158,25 +165,40 @@ class ElasticOverlap:
     def _end_before_start(self) -> None:
         self.end_step()   # the loop skipped zero.step(): the next step starts after this one's verdict
 
+    def claim(self) -> bool | None:
+        """For ``zero.step()``: end the open step, or take the verdict another caller already got;
+        None when no overlapped backward ran since the last claim."""
+        if self._open is not None:
+            self.end_step()
+        verdict, self.unclaimed = self.unclaimed, None
+        return verdict
+
     def end_step(self) -> bool | None:
         """Wait for the broadcasts, vote, apply or undo; None when no overlapped step is open."""
         st, self._open = self._open, None
         if st is None:
             return None
         g, shards = self.group, self.shards
-        for h in st.handles:
-            h.wait()
-        if st.done != self.nbuckets and g.error is None:   # pragma: no cover - backward raised mid-way
-            g.report_error(ShoalError(f"only {st.done} of {self.nbuckets} gradient buckets were stepped"))
-        if g.should_commit() and st.shard is not None:
+        commit = False
+        try:
+            for h in st.handles:
+                h.wait()
+            if st.done != self.nbuckets and g.error is None:   # pragma: no cover - backward raised mid-way
+                g.report_error(ShoalError(f"only {st.done} of {self.nbuckets} gradient buckets were stepped"))
+            commit = g.should_commit() and st.shard is not None
+        finally:   # on an exception before the verdict too: never keep a half-stepped shard
+            if not commit:
+                if st.shard is not None:
+                    ElasticShards._restore(st.shard, st.snap)
+                shards._new = None
+        if commit:
+            assert st.shard is not None
             shards._commit(st.shard, g.step - 1, st.stepped)
-            return True
-        if st.shard is not None:
-            ElasticShards._restore(st.shard, st.snap)
-        shards._new = None
-        shards.stats.discards += 1
-        shards.zero.zero_grad(set_to_none=True)
-        return False
+        else:
+            shards.stats.discards += 1
+            shards.zero.zero_grad(set_to_none=True)
+        self.unclaimed = commit
+        return commit
 
 
 def _step_subset(opt: torch.optim.Optimizer, subsets: list[list[torch.Tensor]]) -> None:

@@ -16,8 +16,9 @@ before the next forward (a forward pre-hook on the module).
 On an :class:`~shoal.elastic.ElasticGroup` (with DDP on the same group)
 ``step()`` is the elastic step's vote and shards follow the quorum; see
 :mod:`shoal.optim.elastic_zero` and docs/zero.md. Overlapped with that DDP,
-a backward's bucket steps are held back until the vote in ``step()``, and
-broadcast over a per-quorum subgroup; see :mod:`shoal.optim.elastic_overlap`.
+each owner steps its buckets in place during backward, keeping a snapshot
+until the vote in ``step()`` (which restores it on a discard), and broadcasts
+them over a per-quorum subgroup; see :mod:`shoal.optim.elastic_overlap`.
 
 The consolidated state dict has torch's optimizer format, keyed by the global
 index of each parameter over the parameter groups, so it loads into a
@@ -340,8 +341,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if closure is not None or kwargs:
                 raise ConfigError("step(closure) is not supported on an elastic group: the closure's forward "
                                   "would run outside the step's vote")
-            if self._elastic.overlap is not None and self._elastic.overlap.pending:
-                return self._elastic.overlap.end_step()   # backward stepped the buckets: vote
+            if self._elastic.overlap is not None:
+                verdict = self._elastic.overlap.claim()   # backward stepped the buckets: vote (or voted)
+                if verdict is not None:
+                    return verdict
             return self._elastic.step()
         if self._stepped_in_backward:
             self._stepped_in_backward = False

@@ -102,3 +102,33 @@ def test_a_loop_without_zero_step_is_voted_at_the_next_step_start(group: Elastic
     assert not el.overlap.pending and group.step == 4 and el.stats.commits == 4
     for a, b in zip(net.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("voter", ["wait_for_params", "eval_forward"])
+def test_zero_step_after_another_caller_voted_returns_that_verdict_and_steps_nothing(
+        group: ElasticGroup, voter: str) -> None:
+    # Something votes the overlapped step between backward and zero.step() (wait_for_params, a
+    # validation forward): zero.step() must return that verdict, not step again with the same grads.
+    net = _net()
+    ref = copy.deepcopy(net)
+    zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+    model = shoal.DistributedDataParallel(net, process_group=group, optimizer=zero, bucket_cap_mb=CAP_MB)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(step)
+        F.mse_loss(model(x), y).backward()
+        if voter == "wait_for_params":
+            zero.wait_for_params()
+        else:
+            with torch.no_grad():
+                model(x)
+        assert zero.step() is True
+        zero.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    el = zero._elastic
+    assert el is not None and el.stats.commits == 3 and group.step == 3
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
