@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from harness import save_and_leave
 
 PER_HOST = 2
 
@@ -136,10 +137,7 @@ def main() -> None:
     result = {"rank": rank, "life": life, "log": log, "stats": vars(group.stats),
               "params": [p.detach().clone() for p in net.parameters()], "momentum": momentum(inner),
               "tags": {t: c.bytes_sent for t, c in group.meter.by_tag().items()}}
-    path = os.path.join(a.out, f"{rank}-{life}.pt")
-    torch.save(result, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    group.leave()
+    save_and_leave(a.out, rank, life, result, group)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import shoal
 from shoal import codecs
 from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
 from shoal.testing import FaultPlan
+from harness import save_and_leave
 
 
 def digest(model: nn.Module, opt: torch.optim.Optimizer) -> float:
@@ -98,10 +99,7 @@ def main() -> None:
             time.sleep(a.pace)
     result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(),
               "stats": vars(group.stats), "cursor": data.cursor, "rank": rank, "life": life}
-    path = os.path.join(a.out, f"{rank}-{life}.pt")
-    torch.save(result, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    group.leave()
+    save_and_leave(a.out, rank, life, result, group)
 
 
 if __name__ == "__main__":

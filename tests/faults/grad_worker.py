@@ -31,6 +31,7 @@ from torch import nn
 import shoal
 from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
 from shoal.testing import FaultPlan
+from harness import save_and_leave
 
 N, BATCH = 256, 8
 OVERLAP_CAP_MB = 0.0003   # ~78 floats: make_net(0) falls into 3 buckets (head, middle, first layer)
@@ -192,10 +193,7 @@ def main() -> None:
             zero.consolidate_state_dict(to=0)
             if zero.rank == 0:
                 result["consolidated"] = state_tensors(zero.state_dict()["state"])
-    path = os.path.join(a.out, f"{rank}-{life}.pt")
-    torch.save(result, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    group.leave()
+    save_and_leave(a.out, rank, life, result, group)
 
 
 if __name__ == "__main__":

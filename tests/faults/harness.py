@@ -133,3 +133,12 @@ def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[
             rank, life = (int(v) for v in name[:-3].split("-"))
             outcome.results[(rank, life)] = torch.load(os.path.join(out_dir, name), weights_only=False)
     return code, outcome
+
+
+def save_and_leave(out: str, rank: int, life: int, result: dict[str, Any], group: Any) -> None:
+    """A worker's last act: write its result atomically as ``{rank}-{life}.pt`` (what ``run`` reads),
+    then leave the elastic group."""
+    path = os.path.join(out, f"{rank}-{life}.pt")
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    group.leave()

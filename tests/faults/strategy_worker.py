@@ -24,6 +24,7 @@ from torch import nn
 import shoal
 from shoal.elastic import ElasticGroup, Timeouts
 from shoal.testing import FaultPlan
+from harness import save_and_leave
 
 PERIOD = 4
 
@@ -136,10 +137,7 @@ def main() -> None:
     result = {"log": log, "model": net.state_dict(), "synced": [t.clone() for t in synced_state(strategy, model, opt)],
               "stats": vars(group.stats), "rank": rank, "life": life,
               "contributed": rounds.contributed, "skipped": rounds.skipped}
-    path = os.path.join(a.out, f"{rank}-{life}.pt")
-    torch.save(result, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    group.leave()
+    save_and_leave(a.out, rank, life, result, group)
 
 
 if __name__ == "__main__":

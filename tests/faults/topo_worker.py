@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shoal
+from harness import save_and_leave
 
 PER_HOST = 2
 HIER = {2: 2, 4: 4}
@@ -118,10 +119,7 @@ def main() -> None:
     group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers, host_id=f"h{rank // PER_HOST}",
                          backend_factory=FaultPlan.from_env().backend_factory())
     result = train(rank, life, a.strategy, group, a.epochs, a.spe, a.pace, stop=a.stop, want_full=a.want_full)
-    path = os.path.join(a.out, f"{rank}-{life}.pt")
-    torch.save(result, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    group.leave()
+    save_and_leave(a.out, rank, life, result, group)
 
 
 if __name__ == "__main__":
