@@ -58,6 +58,27 @@ def state_tensors(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, torch
     return {i: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for i, st in state.items()}
 
 
+def _net_from(init: list[torch.Tensor]) -> nn.Module:
+    net = make_net(0)
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), init):
+            p.copy_(v)
+    return net
+
+
+def _train_fault_free(model: nn.Module, opt: Any, batches: dict[int, tuple[int, int]], rank: int,
+                      world: int) -> None:
+    """The elastic run's committed batches, this rank's slice of each, one optimizer step each."""
+    x, y = data()
+    for step in range(len(batches)):
+        cursor, size = batches[step]
+        assert size == world, "the reference runs fault-free elastic runs only"
+        idx = torch.arange(cursor + rank * BATCH, cursor + (rank + 1) * BATCH) % N
+        F.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def static_nonblocking(rank: int, world: int, init: list[torch.Tensor],
                        batches: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
     """The reference run: NonBlocking on a static world group, from ``init``, over ``batches``.
@@ -67,20 +88,10 @@ def static_nonblocking(rank: int, world: int, init: list[torch.Tensor],
     sampler's slice of rank ``rank``), as the elastic run did.
     """
     torch.set_num_threads(1)
-    net = make_net(0)
-    with torch.no_grad():
-        for p, v in zip(net.parameters(), init):
-            p.copy_(v)
+    net = _net_from(init)
     cls, kw = optim_args("adam")
     model, opt = shoal.wrap(net, cls(net.parameters(), **kw), shoal.NonBlocking())
-    x, y = data()
-    for step in range(len(batches)):
-        cursor, size = batches[step]
-        assert size == world, "the reference runs fault-free elastic runs only"
-        idx = torch.arange(cursor + rank * BATCH, cursor + (rank + 1) * BATCH) % N
-        F.mse_loss(model(x[idx]), y[idx]).backward()
-        opt.step()
-        opt.zero_grad()
+    _train_fault_free(model, opt, batches, rank, world)
     model.finalize()   # type: ignore[operator]
     return [p.detach().clone() for p in net.parameters()]
 
@@ -89,21 +100,11 @@ def static_zero_overlap(rank: int, world: int, init: list[torch.Tensor],
                         batches: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
     """The reference run: ZeRO overlapped with DDP on a static world group, from ``init``, over ``batches``."""
     torch.set_num_threads(1)
-    net = make_net(0)
-    with torch.no_grad():
-        for p, v in zip(net.parameters(), init):
-            p.copy_(v)
+    net = _net_from(init)
     cls, kw = optim_args("adam")
     zero = shoal.ZeroRedundancyOptimizer(net.parameters(), cls, **kw)
     model = shoal.DistributedDataParallel(net, bucket_cap_mb=OVERLAP_CAP_MB, optimizer=zero)
-    x, y = data()
-    for step in range(len(batches)):
-        cursor, size = batches[step]
-        assert size == world, "the reference runs fault-free elastic runs only"
-        idx = torch.arange(cursor + rank * BATCH, cursor + (rank + 1) * BATCH) % N
-        F.mse_loss(model(x[idx]), y[idx]).backward()
-        zero.step()
-        zero.zero_grad()
+    _train_fault_free(model, zero, batches, rank, world)
     zero.wait_for_params()
     return [p.detach().clone() for p in net.parameters()]
 
