@@ -129,10 +129,11 @@ def _daso(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | No
 
 
 def _leave_swarm(opt: shoal.CollaborativeOptimizer, coordinator: object, wait_s: float = 10.0) -> None:
-    """At exit: leave the swarm; rank 0 then waits (bounded) for the others to leave and stops the coordinator.
+    """At the end of the run: leave the swarm; rank 0 first waits (bounded) for the others to leave,
+    then stops the coordinator (a peer still in a round would lose its store).
 
-    The bench loop has no end-of-run hook, and a process that exits with its round groups
-    and the coordinator's store server still live can abort in their threads.
+    A process that exits with its round groups and the coordinator's store server still live can
+    abort in their threads.
     """
     import time
 
@@ -181,6 +182,14 @@ def _collaborative(module: nn.Module, make_optimizer: OptimizerFactory, group: G
     opt = shoal.CollaborativeOptimizer(lambda ps: make_optimizer(cast(list[nn.Parameter], ps)),
                                        module.named_parameters(), config=cfg)
     opt.group.client.wait_quorum(after=0, timeout=60.0)   # all ranks joined: nobody races ahead alone
-    atexit.register(_leave_swarm, opt, coordinator)
+    left = False
+
+    def close() -> None:   # the worker's end of run; at exit too if the loop raised before it
+        nonlocal left
+        if not left:
+            left = True
+            _leave_swarm(opt, coordinator)
+    atexit.register(close)
     # The bench loop calls zero_grad(set_to_none=True) and step() only, which CollaborativeOptimizer has.
-    return Trainer(module, cast(torch.optim.Optimizer, opt), comm=_counter(opt.group, "collab"), eval_module=module)
+    return Trainer(module, cast(torch.optim.Optimizer, opt), comm=_counter(opt.group, "collab"), eval_module=module,
+                   close=close)

@@ -57,6 +57,8 @@ class Trainer:
     whose parameters are evaluated (default: the module the strategy got).
     ``report_loss(value)``, if set, receives each step's training loss on
     this worker after the step (strategies that adapt to the loss, e.g. DASO).
+    ``close()`` ends the run on this worker (e.g. leave a swarm) once the loop
+    and its last evaluation are done; the worker calls it once.
 
     Example:
         >>> m = nn.Linear(2, 1)
@@ -72,6 +74,7 @@ class Trainer:
     comm: Callable[[], CommCounters] = field(default=CommCounters)
     eval_module: nn.Module | None = None
     report_loss: Callable[[float], None] | None = None
+    close: Callable[[], None] = lambda: None
 
 
 # (module, make_optimizer, group) -> Trainer; group is None for single-worker strategies.

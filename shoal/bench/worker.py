@@ -227,8 +227,10 @@ def train(cfg: WorkerConfig, rank: int, world: int) -> dict[str, Any]:
             record(step, wall)
         if stop:
             break
+    comm = trainer.comm().as_dict()
+    trainer.close()
     return {"rank": rank, "world": world, "strategy": cfg.strategy, "steps": step, "wall_s": wall,
-            "points": points, "comm": trainer.comm().as_dict()}
+            "points": points, "comm": comm}
 
 
 def main(argv: list[str] | None = None) -> int:

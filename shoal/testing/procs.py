@@ -15,6 +15,10 @@ fresh port, runs ``fn(rank, world_size, *args)`` and sends back its result
 (anything ``torch.save`` can write). An exception in any child, or the
 ``timeout`` passing, kills every child and raises :class:`WorkerError` with
 each failed rank's traceback: a test never hangs.
+
+Workers are forked from a fork server (spawned where there is none), so, as
+in any forked process, ``atexit`` handlers do not run when a worker ends:
+``fn`` must release what it holds (leave a swarm, stop a server) itself.
 """
 
 from __future__ import annotations

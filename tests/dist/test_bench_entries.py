@@ -41,6 +41,7 @@ def _exercise(rank: int, world: int, names: list[str]) -> dict[str, dict[str, fl
         torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
         out[name] = {"loss": loss.item(), "sent": float(trainer.comm().bytes_sent),
                      "max_gap": (spread - flat).abs().max().item()}
+        trainer.close()
     return out
 
 
@@ -84,8 +85,10 @@ def _collaborative_lm(rank: int, world: int, steps: int) -> dict:
     expected = sum(wire_bytes("all_reduce", 4 * numel, r.peers)[0]
                    for r in opt.rounds if r.outcome == "averaged" and r.peers > 1)  # type: ignore[attr-defined]
     full = [r.epoch for r in opt.rounds if r.outcome == "averaged" and r.peers == world]  # type: ignore[attr-defined]
-    return {"losses": losses, "sent": trainer.comm().bytes_sent, "expected": expected, "full": full,
-            "grad_sent": opt.group.meter.counters("collab/grad").bytes_sent}  # type: ignore[attr-defined]
+    out = {"losses": losses, "sent": trainer.comm().bytes_sent, "expected": expected, "full": full,
+           "grad_sent": opt.group.meter.counters("collab/grad").bytes_sent}  # type: ignore[attr-defined]
+    trainer.close()   # as the bench worker does: rank 0 keeps the coordinator up until rank 1 has left
+    return out
 
 
 @pytest.mark.timeout(240)
