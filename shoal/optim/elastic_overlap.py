@@ -191,8 +191,7 @@ class ElasticOverlap:
                 if st.shard is not None:
                     ElasticShards._restore(st.shard, st.snap)
                 shards._new = None
-        if commit:
-            assert st.shard is not None
+        if commit and st.shard is not None:
             shards._commit(st.shard, g.step - 1, st.stepped)
         else:
             shards.stats.discards += 1
