@@ -94,6 +94,8 @@ class CommCounters:
 
     ``wait_seconds`` is the time the training thread spent blocked on
     communication (exposed communication), not the time the network was busy.
+    ``nonfinite_skips`` counts steps that every rank skipped together because
+    some rank's gradients (or the mean it received) held NaN/Inf (SPEC G5).
     """
 
     ops: int = 0
@@ -101,6 +103,7 @@ class CommCounters:
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_seconds: float = 0.0
+    nonfinite_skips: int = 0
 
     def __add__(self, other: "CommCounters") -> "CommCounters":
         return CommCounters(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -148,6 +151,10 @@ class Meter:
     def add_wait(self, tag: str, seconds: float) -> None:
         """Count ``seconds`` the caller blocked on communication under ``tag``."""
         self._add(tag, CommCounters(wait_seconds=seconds))
+
+    def add_nonfinite_skip(self, tag: str) -> None:
+        """Count one step skipped under ``tag`` because of NaN/Inf gradients."""
+        self._add(tag, CommCounters(nonfinite_skips=1))
 
     def _add(self, tag: str, delta: CommCounters) -> None:
         with self._lock:
