@@ -62,3 +62,52 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
     pb = dict(b.named_parameters()) | {k: v for k, v in b.named_buffers() if v.is_floating_point()}
     assert pa.keys() == pb.keys()
     return max((pa[k].float() - pb[k].float()).abs().max().item() for k in pa)
+
+
+class _TinyBlock(nn.Module):
+    """Pre-norm causal self-attention plus a one-layer MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias gets a zero gradient: Adam would amplify its noise
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.norm(x)).split(d, dim=-1))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + torch.tanh(self.mlp(x))
+
+
+class TiedGPT(nn.Module):
+    """A tiny GPT whose output head shares the token embedding matrix, with every kind of shared weight.
+
+    - ``head`` is registered before ``tok``: it owns the shared matrix although
+      the embedding uses it first in the forward (the usual LM tying, made
+      order-sensitive);
+    - ``inp.weight`` is ``out.weight``: ``inp`` runs first and saves it for
+      backward, ``out`` (which registered it) runs later;
+    - ``block`` runs twice per forward: one module, its parameters used twice.
+    """
+
+    def __init__(self, vocab: int = 16, d: int = 8, heads: int = 2, context: int = 6) -> None:
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.tok = nn.Embedding(vocab, d)
+        self.tok.weight = self.head.weight
+        self.pos = nn.Parameter(torch.randn(context, d) * 0.1)
+        self.out = nn.Linear(d, d)
+        self.inp = nn.Linear(d, d)
+        self.inp.weight = self.out.weight
+        self.block = _TinyBlock(d, heads)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        x = torch.tanh(self.inp(x))
+        x = self.block(self.block(x))
+        return self.head(self.out(x))
