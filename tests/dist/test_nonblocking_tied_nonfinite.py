@@ -88,8 +88,13 @@ def _reference(kind: str, world: int, steps: int, skip: int | None) -> tuple[lis
     return losses, visible, _state(net)
 
 
-def _train(rank: int, kind: str, steps: int, codec: Any, bad: tuple[int, float] | None) -> dict[str, Any]:
-    """NonBlocking; with ``bad = (step, value)`` rank 1 fills its output layer's gradient with ``value`` then."""
+def _train(rank: int, kind: str, steps: int, codec: Any, bad: tuple[int, float] | None,
+           finalise_bad: bool = False) -> dict[str, Any]:
+    """NonBlocking; with ``bad = (step, value)`` rank 1 fills its output layer's gradient with ``value`` then.
+
+    ``finalise_bad``: at that step every rank calls ``model.finalize()`` between backward and ``step()``
+    (the means land in ``.grad`` first, then ``step()`` must skip them).
+    """
     batch, loss_fn = (_gpt_batch, _gpt_loss) if kind == "gpt" else (_mlp_batch, _mlp_loss)
     net, opt, _ = _make(kind)
     model, nb_opt = NonBlocking(codec=codec).wrap(net, opt)
@@ -105,6 +110,8 @@ def _train(rank: int, kind: str, steps: int, codec: Any, bad: tuple[int, float] 
         loss.backward()
         if hook is not None:
             hook.remove()
+        if finalise_bad and bad is not None and step == bad[0]:
+            model.finalize()  # type: ignore[operator]
         nb_opt.step()
         sched.step()
         visible.append(_state(net))
@@ -139,11 +146,13 @@ def test_tied_weights_transformer_equals_reference_on_4_ranks() -> None:
 
 
 STEPS, BAD_STEP = 5, 2
-CASES = {"nan": (None, float("nan")), "inf_codec": (Identity(), float("inf"))}
+CASES = {"nan": (None, float("nan"), False), "inf_codec": (Identity(), float("inf"), False),
+         "nan_finalised": (None, float("nan"), True)}
 
 
 def _nonfinite_work(rank: int, world: int) -> dict[str, Any]:
-    return {case: _train(rank, "mlp", STEPS, codec, (BAD_STEP, value)) for case, (codec, value) in CASES.items()}
+    return {case: _train(rank, "mlp", STEPS, codec, (BAD_STEP, value), fin)
+            for case, (codec, value, fin) in CASES.items()}
 
 
 @pytest.mark.timeout(120)
