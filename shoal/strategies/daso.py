@@ -32,6 +32,7 @@ from torch import nn
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.codecs.identity import Identity
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.topology import HostGroups
 from shoal.errors import ConfigError, ShoalError
@@ -174,6 +175,7 @@ class _GlobalSync:
         self.delta = torch.empty_like(self.ref)
         self._thread: ThreadPoolExecutor | None = None
         self._work: ThreadFuture | None = None
+        self.skipped_nonfinite = 0  # landings skipped because the leaders' mean held a NaN/Inf
 
     def _flat_params(self, out: torch.Tensor) -> torch.Tensor:
         torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params], out=out)
@@ -207,6 +209,10 @@ class _GlobalSync:
                 raise ShoalError("DASO: a global sync lands that was never launched")
             self._work.result()
             self._work = None
+            if read_flag(nonfinite_flag([self.delta])):   # the same mean on every leader: all skip it
+                self.skipped_nonfinite += 1                 # counted by DASO.after_step
+                self._broadcast_in_host()
+                return
             self.ref.add_(self.delta)                       # the agreed parameters at launch
             now = self._flat_params(self.delta)             # reuse the buffer: parameters now
             now.sub_(self.at_launch).add_(self.ref)         # + progress since launch
@@ -318,7 +324,10 @@ class DASO(Strategy):
         if launch:
             self._sync.launch()
         if land:
+            skipped = self._sync.skipped_nonfinite
             self._sync.land()
+            if self._sync.skipped_nonfinite > skipped:
+                self._count_nonfinite("mean of the hosts' deltas", "every leader skipped this global sync")
         self._mark_step()
 
     def _share_epoch_loss(self, group: Group) -> None:

@@ -41,6 +41,7 @@ from torch import nn
 from shoal.codecs.base import Codec
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.elastic_sub import ElasticSubgroup, by_host, host_leaders, member_infos
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.strategies.elastic import ADOPT
 
@@ -206,9 +207,13 @@ class ElasticDASO:
                 self._leaders_mean(hosts)
             self.host.broadcast(self.scratch, src=0, tag="daso/local-bcast").wait()  # the leader is host rank 0
             if self.group.should_commit():
+                self.commits += 1
+                if read_flag(nonfinite_flag([self.scratch])):  # the same mean on every worker: all skip it
+                    self.pending = False
+                    self.group.meter.add_nonfinite_skip("daso/nonfinite")
+                    return
                 self.agreed.copy_(self.scratch)
                 self.pending = True
-                self.commits += 1
                 return
         self.pending = False
         self.skipped += 1
