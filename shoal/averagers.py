@@ -186,7 +186,8 @@ def level_groups(group: Group, hierarchy: Hierarchy) -> list[Group]:
     return out
 
 
-def finite_mean(codec: Codec, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str) -> int:
+def finite_mean(codec: Codec, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str,
+                strict: bool = True) -> int:
     """``codec``'s mean of ``tensors`` over the members whose tensors are all finite; returns how many were left out.
 
     A member whose tensors hold a NaN/Inf contributes zeros and the mean is
@@ -199,7 +200,9 @@ def finite_mean(codec: Codec, tensors: Sequence[torch.Tensor], names: Sequence[s
     left someone out counts one ``nonfinite_skips`` under ``<tag>/nonfinite``
     on every member (the verdict is the same everywhere) and warns. Raises
     :class:`~shoal.errors.ShoalError` on every member alike when no member is
-    finite (training has diverged everywhere: there is nothing to average).
+    finite (training has diverged everywhere: there is nothing to average),
+    unless ``strict`` is False: the tensors are then zeros (for a mean of
+    deltas: no change) and ``group.size`` is returned.
 
     Example::
 
@@ -217,13 +220,14 @@ def finite_mean(codec: Codec, tensors: Sequence[torch.Tensor], names: Sequence[s
     live = int(round(float(finite.item())))  # the one read after the collectives
     if live == group.size:
         return 0
-    if live == 0:
+    if live == 0 and strict:
         raise ShoalError(
             f"every one of the {group.size} members averaging under {tag!r} holds non-finite (NaN/Inf) values: "
             "training has diverged on all of them and there is nothing finite to average; lower the learning "
             "rate or restart from a checkpoint"
         )
-    torch._foreach_mul_(list(tensors), group.size / live)
+    if live > 0:
+        torch._foreach_mul_(list(tensors), group.size / live)
     group.meter.add_nonfinite_skip(f"{tag}/nonfinite")
     warnings.warn(f"{group.size - live} of {group.size} members held non-finite (NaN/Inf) values at an average "
                   f"under {tag!r}: left out, every member now holds the mean of the finite ones; counted in "

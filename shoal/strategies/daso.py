@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
+from shoal.averagers import finite_mean
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.codecs.identity import Identity
@@ -175,7 +176,6 @@ class _GlobalSync:
         self.delta = torch.empty_like(self.ref)
         self._thread: ThreadPoolExecutor | None = None
         self._work: ThreadFuture | None = None
-        self.skipped_nonfinite = 0  # landings skipped because the leaders' mean held a NaN/Inf
 
     def _flat_params(self, out: torch.Tensor) -> torch.Tensor:
         torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params], out=out)
@@ -197,7 +197,9 @@ class _GlobalSync:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-daso")
         codec, delta = self.codec, self.delta
-        self._work = self._thread.submit(lambda: codec.mean([delta], ["params"], leaders, TAG))
+        # A host whose delta holds a NaN/Inf is left out of the mean (see finite_mean); lenient: when
+        # every host is, the mean is zero and every host restarts from the last agreed parameters.
+        self._work = self._thread.submit(lambda: finite_mean(codec, [delta], ["params"], leaders, TAG, strict=False))
 
     @torch.no_grad()
     def land(self) -> None:
@@ -209,13 +211,11 @@ class _GlobalSync:
                 raise ShoalError("DASO: a global sync lands that was never launched")
             self._work.result()
             self._work = None
-            if read_flag(nonfinite_flag([self.delta])):   # the same mean on every leader: all skip it
-                self.skipped_nonfinite += 1                 # counted by DASO.after_step
-                self._broadcast_in_host()
-                return
             self.ref.add_(self.delta)                       # the agreed parameters at launch
             now = self._flat_params(self.delta)             # reuse the buffer: parameters now
             now.sub_(self.at_launch).add_(self.ref)         # + progress since launch
+            if read_flag(nonfinite_flag([now])):            # this host's progress is not finite: drop it
+                now.copy_(self.ref)
             self._write_params(now)
         self._broadcast_in_host()
 
@@ -324,10 +324,7 @@ class DASO(Strategy):
         if launch:
             self._sync.launch()
         if land:
-            skipped = self._sync.skipped_nonfinite
             self._sync.land()
-            if self._sync.skipped_nonfinite > skipped:
-                self._count_nonfinite("mean of the hosts' deltas", "every leader skipped this global sync")
         self._mark_step()
 
     def _share_epoch_loss(self, group: Group) -> None:

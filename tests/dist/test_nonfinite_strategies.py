@@ -12,7 +12,9 @@ with the bad step simply left out.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable
 
 import pytest
@@ -322,3 +324,111 @@ def test_streaming_diloco_resets_the_poisoned_fragment(results: list[dict[str, A
         assert s["skips"] == (4 if rank == 1 else 1), s["skips"]
         assert torch.equal(s["frag0"], s["global0"].to(s["frag0"].dtype))  # reset to the global copy
     assert torch.equal(f0[0], f0[1]) and bool(torch.isfinite(f0[0]).all())
+
+
+# --- world 4: Hierarchical (pairs and the world) and DASO (2 hosts x 2) ------------------------------
+
+def _hierarchical(rank: int, base: nn.Module) -> dict[str, Any]:
+    """{2: 2, 4: 4}, warm-up 1: pairs average after steps 2, 6; everyone after 4, 8 (torch's schedule)."""
+    from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+        HierarchicalModelAverager as TorchHierarchical,
+    )
+
+    levels = OrderedDict([(2, 2), (4, 4)])
+    ref = copy.deepcopy(base)
+    ref_opt = make_optimizer("sgd", ref.parameters())
+    ref_avg = TorchHierarchical(levels, warmup_steps=1)
+    _train(ref, ref_opt, _batches(rank), skip=lambda s: s == BAD and rank == 1,
+           after_step=lambda s: ref_avg.average_parameters(ref.parameters()))
+    model, opt, module = _wrap(base, shoal.Hierarchical({2: 2, 4: 4}, warmup_steps=1))
+    run = _train(model, opt, _batches(rank, NAN))
+    out: dict[str, Any] = {"grad": {"diff": max_diff(module, ref), "skips": _skips(opt.strategy), **run}}
+
+    # A NaN parameter on rank 1 after step 1: its step 2 is skipped, the pair average after step 2
+    # leaves it out (rank 0's parameters for both), the other pair averages as usual.
+    model, opt, module = _wrap(base, shoal.Hierarchical({2: 2, 4: 4}, warmup_steps=1))
+    local: list[torch.Tensor] = []
+    opt.optimizer.register_step_post_hook(lambda *_: local.append(_flat(module)))
+    seen: dict[str, Any] = {}
+
+    def after(step: int) -> None:
+        if step == 1 and rank == 1:
+            with torch.no_grad():
+                module.out.bias[0] = NAN
+        if step == 2:
+            seen["after2"], seen["left_out2"] = _flat(module), opt.strategy.averager.last_left_out
+
+    run = _train(model, opt, _batches(rank), after_step=after)
+    everyone = [torch.zeros_like(local[2]) for _ in range(4)]
+    dist.all_gather(everyone, local[2])  # each rank's third local update (rank 1's is its step 3)
+    out["param"] = {"skips": _skips(opt.strategy), **run, **seen, "local2": everyone}
+    return out
+
+
+def _daso(rank: int, base: nn.Module, lr_zero_at: int | None, poison: str | None) -> dict[str, Any]:
+    """DASO, 3 epochs of 3 steps, warm-up and cool-down 1 (blocking global sync every step in those)."""
+    os.environ["SHOAL_HOST_ID"] = f"host-{rank // 2}"
+    module = copy.deepcopy(base)
+    daso = shoal.DASO(total_epochs=3, steps_per_epoch=3, warmup_epochs=1, cooldown_epochs=1)
+    model, opt = shoal.wrap(module, torch.optim.SGD(module.parameters(), lr=0.05), daso)
+    batches = _batches(rank, NAN if poison == "grad" else None)
+
+    def after(step: int) -> None:
+        daso.report_loss(1.0)
+        if lr_zero_at is not None:  # the reference: host 0's update at step BAD is zero, i.e. left out
+            opt.param_groups[0]["lr"] = 0.0 if (step + 1 == lr_zero_at and rank < 2) else 0.05
+        if poison == "param" and step == 1 and rank == 0:  # host 0's leader: every host-0 rank's next
+            with torch.no_grad():                          # gradient is NaN, and its delta too
+                module.fc1.weight[0, 0] = NAN
+
+    if lr_zero_at == 0:
+        opt.param_groups[0]["lr"] = 0.0 if rank < 2 else 0.05
+    run = _train(model, opt, batches, after_step=after)
+    daso.close()
+    return {"skips": _skips(daso), "final": _flat(module), **run}
+
+
+def _all4(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    base = Net()
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out.update({f"hier/{k}": v for k, v in _hierarchical(rank, base).items()})
+        out["daso/grad"] = _daso(rank, base, None, "grad")
+        out["daso/ref"] = _daso(rank, base, BAD, None)
+        out["daso/param"] = _daso(rank, base, None, "param")
+    return out
+
+
+@pytest.fixture(scope="module")
+def results4() -> list[dict[str, Any]]:
+    return run_workers(_all4, 4, timeout=170)
+
+
+@pytest.mark.timeout(200)
+def test_hierarchical_skips_locally_and_leaves_a_nan_parameter_out(results4: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results4):
+        g, p = r["hier/grad"], r["hier/param"]
+        assert all(g["finite"]) and g["diff"] == 0.0, (rank, g["diff"])
+        assert g["skips"] == (1 if rank == 1 else 0)
+        assert p["skips"] == {0: 1, 1: 2}.get(rank, 0), (rank, p["skips"])
+        assert p["finite"] == ([True, False] if rank == 1 else [True, True]) + [True] * (STEPS - 2)
+        assert p["left_out2"] == (1 if rank < 2 else 0)
+        pair = p["local2"][0] if rank < 2 else (p["local2"][2] + p["local2"][3]) / 2
+        assert torch.allclose(p["after2"], pair, rtol=0, atol=1e-7), rank
+        assert p["spread"][4] == 0.0 and p["spread"][8] == 0.0
+
+
+@pytest.mark.timeout(200)
+def test_daso_host_skips_together_and_leaves_a_nan_host_out(results4: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results4):
+        g, ref, p = r["daso/grad"], r["daso/ref"], r["daso/param"]
+        # A NaN gradient on rank 1: host 0's mean gradient is NaN, both its ranks skip, host 1 steps.
+        assert all(g["finite"]) and g["skips"] == (1 if rank < 2 else 0), (rank, g["skips"])
+        assert torch.equal(g["final"], ref["final"]), rank  # = host 0's update at that step left out
+        assert g["spread"][:3] == [0.0] * 3 and g["spread"][-3:] == [0.0] * 3  # blocking syncs: all agree
+        # A NaN parameter on host 0's leader after step 1: host 0 skips step 2 and is left out of the
+        # global mean after it (counted on both leaders), then restarts from the agreed parameters.
+        assert p["finite"][2:] == [True] * (STEPS - 2) and p["spread"][2] == 0.0 and p["spread"][-1] == 0.0
+        assert p["skips"] == {0: 2, 1: 1, 2: 1, 3: 0}[rank], (rank, p["skips"])
