@@ -250,6 +250,11 @@ class DASO(Strategy):
     still lands ``global_skips // 4`` steps later); newcomers heal from the
     run and then from their host. See :mod:`shoal.strategies.daso_elastic`.
 
+    NaN/Inf (SPEC G5): a host whose averaged gradients are non-finite skips
+    that step on all its ranks; a host whose delta is non-finite is left out
+    of the leaders' mean and restarts from the agreed parameters when it
+    lands. Counted in ``comm_stats().total.nonfinite_skips`` (see docs/daso.md).
+
     Example::
 
         daso = shoal.DASO(total_epochs=20, steps_per_epoch=len(loader))

@@ -192,6 +192,11 @@ class DiLoCo(Strategy):
     optimizer's state stays each worker's own, as in the paper (a newcomer
     starts from a peer's).
 
+    NaN/Inf (SPEC G5): an inner step with non-finite gradients is skipped by
+    that rank alone; a non-finite averaged pseudo-gradient (the same on every
+    rank) skips the outer step on every rank, which restart from the
+    unchanged global copy. Both count in ``comm_stats().total.nonfinite_skips``.
+
     Example::
 
         model, opt = shoal.wrap(model, torch.optim.AdamW(model.parameters(), lr=4e-4),

@@ -41,6 +41,13 @@ class AveragingStrategy(Strategy):
     round (:class:`~shoal.strategies.elastic.ElasticRounds`): a failed one is
     run again with the survivors of the next quorum, and the average divides
     by the live contributors; local steps need no vote.
+
+    NaN/Inf (SPEC G5): a rank whose gradients are non-finite skips its own
+    optimizer update (together with its group where gradients are averaged);
+    a member whose parameters are non-finite is left out of an average and
+    receives the finite members' mean (:func:`shoal.averagers.finite_mean`).
+    Each counts in ``comm_stats().total.nonfinite_skips``; see
+    docs/averaging.md.
     """
 
     def __init__(self, codec: Codec | None, average_optimizer_state: bool | Sequence[str]) -> None:
