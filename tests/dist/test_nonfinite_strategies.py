@@ -125,8 +125,11 @@ def _flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
 
 
-def _post_local(rank: int, base: nn.Module, poison_at: int) -> dict[str, Any]:
-    """Post-local SGD vs torch's hook + PostLocalSGDOptimizer, a NaN input in warm-up or after it."""
+def _post_local(rank: int, base: nn.Module, poison_at: int, local_size: int | None = None) -> dict[str, Any]:
+    """Post-local SGD vs torch's hook + PostLocalSGDOptimizer, a NaN input in warm-up or after it.
+
+    With ``local_size``, gradients are still averaged inside groups of that many ranks after the warm-up.
+    """
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager as TorchPeriodic
     from torch.distributed.optim import PostLocalSGDOptimizer
@@ -135,18 +138,19 @@ def _post_local(rank: int, base: nn.Module, poison_at: int) -> dict[str, Any]:
     sub = dist.new_subgroups(group_size=2)[0]
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     ref.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=sub, start_localSGD_iter=warmup,
-                                             post_local_gradient_allreduce=False), post_localSGD_hook)
+                                             post_local_gradient_allreduce=local_size is not None),
+                           post_localSGD_hook)
     ref_opt = PostLocalSGDOptimizer(make_optimizer("sgd", ref.parameters()), TorchPeriodic(3, warmup))
 
-    def omitted(step: int) -> bool:  # warm-up: the NaN reaches every rank's gradient; after: rank 1's only
-        return step == poison_at and (poison_at < warmup or rank == 1)
+    def omitted(step: int) -> bool:  # warm-up: the NaN reaches every rank's gradient; after: rank 1's group's
+        return step == poison_at and (poison_at < warmup or rank // (local_size or 1) == 1 // (local_size or 1))
 
     def keep_count(step: int) -> None:  # PostLocalSGDOptimizer.step() is the update, then the averager
         if omitted(step):
             ref_opt.averager.average_parameters(ref.parameters())
 
     _train(ref, ref_opt, _batches(rank), skip=omitted, after_step=keep_count)
-    model, opt, module = _wrap(base, shoal.PostLocalSGD(period=3, warmup_steps=warmup))
+    model, opt, module = _wrap(base, shoal.PostLocalSGD(period=3, warmup_steps=warmup, local_group_size=local_size))
     run = _train(model, opt, _batches(rank, NAN, at=poison_at))
     return {"diff": max_diff(module, ref.module), "skips": _skips(opt.strategy), **run}
 
@@ -395,6 +399,7 @@ def _all4(rank: int, world: int) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out.update({f"hier/{k}": v for k, v in _hierarchical(rank, base).items()})
+        out["post/group"] = _post_local(rank, base, poison_at=5, local_size=2)
         out["daso/grad"] = _daso(rank, base, None, "grad")
         out["daso/ref"] = _daso(rank, base, BAD, None)
         out["daso/param"] = _daso(rank, base, None, "param")
@@ -432,3 +437,12 @@ def test_daso_host_skips_together_and_leaves_a_nan_host_out(results4: list[dict[
         # global mean after it (counted on both leaders), then restarts from the agreed parameters.
         assert p["finite"][2:] == [True] * (STEPS - 2) and p["spread"][2] == 0.0 and p["spread"][-1] == 0.0
         assert p["skips"] == {0: 2, 1: 1, 2: 1, 3: 0}[rank], (rank, p["skips"])
+
+
+@pytest.mark.timeout(200)
+def test_post_local_sgd_local_groups_skip_together(results4: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results4):
+        p = r["post/group"]
+        # After warm-up, gradients are averaged in pairs: rank 1's NaN makes ranks 0 and 1 skip, not 2 and 3.
+        assert all(p["finite"]) and p["skips"] == (1 if rank < 2 else 0), (rank, p["skips"])
+        assert p["diff"] <= 1e-6, (rank, p["diff"])
