@@ -7,7 +7,9 @@ What shoal adds: the mean travels through a codec (exact by default, or fp16,
 int8, ... from :mod:`shoal.codecs`), every collective is tagged for the
 group's meter, and every parameter that requires grad is averaged (torch skips
 parameters whose ``.grad`` is ``None``, which can desynchronise ranks whose
-graphs differ and silently averages nothing after ``zero_grad()``).
+graphs differ and silently averages nothing after ``zero_grad()``), and a
+member whose parameters hold a NaN/Inf is left out of the mean instead of
+spreading it (:func:`finite_mean`; ``last_left_out`` says how many were).
 
 Example (after ``loss.backward(); opt.step()`` in each step)::
 
@@ -29,8 +31,9 @@ import torch
 
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, ShoalError
 
 _PERIOD_ONE = (
     "all-reducing parameters every step costs no less than all-reducing gradients "
@@ -183,6 +186,55 @@ def level_groups(group: Group, hierarchy: Hierarchy) -> list[Group]:
     return out
 
 
+def finite_mean(codec: Codec, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str,
+                strict: bool = True) -> int:
+    """``codec``'s mean of ``tensors`` over the members whose tensors are all finite; returns how many were left out.
+
+    A member whose tensors hold a NaN/Inf contributes zeros and the mean is
+    rescaled by ``size / finite members``, so every member (the one left out
+    included) ends with the mean of the finite ones: a NaN never spreads and
+    the member that held it is healed. How many members were finite travels
+    in a 4-byte all-reduce (tag ``<tag>/finite``) issued before the mean; its
+    result is read once, after the mean's collectives. The only other host
+    read is this member's own check, before any collective. An average that
+    left someone out counts one ``nonfinite_skips`` under ``<tag>/nonfinite``
+    on every member (the verdict is the same everywhere) and warns. Raises
+    :class:`~shoal.errors.ShoalError` on every member alike when no member is
+    finite (training has diverged everywhere: there is nothing to average),
+    unless ``strict`` is False: the tensors are then zeros (for a mean of
+    deltas: no change) and ``group.size`` is returned.
+
+    Example::
+
+        left_out = finite_mean(Identity(), list(model.parameters()), names, group, "demo/params")
+    """
+    if not tensors:
+        return 0
+    bad = read_flag(nonfinite_flag(tensors))
+    finite = torch.full((), 0.0 if bad else 1.0, dtype=torch.float32, device=tensors[0].device)
+    count = group.all_reduce(finite, op="sum", tag=f"{tag}/finite")
+    if bad:
+        torch._foreach_zero_(list(tensors))
+    codec.mean(tensors, names, group, tag)
+    count.wait()
+    live = int(round(float(finite.item())))  # the one read after the collectives
+    if live == group.size:
+        return 0
+    if live == 0 and strict:
+        raise ShoalError(
+            f"every one of the {group.size} members averaging under {tag!r} holds non-finite (NaN/Inf) values: "
+            "training has diverged on all of them and there is nothing finite to average; lower the learning "
+            "rate or restart from a checkpoint"
+        )
+    if live > 0:
+        torch._foreach_mul_(list(tensors), group.size / live)
+    group.meter.add_nonfinite_skip(f"{tag}/nonfinite")
+    warnings.warn(f"{group.size - live} of {group.size} members held non-finite (NaN/Inf) values at an average "
+                  f"under {tag!r}: left out, every member now holds the mean of the finite ones; counted in "
+                  "nonfinite_skips", RuntimeWarning, stacklevel=3)
+    return group.size - live
+
+
 class ModelAverager(abc.ABC):
     """Step counter, codec and the flat mean shared by both averagers."""
 
@@ -195,6 +247,7 @@ class ModelAverager(abc.ABC):
         self.codec: Codec = codec if codec is not None else Identity()
         self.step = 0
         self.last_group: Group | None = None  # the group that averaged at the last call, if any
+        self.last_left_out = 0  # members left out of the last average for non-finite parameters
 
     @abc.abstractmethod
     def _group_at(self, step: int) -> tuple[Group, str] | None:
@@ -210,11 +263,12 @@ class ModelAverager(abc.ABC):
         due = self._group_at(self.step)
         self.step += 1
         self.last_group = None
+        self.last_left_out = 0
         if due is None:
             return None
         group, tag = due
         with torch.no_grad():
-            self.codec.mean(tensors, names, group, tag)
+            self.last_left_out = finite_mean(self.codec, tensors, names, group, tag)
         self.last_group = group
         return group
 

@@ -23,11 +23,13 @@ Writing a strategy::
 from __future__ import annotations
 
 import abc
+import warnings
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ShoalError
@@ -110,10 +112,47 @@ class Strategy(abc.ABC):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None) -> Any:
         """Run the wrapped optimizer's step (between :meth:`before_step` and :meth:`after_step`).
 
-        A strategy that applies updates elsewhere (non-blocking: in the next
-        forward) overrides this to schedule the step instead.
+        Unless the gradients this rank is about to apply hold a NaN/Inf
+        (:meth:`skip_nonfinite_grads`): then the update is skipped, the
+        gradients are dropped and the skip is counted, but :meth:`after_step`
+        still runs, so the strategy's schedule (and its collectives) stays the
+        same on every rank. With a ``closure`` the optimizer computes the
+        gradients itself (maybe several times, as L-BFGS does), so nothing is
+        checked here. A strategy that applies updates elsewhere (non-blocking:
+        in the next forward) overrides this to schedule the step instead.
         """
-        return optimizer.step() if closure is None else optimizer.step(closure)
+        if closure is not None:
+            return optimizer.step(closure)
+        if self.skip_nonfinite_grads():
+            return None
+        return optimizer.step()
+
+    def skip_nonfinite_grads(self) -> bool:
+        """True (and the gradients dropped, the skip counted) if this rank's gradients hold a NaN/Inf.
+
+        One fused check of every ``.grad`` (:func:`~shoal.comm.finite.nonfinite_flag`)
+        and one host read, after the step's gradient collectives (SPEC G5).
+        Gradients averaged by the strategy (DDP, a warm-up all-reduce, a
+        host's DDP) are equal on every rank of their group, so every rank of
+        that group reaches the same verdict without a vote; local gradients
+        give a local verdict. Parameters whose ``.grad`` is ``None`` (unused,
+        or already dropped by :class:`shoal.DistributedDataParallel`'s own
+        check) are not looked at, so a step is never counted twice.
+        """
+        grads = [g._values() if g.is_sparse else g for g in (p.grad for p in self.params) if g is not None]
+        if not grads or not read_flag(nonfinite_flag(grads)):
+            return False
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._count_nonfinite("gradients", "this rank skipped its optimizer step")
+        return True
+
+    def _count_nonfinite(self, what: str, action: str) -> None:
+        """Count a skip under ``<name>/nonfinite`` (``comm_stats().total.nonfinite_skips``) and warn."""
+        if self.group is not None:
+            self.group.meter.add_nonfinite_skip(f"{self.name}/nonfinite")
+        warnings.warn(f"{type(self).__name__}: non-finite (NaN/Inf) {what}: {action}; "
+                      "counted in comm_stats().total.nonfinite_skips", RuntimeWarning, stacklevel=3)
 
     def flush(self) -> None:
         """Apply pending updates; called before the optimizer's state is saved or replaced."""

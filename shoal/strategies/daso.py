@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
+from shoal.averagers import finite_mean
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.codecs.identity import Identity
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.topology import HostGroups
 from shoal.errors import ConfigError, ShoalError
@@ -195,7 +197,9 @@ class _GlobalSync:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-daso")
         codec, delta = self.codec, self.delta
-        self._work = self._thread.submit(lambda: codec.mean([delta], ["params"], leaders, TAG))
+        # A host whose delta holds a NaN/Inf is left out of the mean (see finite_mean); lenient: when
+        # every host is, the mean is zero and every host restarts from the last agreed parameters.
+        self._work = self._thread.submit(lambda: finite_mean(codec, [delta], ["params"], leaders, TAG, strict=False))
 
     @torch.no_grad()
     def land(self) -> None:
@@ -210,6 +214,8 @@ class _GlobalSync:
             self.ref.add_(self.delta)                       # the agreed parameters at launch
             now = self._flat_params(self.delta)             # reuse the buffer: parameters now
             now.sub_(self.at_launch).add_(self.ref)         # + progress since launch
+            if read_flag(nonfinite_flag([now])):            # this host's progress is not finite: drop it
+                now.copy_(self.ref)
             self._write_params(now)
         self._broadcast_in_host()
 
@@ -243,6 +249,11 @@ class DASO(Strategy):
     sync is a blocking elastic round re-run with the survivors (its result
     still lands ``global_skips // 4`` steps later); newcomers heal from the
     run and then from their host. See :mod:`shoal.strategies.daso_elastic`.
+
+    NaN/Inf (SPEC G5): a host whose averaged gradients are non-finite skips
+    that step on all its ranks; a host whose delta is non-finite is left out
+    of the leaders' mean and restarts from the agreed parameters when it
+    lands. Counted in ``comm_stats().total.nonfinite_skips`` (see docs/daso.md).
 
     Example::
 

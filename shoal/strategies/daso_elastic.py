@@ -41,6 +41,7 @@ from torch import nn
 from shoal.codecs.base import Codec
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.elastic_sub import ElasticSubgroup, by_host, host_leaders, member_infos
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.strategies.elastic import ADOPT
 
@@ -214,16 +215,33 @@ class ElasticDASO:
         self.skipped += 1
 
     def _leaders_mean(self, hosts: list[list[int]]) -> None:
-        """Mean of the deltas of hosts that bring progress of their own (not only newcomers)."""
+        """Mean of the deltas of hosts that bring progress of their own (not only newcomers) and finite.
+
+        A host whose delta holds a NaN/Inf is left out as a host of newcomers
+        is (zeros, and the mean rescaled); how many hosts contribute travels
+        in a 4-byte all-reduce read after the mean (see
+        :func:`shoal.averagers.finite_mean`); such a host restarts from the
+        agreed parameters when the result lands.
+        """
         new = set(self.group.newcomers)
         fresh = [all(r in new for r in h) for h in hosts]       # by leader rank order = host order
         live = len(hosts) - sum(fresh)
-        if fresh[self.leaders.rank]:
+        bad = read_flag(nonfinite_flag([self.scratch]))         # this host's own delta, before the collectives
+        mine = not (fresh[self.leaders.rank] or bad)
+        finite = torch.full((), 1.0 if mine else 0.0, dtype=torch.float32, device=self.scratch.device)
+        count = self.leaders.all_reduce(finite, op="sum", tag=f"{TAG}/finite")
+        if not mine:
             self.scratch.zero_()
         with torch.no_grad():
             self.codec.mean([self.scratch], ["params"], self.leaders, TAG)
-            if 0 < live < len(hosts):
-                self.scratch.mul_(len(hosts) / live)
+            count.wait()
+            if self.leaders.error is not None:    # the round fails; nothing of it is kept
+                return
+            contributors = int(round(float(finite.item())))
+            if 0 < contributors < len(hosts):
+                self.scratch.mul_(len(hosts) / contributors)
+            if contributors < live:
+                self.group.meter.add_nonfinite_skip(f"{TAG}/nonfinite")
 
     @torch.no_grad()
     def _land(self) -> None:
@@ -234,4 +252,6 @@ class ElasticDASO:
         self.ref.add_(self.agreed)
         now = self._flat(self.scratch)
         now.sub_(self.at_launch).add_(self.ref)
+        if read_flag(nonfinite_flag([now])):    # this host's own progress is not finite: drop it
+            now.copy_(self.ref)
         self._write(now)

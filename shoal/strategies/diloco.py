@@ -27,6 +27,7 @@ from torch import nn
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.comm.elastic import ElasticGroup
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.errors import ConfigError, ShoalError
@@ -191,6 +192,11 @@ class DiLoCo(Strategy):
     optimizer's state stays each worker's own, as in the paper (a newcomer
     starts from a peer's).
 
+    NaN/Inf (SPEC G5): an inner step with non-finite gradients is skipped by
+    that rank alone; a non-finite averaged pseudo-gradient (the same on every
+    rank) skips the outer step on every rank, which restart from the
+    unchanged global copy. Both count in ``comm_stats().total.nonfinite_skips``.
+
     Example::
 
         model, opt = shoal.wrap(model, torch.optim.AdamW(model.parameters(), lr=4e-4),
@@ -298,6 +304,13 @@ class DiLoCo(Strategy):
             f.future.result()
             f.future = None
         f.merge_at = None
+        if read_flag(nonfinite_flag([f.delta])):
+            # The mean is the same on every rank: all skip the outer step and restart from the
+            # unchanged global copy, so no NaN reaches the global copy, the outer state or a model.
+            self._count_nonfinite("pseudo-gradient", f"fragment {f.index}'s outer step skipped, local "
+                                  "parameters reset to the global copy")
+            self._reset_to_global(f)
+            return
         if f.grad is not f.delta:
             f.grad.copy_(f.delta)
         f.outer.step()
@@ -311,6 +324,14 @@ class DiLoCo(Strategy):
                 p.copy_(g)
             else:
                 p.lerp_(g.to(p.dtype), 1.0 - alpha)
+
+    @torch.no_grad()
+    def _reset_to_global(self, f: _Fragment) -> None:
+        target = f.global_views
+        if f.snapshot.device != f.delta.device:
+            f.delta.copy_(f.snapshot, non_blocking=True)
+            target = f.delta_views
+        torch._foreach_copy_([p.detach() for p in f.params], target)
 
     # --- elastic rounds (overlap_steps == 0) -------------------------------------
     def _elastic_reduce(self, kind: str, contribute: bool) -> None:

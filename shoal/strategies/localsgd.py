@@ -20,6 +20,7 @@ from shoal.averagers import HierarchicalModelAverager, Hierarchy, PeriodicModelA
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.comm.elastic import ElasticGroup
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 from shoal.parallel import DistributedDataParallel
@@ -40,6 +41,13 @@ class AveragingStrategy(Strategy):
     round (:class:`~shoal.strategies.elastic.ElasticRounds`): a failed one is
     run again with the survivors of the next quorum, and the average divides
     by the live contributors; local steps need no vote.
+
+    NaN/Inf (SPEC G5): a rank whose gradients are non-finite skips its own
+    optimizer update (together with its group where gradients are averaged);
+    a member whose parameters are non-finite is left out of an average and
+    receives the finite members' mean (:func:`shoal.averagers.finite_mean`).
+    Each counts in ``comm_stats().total.nonfinite_skips``; see
+    docs/averaging.md.
     """
 
     def __init__(self, codec: Codec | None, average_optimizer_state: bool | Sequence[str]) -> None:
@@ -51,7 +59,9 @@ class AveragingStrategy(Strategy):
         self.averager: ModelAverager | None = None
         self.rounds: ElasticRounds | None = None
         self._grad_codec = Identity()  # post-local SGD's warm-up gradients travel exact, as in its DDP
-        self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (live, averaged scratch)
+        # (live, averaged scratch, a parameter round's group)
+        self._pending: tuple[list[torch.Tensor], list[torch.Tensor], ElasticGroup | None] | None = None
+        self._finite = torch.zeros(())
 
     @abc.abstractmethod
     def _make_averager(self, group: Group) -> ModelAverager:
@@ -99,12 +109,30 @@ class AveragingStrategy(Strategy):
                                                          self.average_optimizer_state)
             live, names = live + extra, names + extra_names
         scratch = [t.detach().clone() for t in live]
-        if kind == "grad":
+        finite: ElasticGroup | None = None  # a parameter round's group (its finite contributors are counted)
+        if kind == "grad":  # non-finite means are caught by the optimizer step's gradient check
             self.rounds.mean(scratch, names, self._grad_codec, f"{self.name}/grad")
         else:
-            group, tag = self._elastic_target(kind)
-            self.rounds.mean(scratch, names, self.rounds.codec, tag, group)
-        self._pending = (live, scratch)
+            finite, tag = self._elastic_target(kind)
+            handle = self._finite_count(scratch, finite, tag)
+            self.rounds.mean(scratch, names, self.rounds.codec, tag, finite)
+            handle.wait()
+        self._pending = (live, scratch, finite)
+
+    def _finite_count(self, scratch: list[torch.Tensor], group: ElasticGroup, tag: str) -> Any:
+        """Start the count of the round's contributors whose parameters are finite (see :func:`finite_mean`).
+
+        A worker whose parameters hold a NaN/Inf contributes zeros, as a
+        newcomer does; :meth:`_elastic_apply` rescales the mean to the finite
+        contributors. The local check is read before the round's collectives.
+        """
+        bad = read_flag(nonfinite_flag(scratch[:len(self.params)]))
+        counts = group.rank not in group.newcomers and not bad
+        self._finite = torch.full((), 1.0 if counts else 0.0, dtype=torch.float32, device=scratch[0].device)
+        handle = group.all_reduce(self._finite, op="sum", tag=f"{tag}/finite")
+        if bad:
+            torch._foreach_zero_(scratch)
+        return handle
 
     def _elastic_kind(self, step: int) -> str | None:
         """The round due after optimizer step ``step`` (counted from 0), if any."""
@@ -124,14 +152,29 @@ class AveragingStrategy(Strategy):
     def _elastic_apply(self, kind: str) -> None:
         if self._pending is None:
             return
-        live, scratch = self._pending
+        live, scratch, finite = self._pending
         self._pending = None
         if kind == "grad":
             for p, g in zip(self.params, scratch):
                 p.grad = g
             return
+        if finite is not None and not self._rescale_finite(finite, scratch):
+            return
         for t, avg in zip(live, scratch):
             t.copy_(avg)
+
+    def _rescale_finite(self, group: ElasticGroup, scratch: list[torch.Tensor]) -> bool:
+        """Turn a committed mean into the finite contributors' mean; False: none was finite (keep ours)."""
+        contributors = group.size - len(group.newcomers)
+        finite = int(round(float(self._finite.item())))  # read once the round has committed
+        if contributors == 0 or finite == contributors:
+            return True
+        if finite > 0:
+            torch._foreach_mul_(scratch, contributors / finite)
+        self._count_nonfinite("parameters at an averaging",
+                              f"{contributors - finite} of {contributors} contributors left out"
+                              if finite else "no contributor was finite: the round is not applied")
+        return finite > 0
 
     def _elastic_after_step(self) -> None:
         if self.averager is None or self.rounds is None:  # pragma: no cover - set up together

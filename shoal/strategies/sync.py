@@ -24,6 +24,10 @@ class Sync(Strategy):
     ends the elastic step: it votes, and a step discarded on every member
     (a peer was lost) is skipped with its gradients dropped
     (``FailurePolicy.DISCARD``); the optimizer's state heals into newcomers.
+    A step whose averaged gradients hold a NaN/Inf is skipped on every rank
+    together (the mean is the same everywhere: no vote; on an elastic group
+    it is committed, not discarded) and counted in
+    ``comm_stats().total.nonfinite_skips``.
 
     Args:
         codec: gradient codec (``None``: exact all-reduce).

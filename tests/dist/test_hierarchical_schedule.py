@@ -62,5 +62,7 @@ def test_three_level_schedule_world8() -> None:
         # Inside each group every rank holds the group's mean; different groups hold different means.
         assert all(len(set(b)) == 1 for b in blocks), (step, size, w)
         assert len({b[0] for b in blocks}) == len(blocks), (step, size, w)
+    # One mean per averaging, and with it the 4-byte count of members with finite parameters (SPEC G5).
     assert r["ops"] == {"hierarchical/params/g2/identity": 2, "hierarchical/params/g4/identity": 1,
-                        "hierarchical/params/g8/identity": 1}
+                        "hierarchical/params/g8/identity": 1, "hierarchical/params/g2/finite": 2,
+                        "hierarchical/params/g4/finite": 1, "hierarchical/params/g8/finite": 1}
