@@ -94,6 +94,32 @@ def _ddp_case(rank: int, base: nn.Module, value: float, opt_kind: str, ddp_kw: d
     return res
 
 
+def _scaler_case(rank: int, base: nn.Module) -> dict[str, Any]:
+    """skip_nonfinite=False leaves the Inf for torch's GradScaler, which skips and lowers its scale as
+    under torch's DDP (the scaler refuses an optimizer whose parameters all lack a gradient)."""
+    ours = shoal.DistributedDataParallel(copy.deepcopy(base), skip_nonfinite=False)
+    ref = TorchDDP(copy.deepcopy(base))
+    out: dict[str, Any] = {}
+    for key, model in (("ours", ours), ("ref", ref)):
+        opt = make_optimizer("adam", model.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        g = torch.Generator().manual_seed(100 + rank)
+        target = model.module.fc1.weight
+        for step in range(STEPS):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            handle = target.register_hook(_poison(float("inf"))) if step == BAD and rank == 1 else None
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if handle is not None:
+                handle.remove()
+        out[key] = scaler.get_scale()
+    return {"unchanged": True, "finite": all(bool(torch.isfinite(p).all()) for p in ours.parameters()),
+            "skips": ours.comm_stats().total.nonfinite_skips, "expected_skips": 0, "vs_ref": max_diff(ours.module, ref.module),
+            "scale": (out["ours"], out["ref"]), "end": torch.cat([p.detach().reshape(-1) for p in ours.parameters()])}
+
+
 def _codec_case(rank: int, base: nn.Module, value: float, make: Callable[[], Any], stateless: bool) -> dict[str, Any]:
     codec = make()
     ours = shoal.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_MB, codec=codec)
@@ -146,6 +172,8 @@ def _worker(rank: int, world: int, which: str) -> dict[str, Any]:
             out[f"adam/{vname}"] = _ddp_case(rank, base, value, "adam", {"bucket_cap_mb": CAP_MB})
             out[f"view_nosync/{vname}"] = _ddp_case(rank, base, value, "adam",
                                                     {"gradient_as_bucket_view": True}, micro=2)
+            if vname == "inf":
+                out["grad_scaler"] = _scaler_case(rank, base)
             if world == 2:  # at 3 ranks gloo's fp16 sums round differently for other bucket layouts
                 out[f"torch_fp16_hook/{vname}"] = _ddp_case(rank, base, value, "sgd", {},
                                                             hook=default_hooks.fp16_compress_hook)
@@ -171,9 +199,12 @@ def _check(results: list[dict[str, Any]], tol: float = 1e-6) -> None:
             where = f"rank {rank} {case}"
             assert r["unchanged"], f"{where}: the non-finite step changed the parameters"
             assert r["finite"], f"{where}: parameters went non-finite"
-            assert r["skips"] == 1, f"{where}: {r['skips']} non-finite skips counted, expected 1"
+            want = r.get("expected_skips", 1)
+            assert r["skips"] == want, f"{where}: {r['skips']} non-finite skips counted, expected {want}"
             if "vs_ref" in r:
                 assert r["vs_ref"] <= tol, f"{where}: differs from a run without the bad step by {r['vs_ref']:.3g}"
+            if "scale" in r:  # the scaler skipped the Inf step and halved its scale, as under torch's DDP
+                assert r["scale"][0] == r["scale"][1] == 2.0**7, f"{where}: scales {r['scale']}"
             if "warned" in r:
                 assert r["warned"] == 1, f"{where}: {r['warned']} warnings about the skipped step, expected 1"
             if "moved" in r:
