@@ -214,10 +214,13 @@ def finite_flags(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     state where a mean went non-finite with ``torch.where``, never reading
     the result on the host between collectives.
 
-    >>> finite_flags([torch.ones(2), torch.tensor([float("inf")])]).tolist()
-    [True, False]
+    >>> finite_flags([torch.ones(2), torch.tensor([float("inf")]), torch.ones(0)]).tolist()
+    [True, False, True]
     """
-    norms = torch._foreach_norm([t.detach() for t in tensors], float("inf"))
+    if not tensors:
+        return torch.ones(0, dtype=torch.bool)
+    empty = torch.zeros(1, device=tensors[0].device)   # an empty tensor is finite (and has no inf-norm)
+    norms = torch._foreach_norm([t.detach() if t.numel() else empty for t in tensors], float("inf"))
     return torch.stack([n.float() for n in norms]).isfinite()
 
 

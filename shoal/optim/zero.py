@@ -267,6 +267,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._bucket_owner: list[int] = []
         self._stepped_in_backward = False
         self._snap: Snapshot = []   # overlapped: what this backward's bucket steps changed, until its verdict
+        self._undoable = False      # overlapped under DDP(skip_nonfinite=True): keep self._snap
         self._layout()
         self.optim = optimizer_class(self._local_groups(), **defaults)
         self.state = self.optim.state  # type: ignore[assignment]  # this rank's shard
@@ -396,6 +397,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         with self._lock:
             pending, self._pending = self._pending, []
+        self._snap = []   # the verdict on the overlapped step is in: its snapshots are not needed
         for u, handle in pending:
             handle.wait()
             if u.src != self.rank:
@@ -457,6 +459,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._bcast_group = self._new_broadcast_group()
             reducer.on_bucket_reduced = self._on_bucket_reduced
             reducer.on_nonfinite = self._undo_overlapped_step
+            self._undoable = reducer.skip_nonfinite
         module.register_forward_pre_hook(lambda _m, _args: self._finish_broadcasts())
         module.register_state_dict_pre_hook(lambda *_: self._finish_broadcasts())
 
@@ -486,8 +489,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                             p.grad = grads[k].clone()
                         elif p.grad.data_ptr() != grads[k].data_ptr():
                             p.grad.copy_(grads[k])
-                # A later bucket may turn out non-finite: keep what this step changes until the verdict.
-                self._snap += snapshot(self.optim, [p for _, p in self._bucket_slots[b]])
+                if self._undoable:  # a later bucket may turn out non-finite: keep what this changes
+                    self._snap += snapshot(self.optim, [p for _, p in self._bucket_slots[b]])
                 self._step_subset(self._bucket_subsets[b])
             self._broadcast([unit])
         if bucket.is_last():

@@ -132,3 +132,11 @@ def test_nonfinite_mean_keeps_state_without_host_sync(group: Group, no_tolist: N
         ts = batch()
         codec.mean(ts, names, group, "later")
         assert all(torch.isfinite(t).all() for t in ts)
+
+
+def test_empty_tensors_are_finite(group: Group) -> None:
+    codec = ErrorFeedback(TopK(0.5))
+    ts = [torch.randn(4, 3), torch.empty(0), torch.randn(5)]
+    with NoHostSync():
+        codec.mean(ts, ["w", "empty", "b"], group, "empty")
+    assert ts[1].numel() == 0 and codec.stats()["nonfinite_steps"] == 0
