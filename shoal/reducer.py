@@ -18,7 +18,7 @@ non-finite mean on every rank, docs/codecs.md), so every rank reaches the same
 verdict without another message. On a non-finite verdict every parameter's
 ``.grad`` is set to ``None`` (torch optimizers skip parameters without a
 gradient, so the user's ``opt.step()`` changes nothing, Adam's step counts
-included), a warning is logged and ``nonfinite_skips`` counted. The verdict is
+included), a RuntimeWarning is issued and ``nonfinite_skips`` counted. The verdict is
 read on the host once, after the last collective of the step.
 """
 
