@@ -124,6 +124,20 @@ class DistributedDataParallel(nn.Module):
             ``ElasticOptimizer.step()``); ``model.topology`` is the current
             quorum's. ``None`` stays flat there: the layout is known only per
             quorum, so pass ``True`` for a multi-host elastic run.
+        skip_nonfinite: when the averaged gradients hold a NaN/Inf (some
+            rank's gradients were not finite), every rank skips the step
+            together (SPEC G5): ``.grad`` is set to ``None`` on every
+            parameter, so ``opt.step()`` changes nothing (torch optimizers
+            skip parameters without a gradient), a ``RuntimeWarning`` is
+            issued and ``comm_stats().total.nonfinite_skips`` counts it. All
+            ranks hold the same averaged gradients, so one fused check after
+            the step's last collective gives every rank the same verdict with
+            no extra message (docs/codecs.md). The next backward writes
+            ``.grad`` again; gradients accumulated under ``no_sync()`` are
+            dropped with the step. Pass ``False`` with ``torch.amp.GradScaler``:
+            the scaler must see the Inf to skip the step and lower its scale
+            (every rank sees the same Inf, so it skips on every rank), and it
+            refuses an optimizer none of whose parameters has a gradient.
 
     Example::
 
@@ -146,6 +160,7 @@ class DistributedDataParallel(nn.Module):
         codec: Codec | None = None,
         optimizer: ZeroRedundancyOptimizer | None = None,
         hierarchical: bool | None = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -160,6 +175,8 @@ class DistributedDataParallel(nn.Module):
         if optimizer is not None and find_unused_parameters:
             raise ConfigError("optimizer= cannot be combined with find_unused_parameters=True: which parameters "
                               "were unused is known only after backward, too late to step buckets during it")
+        if not isinstance(skip_nonfinite, bool):
+            raise ConfigError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         if dim != 0:
             raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
         device = _single_device(module)
@@ -180,6 +197,7 @@ class DistributedDataParallel(nn.Module):
             self._broadcast_state()
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
                                find_unused_parameters, gradient_as_bucket_view)
+        self.reducer.skip_nonfinite = skip_nonfinite
         self.codec = codec
         self._topology: Topology | None = None
         self._two_level: Hierarchical | None = None
@@ -283,7 +301,12 @@ class DistributedDataParallel(nn.Module):
         torch's own hooks (``default_hooks.allreduce_hook``,
         ``fp16_compress_hook``, ``powerSGD_hook.powerSGD_hook``) run unchanged.
         The hook must divide by the world size itself. Register before the
-        first backward, once.
+        first backward, once. The non-finite check (``skip_nonfinite``) runs
+        on the tensor the hook's future returns; it gives every rank the
+        same verdict only if that tensor is the same on every rank (true of
+        torch's hooks, which all-reduce) and a NaN/Inf sent by any rank
+        reaches it: a hook that returns rank-dependent results or drops
+        values must ensure that itself.
 
         Example::
 

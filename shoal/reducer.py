@@ -9,11 +9,23 @@ backward goes on. Buckets launch strictly in index order on every rank, so
 collectives pair up across ranks even if gradients arrive in another order.
 At the end of backward (an autograd engine callback) whatever is still in
 flight is waited for and the averaged gradients are written to ``.grad``.
+
+Non-finite gradients (SPEC G5): once every bucket is reduced, one fused check
+of the flat bucket buffers (a few tensors) decides whether the averaged
+gradient holds a NaN/Inf. Every rank holds the same averaged buffers (the
+all-reduce's result; every codec turns a NaN/Inf sent by any rank into a
+non-finite mean on every rank, docs/codecs.md), so every rank reaches the same
+verdict without another message. On a non-finite verdict every parameter's
+``.grad`` is set to ``None`` (torch optimizers skip parameters without a
+gradient, so the user's ``opt.step()`` changes nothing, Adam's step counts
+included), a RuntimeWarning is issued and ``nonfinite_skips`` counted. The verdict is
+read on the host once, after the last collective of the step.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -21,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group, Handle
 from shoal.errors import ShoalError
@@ -167,6 +180,11 @@ class Reducer:
         self._comm_thread: ThreadPoolExecutor | None = None
         self.on_step_done: Callable[[], None] | None = None
         self.on_bucket_reduced: Callable[[GradBucket], None] | None = None
+        # Called (on the training thread, before .grad is cleared) when a backward's averaged
+        # gradients are not finite: ZeroRedundancyOptimizer undoes the buckets it stepped.
+        self.on_nonfinite: Callable[[], None] | None = None
+        self.skip_nonfinite = True
+        self.last_nonfinite = False  # the verdict of the last synchronised backward
         self._done_thread: ThreadPoolExecutor | None = None
         self._done_tasks: list[ThreadFuture] = []
         self._armed = False        # a synchronised backward is expected
@@ -327,11 +345,34 @@ class Reducer:
                 b.buffer.copy_(result.view(-1))
         # Only after every bucket is done: no collective may race the comm thread's.
         globally_used = self._global_usage() if self.find_unused else None
-        for b in self.buckets:
-            self._write_grads(b, globally_used)
+        self.last_nonfinite = self.skip_nonfinite and self._nonfinite()
+        if self.last_nonfinite:
+            self._skip_step()
+        else:
+            for b in self.buckets:
+                self._write_grads(b, globally_used)
         self._used.zero_()
         if self.on_step_done is not None:
             self.on_step_done()
+
+    def _nonfinite(self) -> bool:
+        """Whether the averaged gradients hold a NaN/Inf: one fused check, one host read,
+        after the step's last collective. Same buffers on every rank, so the same verdict."""
+        if getattr(self.group, "error", None) is not None:
+            return False  # an elastic step that already failed: its vote discards it anyway
+        return read_flag(nonfinite_flag([b.buffer for b in self.buckets]))
+
+    def _skip_step(self) -> None:
+        """Every rank skips this step: no parameter keeps a gradient, so the optimizer steps nothing."""
+        if self.on_nonfinite is not None:
+            self.on_nonfinite()
+        for p in self.params:
+            p.grad = None
+        self.group.meter.add_nonfinite_skip(GRAD_TAG)
+        warnings.warn("shoal DDP: the averaged gradients hold NaN/Inf (some rank's gradients are not finite); "
+                      "every rank skips this step: .grad is None for every parameter, so opt.step() changes "
+                      "nothing. comm_stats().total.nonfinite_skips counts such steps", RuntimeWarning,
+                      stacklevel=2)
 
     def _wait(self, b: _Bucket) -> torch.Tensor:
         if isinstance(b.work, Handle):

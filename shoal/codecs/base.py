@@ -206,6 +206,61 @@ def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         torch._foreach_copy_(list(tensors), flat_views(flat, tensors))
 
 
+def finite_flags(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor, on the tensors' device: is every element finite? (a bool vector, no host sync).
+
+    One fused inf-norm per call (``torch._foreach_norm``): a tensor's inf-norm
+    is NaN/Inf exactly when it holds a NaN/Inf. Codecs use it to keep their
+    state where a mean went non-finite with ``torch.where``, never reading
+    the result on the host between collectives.
+
+    >>> finite_flags([torch.ones(2), torch.tensor([float("inf")]), torch.ones(0)]).tolist()
+    [True, False, True]
+    """
+    if not tensors:
+        return torch.ones(0, dtype=torch.bool)
+    empty = torch.zeros(1, device=tensors[0].device)   # an empty tensor is finite (and has no inf-norm)
+    norms = torch._foreach_norm([t.detach() if t.numel() else empty for t in tensors], float("inf"))
+    return torch.stack([n.float() for n in norms]).isfinite()
+
+
+class NonfiniteCounter:
+    """How many calls had a non-finite mean: a device tensor, read on the host only by :meth:`value`.
+
+    >>> c = NonfiniteCounter(); c.add(torch.tensor([True, False])); c.value()
+    1
+    """
+
+    def __init__(self) -> None:
+        self._count: torch.Tensor | int = 0
+
+    def add(self, ok: torch.Tensor) -> None:
+        """Count one call whose per-tensor flags ``ok`` (from :func:`finite_flags`) are not all True."""
+        bad = ok.logical_not().any().to(torch.int64)
+        self._count = bad + self._count if isinstance(self._count, torch.Tensor) else bad + int(self._count)
+
+    def value(self) -> int:
+        """The count (a host sync: for stats and checkpoints, not the step's path)."""
+        return int(self._count)
+
+    def snapshot(self) -> torch.Tensor | int:
+        """The count as it is now, without a host sync (for per-step rollback snapshots)."""
+        return self._count.clone() if isinstance(self._count, torch.Tensor) else self._count
+
+    def load(self, value: torch.Tensor | int) -> None:
+        self._count = value.clone() if isinstance(value, torch.Tensor) else int(value)
+
+
+def keep_where(ok: torch.Tensor, new: Sequence[torch.Tensor], old: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``new[i]`` where ``ok[i]`` else ``old[i]``, per tensor, on the device (no host sync).
+
+    >>> keep_where(torch.tensor([True, False]), [torch.ones(1), torch.ones(1)],
+    ...            [torch.zeros(1), torch.zeros(1)])
+    [tensor([1.]), tensor([0.])]
+    """
+    return [torch.where(ok[i], n, o) for i, (n, o) in enumerate(zip(new, old))]
+
+
 def sub_tag(tag: str, suffix: str) -> str:
     """``tag/suffix`` so the meter can split a codec's traffic by kind."""
     return f"{tag}/{suffix}" if tag else suffix

@@ -6,20 +6,11 @@ from typing import Any, Sequence
 
 import torch
 
-from shoal.codecs.base import BufferPool, Codec, LossyCodec, check_inputs, flatten_into, unflatten_from
+from shoal.codecs.base import (BufferPool, Codec, LossyCodec, NonfiniteCounter, check_inputs, finite_flags,
+                               flatten_into, keep_where, unflatten_from)
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
-
-
-def finite_mask(values: Sequence[torch.Tensor]) -> list[bool]:
-    """Per tensor: is every element finite? One device sync when all are (the usual case)."""
-    if not values:
-        return []
-    flags = torch.stack([torch.isfinite(v).all() for v in values])
-    if bool(flags.all()):
-        return [True] * len(values)
-    return [bool(f) for f in flags.tolist()]
 
 
 class ErrorFeedback(Codec):
@@ -39,6 +30,10 @@ class ErrorFeedback(Codec):
     skips such steps on every rank) sees it. The decision depends only on the
     mean, identical on every rank, so ranks agree without extra messages and
     one bad gradient never poisons the residual for the rest of training.
+    This rank's own residual is also kept where its new value is non-finite.
+    All of it is decided on the device (``torch.where`` on per-tensor flags):
+    no host sync inside the collectives, so it is safe on a communication
+    thread; ``stats()["nonfinite_steps"]`` reads the device counter.
 
     Example::
 
@@ -62,7 +57,7 @@ class ErrorFeedback(Codec):
             )
         self.codec: LossyCodec = codec
         self.residuals: dict[str, torch.Tensor] = {}
-        self.nonfinite_steps = 0
+        self._nonfinite = NonfiniteCounter()
         self._pool = BufferPool()
 
     @torch.no_grad()
@@ -80,22 +75,18 @@ class ErrorFeedback(Codec):
         flatten_into(tensors, comp_flat)
         torch._foreach_add_(comp, old_res)
         self.codec.mean_with_residual(comp, names, group, tag, new_res)
-        ok = finite_mask([comp_flat, res_flat])
-        if all(ok):
-            torch._foreach_copy_(old_res, new_res)
-        else:
-            self._commit_finite(names, comp, new_res)
+        # Per tensor: the new residual where the mean and the residual are finite, else the old one.
+        mean_ok = finite_flags(comp)
+        ok = mean_ok & finite_flags(new_res)
+        torch._foreach_copy_(old_res, keep_where(ok, new_res, old_res))
+        self._nonfinite.add(mean_ok)
         unflatten_from(comp_flat, tensors)
         self._count(tensors, 0)
 
-    def _commit_finite(self, names: Sequence[str], means: list[torch.Tensor], new_res: list[torch.Tensor]) -> None:
-        """Update only the residuals whose mean and new residual are finite."""
-        self.nonfinite_steps += 1
-        mean_ok = finite_mask(means)
-        res_ok = finite_mask(new_res)
-        for name, m_ok, r_ok, r in zip(names, mean_ok, res_ok, new_res):
-            if m_ok and r_ok:
-                self.residuals[name].copy_(r)
+    @property
+    def nonfinite_steps(self) -> int:
+        """Calls in which some tensor's mean was NaN/Inf (a host sync: not for the step's path)."""
+        return self._nonfinite.value()
 
     def _residual(self, name: str, t: torch.Tensor) -> torch.Tensor:
         r = self.residuals.get(name)
@@ -111,9 +102,15 @@ class ErrorFeedback(Codec):
         return {
             **super().state_dict(),
             "residuals": {n: r.detach().clone() for n, r in self.residuals.items()},
-            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_steps": self._nonfinite.value(),
             "inner": self.codec.state_dict(),
         }
+
+    def rollback_state(self) -> dict[str, Any]:
+        """A copy of the residuals, the inner codec's rollback state, the counter as a device
+        tensor: no host sync at a step's start."""
+        return {**super().state_dict(), "residuals": {n: r.detach().clone() for n, r in self.residuals.items()},
+                "nonfinite_steps": self._nonfinite.snapshot(), "inner": self.codec.rollback_state()}
 
     def newcomer_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The inner codec's newcomer state, with this worker's residuals at zero."""
@@ -124,7 +121,7 @@ class ErrorFeedback(Codec):
         super().load_state_dict(state)
         self.codec.load_state_dict(state["inner"])
         self.residuals = {n: r.detach().clone().to(torch.float32) for n, r in state["residuals"].items()}
-        self.nonfinite_steps = int(state["nonfinite_steps"])
+        self._nonfinite.load(state["nonfinite_steps"])
 
     def stats(self) -> dict[str, float]:
         out = dict(self.codec.stats())

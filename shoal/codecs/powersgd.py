@@ -22,8 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
-from shoal.codecs.base import BufferPool, LossyCodec, RollbackSlots, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
-from shoal.codecs.feedback import finite_mask
+from shoal.codecs.base import (BufferPool, LossyCodec, NonfiniteCounter, RollbackSlots, check_inputs, common_dtype,
+                               finite_flags, flatten_into, sub_tag, unflatten_from)
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
@@ -119,7 +119,7 @@ class PowerSGD(LossyCodec):
         self.draws: dict[str, int] = {}
         self.numel_before = 0
         self.numel_after = 0
-        self.nonfinite_steps = 0
+        self._nonfinite = NonfiniteCounter()
         self._pool = BufferPool()
 
     def config(self) -> dict[str, Any]:
@@ -201,10 +201,12 @@ class PowerSGD(LossyCodec):
         p_flat, ps = self._buffer("p", [(x.n, x.r) for x in mats], device)
         q_flat, qs = self._buffer("q", [(x.m, x.r) for x in mats], device)
         flatten_into([tensors[x.index] for x in mats], m_flat)
-        if self.error_feedback:
-            torch._foreach_add_(ms, [self._error(x, device) for x in mats])
-        for x, mat, p, q in zip(mats, ms, ps, qs):
-            q.copy_(self._initial_q(x, device))
+        old_errors = [self._error(x, device) for x in mats] if self.error_feedback else []
+        if old_errors:
+            torch._foreach_add_(ms, old_errors)
+        old_qs = [self._initial_q(x, device) for x in mats]
+        for mat, p, q, q0 in zip(ms, ps, qs, old_qs):
+            q.copy_(q0)
             torch.matmul(mat, q, out=p)
         group.all_reduce(p_flat, op="avg", tag=sub_tag(tag, "powersgd/p")).wait()
         self._orthonormalize(mats, p_flat)
@@ -215,31 +217,31 @@ class PowerSGD(LossyCodec):
         for a, p, q in zip(approx, ps, qs):
             torch.matmul(p, q.t(), out=a)
         m_flat.sub_(approx_flat)  # now the residual M - P Q^T
-        self._commit(mats, ms, approx, qs)
+        self._commit(mats, ms, approx, qs, old_qs, old_errors)
         for x, a, res in zip(mats, approx, ms):
             tensors[x.index].copy_(a.view(tensors[x.index].shape))
             if residuals is not None:
                 residuals[x.index].copy_(res.view(residuals[x.index].shape))
         return (p_flat.numel() + q_flat.numel()) * p_flat.element_size()
 
-    def _commit(self, mats: list[_Mat], res: list[torch.Tensor], approx: list[torch.Tensor], qs: list[torch.Tensor]) -> None:
+    def _commit(self, mats: list[_Mat], res: list[torch.Tensor], approx: list[torch.Tensor], qs: list[torch.Tensor],
+                old_qs: list[torch.Tensor], old_errors: list[torch.Tensor]) -> None:
         """Keep warm-start Qs and residuals, except where this step went non-finite.
 
         A non-finite mean is identical on every rank (it came out of the same
-        all-reduces), so every rank skips the same names: state stays as
-        before the call and one NaN gradient cannot poison later steps.
+        all-reduces), so every rank keeps the same names' old state: the Q this
+        step started from and the residual it added, so one NaN gradient cannot
+        poison later steps. Decided on the device (``torch.where`` on
+        per-matrix flags): no host sync between this call's collectives.
         """
-        ok = finite_mask(approx + res)
-        if not all(ok):
-            self.nonfinite_steps += 1
-        n = len(mats)
+        mean_ok = finite_flags(approx)
+        ok = mean_ok & finite_flags(res)
+        self._nonfinite.add(mean_ok)
         for k, x in enumerate(mats):
-            if not (ok[k] and ok[n + k]):
-                continue
             if self.warm_start:
-                self.q.keep(x.name, qs[k])
+                self.q.keep(x.name, torch.where(ok[k], qs[k], old_qs[k]))
             if self.error_feedback:
-                self.errors.keep(x.name, res[k])
+                self.errors.keep(x.name, torch.where(ok[k], res[k], old_errors[k]))
 
     def _orthonormalize(self, mats: list[_Mat], p_flat: torch.Tensor) -> None:
         offset, start = 0, 0
@@ -285,6 +287,7 @@ class PowerSGD(LossyCodec):
     def state_dict(self) -> dict[str, Any]:
         return {
             **self._state(),
+            "nonfinite_steps": self._nonfinite.value(),
             "q": {k: v.detach().clone() for k, v in self.q.items()},
             "errors": {k: v.detach().clone() for k, v in self.errors.items()},
         }
@@ -305,7 +308,7 @@ class PowerSGD(LossyCodec):
             "draws": dict(self.draws),
             "numel_before": self.numel_before,
             "numel_after": self.numel_after,
-            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_steps": self._nonfinite.snapshot(),
         }
 
     def newcomer_state(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -321,7 +324,12 @@ class PowerSGD(LossyCodec):
         self.q.load(state["q"])
         self.errors.load(state["errors"])
         self.numel_before, self.numel_after = int(state["numel_before"]), int(state["numel_after"])
-        self.nonfinite_steps = int(state["nonfinite_steps"])
+        self._nonfinite.load(state["nonfinite_steps"])
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Calls in which some matrix's mean was NaN/Inf (a host sync: not for the step's path)."""
+        return self._nonfinite.value()
 
     def stats(self) -> dict[str, float]:
         out = super().stats()

@@ -70,6 +70,7 @@ class _Open:
     handles: list[Handle] = field(default_factory=list)
     stepped: set[int] = field(default_factory=set)   # global indices of the parameters stepped (by anyone)
     done: int = 0                        # bucket callbacks run
+    nonfinite: bool = False              # the reducer found the averaged gradients NaN/Inf
 
 
 def check_attach(group: ElasticGroup, reducer: Reducer) -> None:
@@ -100,6 +101,7 @@ class ElasticOverlap:
         # again with the same gradients. Cleared when the next backward opens a step.
         self.unclaimed: bool | None = None
         reducer.on_bucket_reduced = self.on_bucket
+        reducer.on_nonfinite = self.on_nonfinite
         group.before_start_step(self._end_before_start)
 
     @property
@@ -141,6 +143,13 @@ class ElasticOverlap:
             st.stepped |= {self.shards.index[p] for p in unit.params}
         if bucket.is_last():
             _sync_groups(shard.optim.param_groups, zero.param_groups)
+
+    def on_nonfinite(self) -> None:
+        """The reducer's verdict (the same on every member, from the same averaged gradients): the
+        buckets stepped in this backward must not count. The vote still runs (a failure elsewhere
+        still discards); a commit then keeps the layout but none of the step (not a discard)."""
+        if self._open is not None:
+            self._open.nonfinite = True
 
     def _begin(self) -> _Open:
         shards, g = self.shards, self.group
@@ -191,7 +200,13 @@ class ElasticOverlap:
                 if st.shard is not None:
                     ElasticShards._restore(st.shard, st.snap)
                 shards._new = None
-        if commit and st.shard is not None:
+        if commit and st.shard is not None and st.nonfinite:
+            ElasticShards._restore(st.shard, st.snap)
+            for u in st.shard.units:   # received values are the skipped step's: unpacking puts back our own
+                if u.src != st.shard.rank:
+                    u.pack()
+            shards._commit(st.shard, g.step - 1, set())
+        elif commit and st.shard is not None:
             shards._commit(st.shard, g.step - 1, st.stepped)
         else:
             shards.stats.discards += 1

@@ -243,6 +243,11 @@ class ElasticShards:
 
     @staticmethod
     def _restore(shard: _Shard, snap: Snapshot) -> None:
+        ElasticShards.restore(snap)
+
+    @staticmethod
+    def restore(snap: Snapshot) -> None:
+        """Put back the parameters and optimizer state that :func:`snapshot` copied."""
         with torch.no_grad():
             for opt, p, value, st in snap:
                 p.copy_(value)

@@ -49,14 +49,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group, Handle
 from shoal.errors import ConfigError, ShoalError
 
 if TYPE_CHECKING:
-    from shoal.optim.elastic_zero import ElasticShards
+    from shoal.optim.elastic_zero import ElasticShards, Snapshot
     from shoal.reducer import GradBucket, Reducer
 
 PARAM_TAG = "zero/params"
+GRAD_TAG = "zero/grad"   # where a skipped non-finite step is counted (meter.add_nonfinite_skip)
 STATE_TAG = "zero/state"
 # Broadcast buckets in plain mode: large enough to amortise per-call cost,
 # small enough that several are in flight at once.
@@ -264,6 +266,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._buckets: list[list[torch.Tensor]] | None = None   # DDP buckets once attached
         self._bucket_owner: list[int] = []
         self._stepped_in_backward = False
+        self._snap: Snapshot = []   # overlapped: what this backward's bucket steps changed, until its verdict
+        self._undoable = False      # overlapped under DDP(skip_nonfinite=True): keep self._snap
         self._layout()
         self.optim = optimizer_class(self._local_groups(), **defaults)
         self.state = self.optim.state  # type: ignore[assignment]  # this rank's shard
@@ -353,6 +357,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                   "(DistributedDataParallel(..., optimizer=zero)): backward already stepped")
             return None
         self._finish_broadcasts()
+        if closure is None and self._nonfinite_grads():
+            return None   # every rank skips: same averaged gradients, same verdict, no broadcast
         _sync_groups(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
         _sync_groups(self.optim.param_groups, self.param_groups)
@@ -360,6 +366,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._buckets is None:
             self._finish_broadcasts()  # standalone: parameters are in sync when step returns
         return loss
+
+    def _nonfinite_grads(self) -> bool:
+        """Whether the (averaged, hence identical on every rank) gradients hold a NaN/Inf; counts
+        and warns if so. One fused check and one host read, before any of the step's broadcasts.
+        Gradients that shoal's DDP already found non-finite are None here: nothing to check."""
+        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        if not grads or not read_flag(nonfinite_flag(grads)):
+            return False
+        self.group.meter.add_nonfinite_skip(GRAD_TAG)
+        warnings.warn("ZeroRedundancyOptimizer: the gradients hold NaN/Inf; every rank skips this step "
+                      "(parameters and optimizer state unchanged)", RuntimeWarning, stacklevel=3)
+        return True
 
     def _broadcast(self, units: Sequence[_Unit]) -> None:
         for u in units:
@@ -379,6 +397,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         with self._lock:
             pending, self._pending = self._pending, []
+        self._snap = []   # the verdict on the overlapped step is in: its snapshots are not needed
         for u, handle in pending:
             handle.wait()
             if u.src != self.rank:
@@ -439,6 +458,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         else:
             self._bcast_group = self._new_broadcast_group()
             reducer.on_bucket_reduced = self._on_bucket_reduced
+            reducer.on_nonfinite = self._undo_overlapped_step
+            self._undoable = reducer.skip_nonfinite
         module.register_forward_pre_hook(lambda _m, _args: self._finish_broadcasts())
         module.register_state_dict_pre_hook(lambda *_: self._finish_broadcasts())
 
@@ -452,9 +473,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _on_bucket_reduced(self, bucket: GradBucket) -> None:
         """The reducer's callback: the owner steps this bucket's parameters, then all broadcast them."""
+        from shoal.optim.elastic_zero import snapshot
+
         b = bucket.index()
         if b == 0:
             _sync_groups(self.param_groups, self.optim.param_groups)
+            self._snap = []
         unit = self._bucket_units[b]
         if unit is not None:
             if unit.src == self.rank:
@@ -465,11 +489,26 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                             p.grad = grads[k].clone()
                         elif p.grad.data_ptr() != grads[k].data_ptr():
                             p.grad.copy_(grads[k])
+                if self._undoable:  # a later bucket may turn out non-finite: keep what this changes
+                    self._snap += snapshot(self.optim, [p for _, p in self._bucket_slots[b]])
                 self._step_subset(self._bucket_subsets[b])
             self._broadcast([unit])
         if bucket.is_last():
             _sync_groups(self.optim.param_groups, self.param_groups)
             self._stepped_in_backward = True
+
+    def _undo_overlapped_step(self) -> None:
+        """The reducer found this backward's averaged gradients non-finite (the same verdict on every
+        rank, after every bucket callback ran): wait for the broadcasts but keep the received values
+        out, and restore what this rank's bucket steps changed. Nothing of the step remains."""
+        from shoal.optim.elastic_zero import ElasticShards
+
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for _, handle in pending:
+            handle.wait()
+        ElasticShards.restore(self._snap)
+        self._snap = []
 
     def _step_subset(self, subsets: list[list[torch.Tensor]]) -> None:
         groups = self.optim.param_groups

@@ -23,6 +23,12 @@ def test_bucket_cap_must_be_positive(cap: float) -> None:
         shoal.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=cap)
 
 
+@pytest.mark.parametrize("value", [None, 1, "yes"])
+def test_skip_nonfinite_must_be_a_bool(value: object) -> None:
+    with pytest.raises(ConfigError, match="skip_nonfinite"):
+        shoal.DistributedDataParallel(nn.Linear(2, 2), skip_nonfinite=value)  # type: ignore[arg-type]
+
+
 def test_parameters_on_different_devices() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     with pytest.raises(ConfigError, match="several devices"):

@@ -132,3 +132,42 @@ def test_zero_step_after_another_caller_voted_returns_that_verdict_and_steps_not
     assert el is not None and el.stats.commits == 3 and group.step == 3
     for a, b in zip(net.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "plain"])
+def test_nonfinite_gradients_skip_the_step_as_a_commit_not_a_discard(group: ElasticGroup, overlap: bool) -> None:
+    net = _net()
+    ref = copy.deepcopy(net)
+    zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, process_group=group, lr=1e-2)
+    model = shoal.DistributedDataParallel(net, process_group=group, optimizer=zero if overlap else None,
+                                          bucket_cap_mb=CAP_MB)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for step in range(6):
+        x, y = _batch(step)
+        if step == 3:   # NaN in the first layer: the last bucket, reduced after the others were stepped
+            before = [p.detach().clone() for p in net.parameters()]
+            handle = net[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([2]), float("nan")))
+            with pytest.warns(RuntimeWarning, match="NaN/Inf"):
+                F.mse_loss(model(x), y).backward()
+            handle.remove()
+            assert zero.step() is True   # not a failure: the same verdict on every member, nothing to vote
+            zero.zero_grad()
+            assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+            continue
+        F.mse_loss(model(x), y).backward()
+        assert zero.step() is True
+        zero.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    zero.wait_for_params()
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    el = zero._elastic
+    assert el is not None and el.stats.commits == 6 and el.stats.discards == 0
+    assert model.comm_stats().total.nonfinite_skips == 1
+    held = el.held_state()
+    for i, p in enumerate(ref.parameters()):   # Adam's moments and step count: the skipped step left no trace
+        assert torch.equal(held[i]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+        assert held[i]["step"] == opt.state[p]["step"]
