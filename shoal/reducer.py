@@ -15,11 +15,14 @@ of the flat bucket buffers (a few tensors) decides whether the averaged
 gradient holds a NaN/Inf. Every rank holds the same averaged buffers (the
 all-reduce's result; every codec turns a NaN/Inf sent by any rank into a
 non-finite mean on every rank, docs/codecs.md), so every rank reaches the same
-verdict without another message. On a non-finite verdict every parameter's
-``.grad`` is set to ``None`` (torch optimizers skip parameters without a
-gradient, so the user's ``opt.step()`` changes nothing, Adam's step counts
-included), a RuntimeWarning is issued and ``nonfinite_skips`` counted. The verdict is
-read on the host once, after the last collective of the step.
+verdict without another message. On a non-finite verdict the averaged
+gradients are still written to ``.grad`` (identical on every rank, so a
+``torch.amp.GradScaler`` sees the Inf, skips and lowers its scale), and
+:mod:`shoal.nonfinite` drops them just before any optimizer holding these
+parameters steps (torch optimizers skip parameters without a gradient, so
+``opt.step()`` changes nothing, Adam's step counts included). A
+RuntimeWarning is issued and ``nonfinite_skips`` counted. The verdict is read
+on the host once, after the last collective of the step.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group, Handle
 from shoal.errors import ShoalError
+from shoal.nonfinite import StepVerdict
 
 if TYPE_CHECKING:
     from shoal.codecs.base import Codec
@@ -185,6 +189,7 @@ class Reducer:
         self.on_nonfinite: Callable[[], None] | None = None
         self.skip_nonfinite = True
         self.last_nonfinite = False  # the verdict of the last synchronised backward
+        self.verdict = StepVerdict(self.params)  # honoured at the next optimizer step
         self._done_thread: ThreadPoolExecutor | None = None
         self._done_tasks: list[ThreadFuture] = []
         self._armed = False        # a synchronised backward is expected
@@ -201,6 +206,7 @@ class Reducer:
         for the graph when ``find_unused_parameters`` is on."""
         self._armed = True
         self._started = False
+        self.verdict.expire()
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
         self._done_tasks = []
@@ -348,9 +354,10 @@ class Reducer:
         self.last_nonfinite = self.skip_nonfinite and self._nonfinite()
         if self.last_nonfinite:
             self._skip_step()
-        else:
-            for b in self.buckets:
-                self._write_grads(b, globally_used)
+        for b in self.buckets:
+            self._write_grads(b, globally_used)
+        if self.skip_nonfinite:
+            self.verdict.set(self.last_nonfinite)
         self._used.zero_()
         if self.on_step_done is not None:
             self.on_step_done()
@@ -363,16 +370,15 @@ class Reducer:
         return read_flag(nonfinite_flag([b.buffer for b in self.buckets]))
 
     def _skip_step(self) -> None:
-        """Every rank skips this step: no parameter keeps a gradient, so the optimizer steps nothing."""
+        """Every rank skips this step: the next optimizer step over these parameters drops their
+        gradients first (:mod:`shoal.nonfinite`), so it changes nothing."""
         if self.on_nonfinite is not None:
             self.on_nonfinite()
-        for p in self.params:
-            p.grad = None
         self.group.meter.add_nonfinite_skip(GRAD_TAG)
         warnings.warn("shoal DDP: the averaged gradients hold NaN/Inf (some rank's gradients are not finite); "
-                      "every rank skips this step: .grad is None for every parameter, so opt.step() changes "
-                      "nothing. comm_stats().total.nonfinite_skips counts such steps", RuntimeWarning,
-                      stacklevel=2)
+                      "every rank skips this step: the optimizer step drops .grad first, so it changes "
+                      "nothing (a GradScaler sees the Inf and skips itself). "
+                      "comm_stats().total.nonfinite_skips counts such steps", RuntimeWarning, stacklevel=2)
 
     def _wait(self, b: _Bucket) -> torch.Tensor:
         if isinstance(b.work, Handle):

@@ -52,6 +52,7 @@ from torch import nn
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group, Handle
 from shoal.errors import ConfigError, ShoalError
+from shoal.nonfinite import verdict_for
 
 if TYPE_CHECKING:
     from shoal.optim.elastic_zero import ElasticShards, Snapshot
@@ -370,8 +371,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _nonfinite_grads(self) -> bool:
         """Whether the (averaged, hence identical on every rank) gradients hold a NaN/Inf; counts
         and warns if so. One fused check and one host read, before any of the step's broadcasts.
-        Gradients that shoal's DDP already found non-finite are None here: nothing to check."""
-        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        Gradients that shoal's DDP already checked are not checked or counted again."""
+        params = self._all_params()
+        checked = verdict_for(params)  # shoal's DDP already checked (and counted) these gradients
+        if checked is not None:
+            return checked
+        grads = [p.grad for p in params if p.grad is not None]
         if not grads or not read_flag(nonfinite_flag(grads)):
             return False
         self.group.meter.add_nonfinite_skip(GRAD_TAG)

@@ -33,6 +33,7 @@ from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ShoalError
+from shoal.nonfinite import verdict_for
 
 
 def broadcast_module(module: nn.Module, group: Group, tag: str) -> None:
@@ -139,6 +140,11 @@ class Strategy(abc.ABC):
         or already dropped by :class:`shoal.DistributedDataParallel`'s own
         check) are not looked at, so a step is never counted twice.
         """
+        checked = verdict_for(self.params)  # shoal's DDP already checked (and counted) these gradients
+        if checked is not None:
+            if checked and self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            return checked
         grads = [g._values() if g.is_sparse else g for g in (p.grad for p in self.params) if g is not None]
         if not grads or not read_flag(nonfinite_flag(grads)):
             return False
