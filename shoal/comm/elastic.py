@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all
+from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op
 from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.topology import host_identity
@@ -602,8 +602,7 @@ class ElasticGroup(Group):
         return _ElasticHandle(self, work, result, tag, post, whole)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
-        if op != "avg" and op not in _REDUCE_OPS:
-            raise ConfigError(f"unknown reduce op {op!r}; expected avg or one of {sorted(_REDUCE_OPS)}")
+        check_reduce_op(op)
         self.meter.record(tag, "all_reduce", _nbytes(tensor), self.size, self.rank)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS["sum" if op == "avg" else op]  # type: ignore[assignment]
