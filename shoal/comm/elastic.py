@@ -43,9 +43,7 @@ Example::
 from __future__ import annotations
 
 import datetime
-import io
 import os
-import pickle
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -57,6 +55,7 @@ import torch.distributed as dist
 from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op
 from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
+from shoal.comm.objects import all_gather_object, from_bytes, to_bytes
 from shoal.comm.topology import host_identity
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
@@ -485,12 +484,10 @@ class ElasticGroup(Group):
         return self._issue(HEAL_TAG, chunk, lambda: self.pg.recv([chunk], peer, slot), whole=True)
 
     def _blob(self) -> torch.Tensor:
-        buf = io.BytesIO()
-        torch.save({k: s.get() for k, s in self._states.items()}, buf)
-        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        return to_bytes({k: s.get() for k, s in self._states.items()})
 
     def _load_blob(self, blob: torch.Tensor) -> None:
-        states = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        states = from_bytes(blob)
         if set(states) != set(self._states):
             raise ShoalError(f"healing peer sent state {sorted(states)} but this worker registered "
                              f"{sorted(self._states)}: every worker must run the same program")
@@ -667,19 +664,8 @@ class ElasticGroup(Group):
         self.all_reduce(torch.zeros(1), tag=tag).wait()
 
     def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
-        """Gather picklable objects; after a failure, returns ``[obj] * size`` (the step is lost)."""
-        data = pickle.dumps(obj)
-        sizes = torch.empty(self.size, dtype=torch.int64)
-        self.all_gather_into(sizes, torch.tensor([len(data)], dtype=torch.int64), tag=tag).wait()
-        width = int(sizes.max())
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.empty(width * self.size, dtype=torch.uint8)
-        self.all_gather_into(out, mine, tag=tag).wait()
-        if self.error is not None:
-            return [obj] * self.size
-        return [pickle.loads(out[r * width: r * width + int(sizes[r])].numpy().tobytes())
-                for r in range(self.size)]
+        """Gather objects (see :func:`shoal.comm.objects.all_gather_object`); after a failure, ``[obj] * size``."""
+        return all_gather_object(self, obj, tag)
 
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
         raise ShoalError("an elastic group cannot be split: its members change from one quorum to the "

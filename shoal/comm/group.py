@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from shoal.comm.flat import flat_views
 from shoal.comm.meter import Meter
+from shoal.comm.objects import all_gather_object
 from shoal.errors import CommTimeoutError, ConfigError, ShoalError
 
 _REDUCE_OPS = {
@@ -406,13 +406,13 @@ class Group:
             dist.barrier(group=self.pg)
 
     def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
-        """Blocking gather of a picklable object from every rank (for checks, not hot paths)."""
-        self.meter.record(tag, "all_gather", len(pickle.dumps(obj)), self.size, self.rank)
-        if self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        """Blocking gather of an object from every rank (for checks, not hot paths).
+
+        See :func:`shoal.comm.objects.all_gather_object`: ``obj`` travels with
+        ``torch.save`` and is read back with ``weights_only=True`` (tensors,
+        numbers, strings and plain containers).
+        """
+        return all_gather_object(self, obj, tag)
 
     # --- structure ---------------------------------------------------------
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":

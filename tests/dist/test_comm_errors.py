@@ -26,6 +26,19 @@ def _store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+def _absent_until_rank0_done() -> str:
+    """Rank 1 stays alive (its sockets open) until rank 0 is done; it acknowledges so that rank 0, whose
+    process hosts the store, does not exit before the notification reached rank 1."""
+    _store().wait(["rank0-done"], datetime.timedelta(seconds=60))
+    _store().set("rank1-done", "1")
+    return "absent"
+
+
+def _rank0_done() -> None:
+    _store().set("rank0-done", "1")
+    _store().wait(["rank1-done"], datetime.timedelta(seconds=60))
+
+
 def _outcome(fut: torch.futures.Future) -> str:
     try:
         value = fut.wait()
@@ -40,11 +53,12 @@ def _peer_absent(rank: int, world: int, mode: str) -> str:
     group.barrier()
     if rank == 1:
         if mode == "hang":   # alive, but never joins: only the op timeout can end rank 0's wait
-            _store().wait(["rank0-done"], datetime.timedelta(seconds=60))
+            return _absent_until_rank0_done()
         return "absent"      # "exit": run_workers destroys this rank's group, closing its sockets
     fut = group.all_reduce(torch.full((4,), 3.0), op="avg", tag="t").future()
     out = _outcome(fut)
-    _store().set("rank0-done", "1")
+    if mode == "hang":
+        _rank0_done()
     return out
 
 
@@ -81,14 +95,13 @@ def _warmup_peer_lost(rank: int, world: int) -> str:
     opt.step()
     opt.zero_grad()
     if rank == 1:
-        _store().wait(["rank0-done"], datetime.timedelta(seconds=60))
-        return "absent"
+        return _absent_until_rank0_done()
     try:
         F.mse_loss(ddp(x), y).backward()
         result = "backward returned"
     except Exception as e:  # noqa: BLE001 - the test reports what was raised
         result = f"raised {type(e).__name__}: {e}"
-    _store().set("rank0-done", "1")
+    _rank0_done()
     return result
 
 
@@ -122,3 +135,15 @@ def _bad_op_single(rank: int, world: int) -> list[str]:
 def test_world_one_validates_before_its_shortcut() -> None:
     assert run_workers(_bad_op_single, 1, timeout=45) == [
         ["all_reduce", "reduce", "reduce_scatter", "broadcast", "all_gather_into"]]
+
+
+def _gather_objects(rank: int, world: int) -> list:
+    group = Group(timeout=10.0)
+    mine = {"rank": rank, "name": "x" * (10 * rank), "shape": (rank, 2)}   # sizes differ by rank
+    return group.all_gather_object(mine)
+
+
+@pytest.mark.timeout(60)
+def test_all_gather_object_of_different_sizes() -> None:
+    want = [{"rank": r, "name": "x" * (10 * r), "shape": (r, 2)} for r in range(3)]
+    assert run_workers(_gather_objects, 3, timeout=45) == [want] * 3
