@@ -46,6 +46,7 @@ import datetime
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -212,6 +213,8 @@ class ElasticGroup(Group):
                                              _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
         self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
         self.trace = Trace()
+        self._discard_reasons: list[str] = []  # why each step since the last commit was discarded
+        self.register_state("elastic/discards", lambda: list(self._discard_reasons), self._load_discards)
         # Joining waits for the first start_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
@@ -245,6 +248,9 @@ class ElasticGroup(Group):
         if key in self._states:
             raise ConfigError(f"state {key!r} is already registered on this group")
         self._states[key] = _State(get, load, rollback, heal_load, snapshot)
+
+    def _load_discards(self, reasons: list[str]) -> None:
+        self._discard_reasons = [str(r) for r in reasons]
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
@@ -311,6 +317,7 @@ class ElasticGroup(Group):
         if commit:
             self.step += 1
             self.stats.commits += 1
+            self._discard_reasons = []
             for fn in self._on_commit:
                 fn()
             if latest > q.qid:
@@ -322,7 +329,34 @@ class ElasticGroup(Group):
         self._abandon()
         self.client.request_quorum(q.qid)
         self._after = q.qid
+        self._count_discard()
         return False
+
+    def _count_discard(self) -> None:
+        """Raise PeerLostError once ``Timeouts.max_consecutive_discards`` steps in a row were discarded.
+
+        Every member of a quorum reads the same verdicts, and the count is
+        healed into newcomers, so all members raise at the same step. Retrying
+        cannot cure a failure that repeats at every step (a deterministic
+        error, a NaN reported every step): without a limit the run would loop
+        forever without training.
+        """
+        if self.error is not None:
+            why = f"{type(self.error).__name__}: {self.error}"
+        elif self.client.remote_abort.is_set():
+            why = "another member reported a failure"
+        else:
+            why = "another member voted to discard (or the vote outlasted Timeouts.quorum)"
+        self._discard_reasons.append(why[:300])
+        limit = self.timeouts.max_consecutive_discards
+        if len(self._discard_reasons) < limit:
+            return
+        seen = Counter(self._discard_reasons).most_common(3)
+        raise PeerLostError(
+            f"{len(self._discard_reasons)} steps in a row were discarded (Timeouts.max_consecutive_discards="
+            f"{limit}): the failure repeats at every step, so retrying cannot help; fix its cause (or raise the "
+            "limit if peers are lost that often). Reasons seen by this member: "
+            + "; ".join(f"{why} (x{n})" for why, n in seen))
 
     def _vote(self, q: Quorum) -> str:
         st, key = self.client.store, f"{q.prefix}d/{self.step}"
