@@ -150,7 +150,7 @@ class Handle:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(self._result)
             return fut
-        devices = [d for d in _result_devices(self._result) if d.type != "cpu"]
+        devices: list[int | str | torch.device] = [d for d in _result_devices(self._result) if d.type != "cpu"]
         out: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         _watcher().submit(self, deadline, out)
