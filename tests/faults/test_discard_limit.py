@@ -78,3 +78,18 @@ def test_max_consecutive_discards_is_validated() -> None:
         with pytest.raises(ConfigError, match="max_consecutive_discards"):
             Timeouts(max_consecutive_discards=bad)  # type: ignore[arg-type]
     assert Timeouts().max_consecutive_discards == 20
+
+
+def test_the_discard_streak_travels_with_the_healed_state() -> None:
+    # A newcomer loads the run's state blob: it must give up at the same step as its peers.
+    coord = Coordinator(port=0, initial_workers=1).start()
+    group = ElasticGroup("streak", coordinator=coord.address, min_workers=1)
+    try:
+        group._discard_reasons = ["PeerLostError: lost (a)", "PeerLostError: lost (b)"]
+        blob = group._blob()
+        group._discard_reasons = []
+        group._load_blob(blob)
+        assert group._discard_reasons == ["PeerLostError: lost (a)", "PeerLostError: lost (b)"]
+    finally:
+        group.leave()
+        coord.stop()
