@@ -121,6 +121,7 @@ def _bad_op_single(rank: int, world: int) -> list[str]:
         "reduce_scatter": lambda: group.reduce_scatter(out, t, op="max"),
         "broadcast": lambda: group.broadcast(t, src=1),
         "all_gather_into": lambda: group.all_gather_into(torch.ones(3), t),
+        "broadcast_coalesced": lambda: group.broadcast_coalesced([], src=1),
     }
     refused = []
     for name, call in calls.items():
@@ -134,7 +135,7 @@ def _bad_op_single(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_world_one_validates_before_its_shortcut() -> None:
     assert run_workers(_bad_op_single, 1, timeout=45) == [
-        ["all_reduce", "reduce", "reduce_scatter", "broadcast", "all_gather_into"]]
+        ["all_reduce", "reduce", "reduce_scatter", "broadcast", "all_gather_into", "broadcast_coalesced"]]
 
 
 def _gather_objects(rank: int, world: int) -> list:
