@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import io
 import logging
 from typing import Any, Callable, Sequence
 
@@ -33,6 +32,7 @@ from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.collaborative.rounds import RoundGroup
 from shoal.comm.flat import flat_views
+from shoal.comm.objects import broadcast_bytes, from_bytes, to_bytes
 from shoal.collaborative.validate import Verdict, check_finite_tree, check_state
 from shoal.errors import PeerLostError
 
@@ -47,9 +47,7 @@ def encode_state(state: dict[str, Any], codec: Codec | None) -> torch.Tensor:
     if isinstance(codec, Cast):
         wire = codec.dtype
         state = map_tensors(state, lambda t: t.to(wire) if t.is_floating_point() and t.dim() > 0 else t)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return to_bytes(state)
 
 
 def decode_state(blob: torch.Tensor, local: dict[str, Any], source: int,
@@ -59,7 +57,7 @@ def decode_state(blob: torch.Tensor, local: dict[str, Any], source: int,
     ``epochs``: the epochs the state may be of (the round's); a source claiming another is rejected.
     """
     try:
-        state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        state = from_bytes(blob)
     except Exception as e:  # noqa: BLE001 - anything a peer sends may be malformed
         log.warning("state from member %d is not a valid state blob (%s); not loaded", source, e)
         return None
@@ -82,19 +80,9 @@ def exchange_state(g: RoundGroup, verdict: Verdict, make_blob: Callable[[], torc
     """The source broadcasts ``make_blob()`` to the round; the blob if this member must load it, else None."""
     if not verdict.behind or verdict.source is None:
         return None
-    blob = make_blob() if g.rank == verdict.source else torch.empty(0, dtype=torch.uint8)
-    n = torch.tensor([blob.numel()], dtype=torch.int64)
-    g.broadcast(n, src=verdict.source, tag="collab/state").wait()
-    size = int(n.item())
-    if g.error is None and not 0 < size <= max_bytes:
-        g.report_error(PeerLostError(f"state source announced {size} bytes, outside (0, max_state_bytes="
-                                     f"{max_bytes}]"))
-    if g.error is not None:
-        return None
-    if g.rank != verdict.source:
-        blob = torch.empty(size, dtype=torch.uint8)
-    g.broadcast(blob, src=verdict.source, tag="collab/state").wait(timeout=timeout)
-    if g.error is not None or g.rank not in verdict.behind:
+    blob = broadcast_bytes(g, make_blob() if g.rank == verdict.source else None, verdict.source, "collab/state",
+                           max_bytes=max_bytes, timeout=timeout)
+    if blob is None or g.rank not in verdict.behind:
         return None
     return blob
 

@@ -43,20 +43,20 @@ Example::
 from __future__ import annotations
 
 import datetime
-import io
 import os
-import pickle
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all
+from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op
 from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
+from shoal.comm.objects import all_gather_object, from_bytes, to_bytes
 from shoal.comm.topology import host_identity
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
@@ -213,6 +213,8 @@ class ElasticGroup(Group):
                                              _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
         self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
         self.trace = Trace()
+        self._discard_reasons: list[str] = []  # why each step since the last commit was discarded
+        self.register_state("elastic/discards", lambda: list(self._discard_reasons), self._load_discards)
         # Joining waits for the first start_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
@@ -246,6 +248,9 @@ class ElasticGroup(Group):
         if key in self._states:
             raise ConfigError(f"state {key!r} is already registered on this group")
         self._states[key] = _State(get, load, rollback, heal_load, snapshot)
+
+    def _load_discards(self, reasons: list[str]) -> None:
+        self._discard_reasons = [str(r) for r in reasons]
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
@@ -312,6 +317,7 @@ class ElasticGroup(Group):
         if commit:
             self.step += 1
             self.stats.commits += 1
+            self._discard_reasons = []
             for fn in self._on_commit:
                 fn()
             if latest > q.qid:
@@ -323,7 +329,34 @@ class ElasticGroup(Group):
         self._abandon()
         self.client.request_quorum(q.qid)
         self._after = q.qid
+        self._count_discard()
         return False
+
+    def _count_discard(self) -> None:
+        """Raise PeerLostError once ``Timeouts.max_consecutive_discards`` steps in a row were discarded.
+
+        Every member of a quorum reads the same verdicts, and the count is
+        healed into newcomers, so all members raise at the same step. Retrying
+        cannot cure a failure that repeats at every step (a deterministic
+        error, a NaN reported every step): without a limit the run would loop
+        forever without training.
+        """
+        if self.error is not None:
+            why = f"{type(self.error).__name__}: {self.error}"
+        elif self.client.remote_abort.is_set():
+            why = "another member reported a failure"
+        else:
+            why = "another member voted to discard (or the vote outlasted Timeouts.quorum)"
+        self._discard_reasons.append(why[:300])
+        limit = self.timeouts.max_consecutive_discards
+        if len(self._discard_reasons) < limit:
+            return
+        seen = Counter(self._discard_reasons).most_common(3)
+        raise PeerLostError(
+            f"{len(self._discard_reasons)} steps in a row were discarded (Timeouts.max_consecutive_discards="
+            f"{limit}): the failure repeats at every step, so retrying cannot help; fix its cause (or raise the "
+            "limit if peers are lost that often). Reasons seen by this member: "
+            + "; ".join(f"{why} (x{n})" for why, n in seen))
 
     def _vote(self, q: Quorum) -> str:
         st, key = self.client.store, f"{q.prefix}d/{self.step}"
@@ -485,12 +518,10 @@ class ElasticGroup(Group):
         return self._issue(HEAL_TAG, chunk, lambda: self.pg.recv([chunk], peer, slot), whole=True)
 
     def _blob(self) -> torch.Tensor:
-        buf = io.BytesIO()
-        torch.save({k: s.get() for k, s in self._states.items()}, buf)
-        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        return to_bytes({k: s.get() for k, s in self._states.items()})
 
     def _load_blob(self, blob: torch.Tensor) -> None:
-        states = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        states = from_bytes(blob)
         if set(states) != set(self._states):
             raise ShoalError(f"healing peer sent state {sorted(states)} but this worker registered "
                              f"{sorted(self._states)}: every worker must run the same program")
@@ -602,8 +633,7 @@ class ElasticGroup(Group):
         return _ElasticHandle(self, work, result, tag, post, whole)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
-        if op != "avg" and op not in _REDUCE_OPS:
-            raise ConfigError(f"unknown reduce op {op!r}; expected avg or one of {sorted(_REDUCE_OPS)}")
+        check_reduce_op(op)
         self.meter.record(tag, "all_reduce", _nbytes(tensor), self.size, self.rank)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS["sum" if op == "avg" else op]  # type: ignore[assignment]
@@ -668,19 +698,8 @@ class ElasticGroup(Group):
         self.all_reduce(torch.zeros(1), tag=tag).wait()
 
     def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
-        """Gather picklable objects; after a failure, returns ``[obj] * size`` (the step is lost)."""
-        data = pickle.dumps(obj)
-        sizes = torch.empty(self.size, dtype=torch.int64)
-        self.all_gather_into(sizes, torch.tensor([len(data)], dtype=torch.int64), tag=tag).wait()
-        width = int(sizes.max())
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.empty(width * self.size, dtype=torch.uint8)
-        self.all_gather_into(out, mine, tag=tag).wait()
-        if self.error is not None:
-            return [obj] * self.size
-        return [pickle.loads(out[r * width: r * width + int(sizes[r])].numpy().tobytes())
-                for r in range(self.size)]
+        """Gather objects (see :func:`shoal.comm.objects.all_gather_object`); after a failure, ``[obj] * size``."""
+        return all_gather_object(self, obj, tag)
 
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
         raise ShoalError("an elastic group cannot be split: its members change from one quorum to the "

@@ -17,7 +17,9 @@ Example (inside a process started by ``shoal run`` or ``torchrun``)::
 from __future__ import annotations
 
 import datetime
-import pickle
+import os
+import queue
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from shoal.comm.flat import flat_views
 from shoal.comm.meter import Meter
+from shoal.comm.objects import all_gather_object
 from shoal.errors import CommTimeoutError, ConfigError, ShoalError
 
 _REDUCE_OPS = {
@@ -43,6 +46,17 @@ def _nbytes(t: torch.Tensor) -> int:
 def _is_timeout(err: BaseException) -> bool:
     text = str(err).lower()
     return "timed out" in text or "timeout" in text
+
+
+def check_reduce_op(op: str) -> None:
+    """Raise :class:`ConfigError` unless ``op`` names an all-reduce: avg, sum, max, min or product.
+
+    Every collective validates its arguments before any shortcut (a group
+    of one returns at once), so a typo fails at world size 1 as it would
+    at 64.
+    """
+    if op != "avg" and op not in _REDUCE_OPS:
+        raise ConfigError(f"unknown reduce op {op!r}; expected avg or one of {sorted(_REDUCE_OPS)}")
 
 
 def check_all_to_all(output: torch.Tensor, tensor: torch.Tensor, size: int) -> None:
@@ -89,8 +103,11 @@ class Handle:
 
         Raises :class:`~shoal.errors.CommTimeoutError` when the deadline passes.
         """
+        return self._wait(self._timeout if timeout is None else timeout, None)
+
+    def _wait(self, limit: float | None, shown: float | None) -> Any:
+        """:meth:`wait` for at most ``limit`` s; ``shown``: the timeout an error names (default ``limit``)."""
         if not self._done:
-            limit = self._timeout if timeout is None else timeout
             t0 = time.perf_counter()
             try:
                 if limit is None:
@@ -100,7 +117,7 @@ class Handle:
             except RuntimeError as e:
                 if _is_timeout(e):
                     raise CommTimeoutError(
-                        f"collective tagged {self._tag!r} did not finish within {limit} s; "
+                        f"collective tagged {self._tag!r} did not finish within {shown or limit} s; "
                         "a peer is slow, hung or gone (raise the op timeout if the network is just slow)"
                     ) from e
                 raise
@@ -112,16 +129,87 @@ class Handle:
         return self._result
 
     def future(self) -> torch.futures.Future:
-        """A ``torch.futures.Future`` completed with the result (for comm hooks)."""
+        """A ``torch.futures.Future`` of the result, for comm hooks; it fails as :meth:`wait` would.
+
+        The future completes with the result, or with the collective's error
+        (the backend's ``RuntimeError`` when a peer failed it), or
+        with :class:`~shoal.errors.CommTimeoutError` once the op timeout,
+        counted from this call, passes: never with the unreduced local data.
+        A torch future of a ``Work`` neither times out nor may safely run
+        Python callbacks that raise (gloo runs them on its own threads), so
+        the waiting is done by :meth:`wait` on this process's comm watcher
+        thread (:func:`_watcher`), which completes the returned future. Use
+        either ``future()`` or ``wait()`` on one handle, not both.
+
+        Example::
+
+            fut = group.all_reduce(bucket.buffer(), op="avg", tag="grad").future()
+            fut.wait()   # raises CommTimeoutError if a peer never joins the all-reduce
+        """
         if self._work is None:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(self._result)
             return fut
-        post, result = self._post, self._result
-        return self._work.get_future().then(lambda _f: post(result) if post is not None else result)
+        devices: list[int | str | torch.device] = [d for d in _result_devices(self._result) if d.type != "cpu"]
+        out: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        _watcher().submit(self, deadline, out)
+        return out
 
     def is_completed(self) -> bool:
         return self._done or bool(self._work.is_completed())
+
+
+def _result_devices(result: Any) -> list[torch.device]:
+    """The distinct devices of the tensors in ``result`` (a tensor or a list of them)."""
+    items = result if isinstance(result, (list, tuple)) else [result]
+    return list(dict.fromkeys(t.device for t in items if isinstance(t, torch.Tensor)))
+
+
+class _Watcher:
+    """A daemon thread that completes the futures of :meth:`Handle.future`.
+
+    It waits for each handle in turn with :meth:`Handle.wait` (what raises
+    :class:`~shoal.errors.CommTimeoutError` past the op timeout and the
+    backend's error when a peer failed the collective) and sets the result or
+    the exception on the future. Deadlines are fixed when the future is made,
+    so waiting in turn delays no failure past its own deadline. Waiting in
+    this thread, rather than in a callback on the work's own future, keeps
+    shoal code off gloo's threads (see :meth:`ElasticGroup._await`), and on
+    CUDA the result is published with the stream this thread waited on,
+    which the future's consumer then synchronises with.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Handle, float | None, torch.futures.Future]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="shoal-comm-watcher", daemon=True).start()
+
+    def submit(self, handle: Handle, deadline: float | None, out: torch.futures.Future) -> None:
+        self._queue.put((handle, deadline, out))
+
+    def _run(self) -> None:
+        while True:
+            handle, deadline, out = self._queue.get()
+            try:
+                limit = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+                value = handle._wait(limit, handle._timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the future's consumer
+                out.set_exception(e)
+            else:
+                out.set_result(value)
+
+
+_WATCHER: tuple[int, _Watcher] | None = None
+_WATCHER_LOCK = threading.Lock()
+
+
+def _watcher() -> _Watcher:
+    """This process's watcher, started on first use (again in a forked child: threads do not survive a fork)."""
+    global _WATCHER
+    with _WATCHER_LOCK:
+        if _WATCHER is None or _WATCHER[0] != os.getpid():
+            _WATCHER = (os.getpid(), _Watcher())
+        return _WATCHER[1]
 
 
 class Group:
@@ -181,6 +269,7 @@ class Group:
     # --- collectives -----------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
         """Reduce ``tensor`` in place over the group; ``op`` in sum/avg/max/min/product."""
+        check_reduce_op(op)
         self.meter.record(tag, "all_reduce", _nbytes(tensor), self.size, self.rank)
         if self.size == 1:
             return Handle(None, tensor, self.meter, tag, self.timeout)
@@ -192,10 +281,8 @@ class Group:
                 reduce_op = dist.ReduceOp.SUM
                 size = self.size
                 post = lambda t: t.div_(size)  # noqa: E731
-        elif op in _REDUCE_OPS:
-            reduce_op = _REDUCE_OPS[op]
         else:
-            raise ConfigError(f"unknown reduce op {op!r}; expected avg or one of {sorted(_REDUCE_OPS)}")
+            reduce_op = _REDUCE_OPS[op]
         work = dist.all_reduce(tensor, op=reduce_op, group=self.pg, async_op=True)
         return Handle(work, tensor, self.meter, tag, self.timeout, post)
 
@@ -297,6 +384,7 @@ class Group:
         ``cache`` keeps the flat buffers between calls (pass the same dict
         each time on hot paths, e.g. buffers broadcast before every forward).
         """
+        self._check_rank(src, "src")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t.detach())
@@ -318,13 +406,13 @@ class Group:
             dist.barrier(group=self.pg)
 
     def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
-        """Blocking gather of a picklable object from every rank (for checks, not hot paths)."""
-        self.meter.record(tag, "all_gather", len(pickle.dumps(obj)), self.size, self.rank)
-        if self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        """Blocking gather of an object from every rank (for checks, not hot paths).
+
+        See :func:`shoal.comm.objects.all_gather_object`: ``obj`` travels with
+        ``torch.save`` and is read back with ``weights_only=True`` (tensors,
+        numbers, strings and plain containers).
+        """
+        return all_gather_object(self, obj, tag)
 
     # --- structure ---------------------------------------------------------
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":

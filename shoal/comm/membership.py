@@ -86,11 +86,17 @@ class Timeouts:
         quorum: longest wait for a step's commit vote, a new quorum, or the
             new group's connections.
         join: longest a newcomer waits to be admitted and healed.
+        max_consecutive_discards: a count, not seconds: after this many
+            steps in a row are discarded (a failure that repeats at every
+            step: a deterministic error, a NaN reported every step), every
+            member raises PeerLostError with the reasons instead of
+            retrying forever. Any commit resets the count.
 
     Example::
 
         Timeouts(op=60, quorum=120, join=600)   # a slow WAN
         Timeouts(op=40, quorum=30)              # ConfigError naming op and quorum
+        Timeouts(max_consecutive_discards=5)    # give up sooner on a failure that repeats
     """
 
     op: float = 20.0            # loopback/LAN collectives finish in well under a second
@@ -99,8 +105,13 @@ class Timeouts:
     heartbeat_timeout: float = 5.0   # generous: a GC pause must not evict a worker
     quorum: float = 60.0        # > op: a vote waits at most for one slow collective
     join: float = 300.0         # > quorum: a newcomer may arrive mid-round and heal
+    max_consecutive_discards: int = 20  # a lost peer costs one discard; 20 in a row is no bad luck
 
     def __post_init__(self) -> None:
+        n = self.max_consecutive_discards
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"Timeouts.max_consecutive_discards must be an integer >= 1 (steps discarded in a "
+                              f"row before every member gives up), got {n!r}")
         for name in ("op", "heartbeat_interval", "probe", "heartbeat_timeout", "quorum", "join"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:

@@ -51,9 +51,10 @@ import torch
 
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Handle
+from shoal.comm.objects import all_gather_bytes, from_bytes, to_bytes
 from shoal.errors import ConfigError, ShoalError
-from shoal.optim.zero import (PARAM_TAG, STATE_TAG, _deserialise, _plain_units, _serialise, _sync_groups, _Unit,
-                              assign_bucket_owners, partition_by_size)
+from shoal.optim.zero import (PARAM_TAG, STATE_TAG, _plain_units, _sync_groups, _Unit, assign_bucket_owners,
+                              partition_by_size)
 
 if TYPE_CHECKING:
     from shoal.optim.elastic_overlap import ElasticOverlap
@@ -285,15 +286,15 @@ class ElasticShards:
                 return None
             primary = masks.view(g.size, -1).amax(0)
             held = {**{i: st for i, st in replica.items() if not primary[i]}, **own}
-        payload = _serialise({"state": held, "known": sorted(self.known)}, torch.device("cpu"))
-        blobs = _gather_blobs(g, payload)
+        payload = to_bytes({"state": held, "known": sorted(self.known)}, torch.device("cpu"))
+        blobs = all_gather_bytes(g, payload, STATE_TAG)
         if blobs is None:
             return None
         pool: dict[int, dict[str, Any]] = {}
         known: set[int] = set()
         nbytes = 0
         for r, blob in enumerate(blobs):
-            d = _deserialise(blob)
+            d = from_bytes(blob)
             known.update(int(i) for i in d["known"])
             for i, st in d["state"].items():
                 pool.setdefault(int(i), st)
@@ -359,22 +360,6 @@ class ElasticShards:
         if q is None or self.shard.qid != q.qid:
             raise ShoalError(f"{what} on an elastic group must follow a committed zero.step() in the current "
                              "quorum (shards are laid out per quorum, at its first step)")
-
-
-def _gather_blobs(group: ElasticGroup, payload: torch.Tensor) -> list[torch.Tensor] | None:
-    """Every member's byte blob (None if the all-gather failed: the step is lost)."""
-    sizes = torch.empty(group.size, dtype=torch.int64)
-    group.all_gather_into(sizes, torch.tensor([payload.numel()], dtype=torch.int64), tag=STATE_TAG).wait()
-    if group.error is not None:
-        return None
-    width = max(int(sizes.max()), 1)
-    mine = torch.zeros(width, dtype=torch.uint8)
-    mine[: payload.numel()] = payload
-    out = torch.empty(width * group.size, dtype=torch.uint8)
-    group.all_gather_into(out, mine, tag=STATE_TAG).wait()
-    if group.error is not None:
-        return None
-    return [out[r * width: r * width + int(sizes[r])] for r in range(group.size)]
 
 
 def check_elastic_options(group: Any, replicate: Any) -> bool:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import io
 import threading
 import warnings
 from itertools import chain
@@ -51,6 +50,7 @@ from torch import nn
 
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group, Handle
+from shoal.comm.objects import all_gather_bytes, from_bytes, to_bytes
 from shoal.errors import ConfigError, ShoalError
 from shoal.nonfinite import verdict_for
 
@@ -530,8 +530,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard on rank ``to`` (call on every rank); then ``state_dict()`` there.
 
-        Each shard is broadcast once from its owner (the group's collectives
-        are metered under ``zero/state``); other ranks discard what they get.
+        The shards travel in one padded all-gather of their serialised bytes
+        (:func:`shoal.comm.objects.all_gather_bytes`, metered under
+        ``zero/state``); other ranks discard what they get.
 
         Example::
 
@@ -545,17 +546,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"to must be a rank in 0..{self.world_size - 1}, got {to!r}")
         self._finish_broadcasts()
         mine = self._shard_state()
-        payload = _serialise(mine, self.group.device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.group.device)
-        sizes = [int(s.item()) for s in self.group.all_gather(size, tag=STATE_TAG).wait()]
+        blobs = all_gather_bytes(self.group, to_bytes(mine, self.group.device), STATE_TAG)
         state: dict[int, Any] = {}
-        for r in range(self.world_size):
-            buf = payload if r == self.rank else torch.empty(sizes[r], dtype=torch.uint8, device=self.group.device)
-            self.group.broadcast(buf, src=r, tag=STATE_TAG).wait()
-            if self.rank == to:
-                state.update(mine if r == self.rank else _deserialise(buf))
+        if blobs is not None and self.rank == to:
+            for r, blob in enumerate(blobs):
+                state.update(mine if r == self.rank else from_bytes(blob))
         self._consolidated = None
-        if getattr(self.group, "error", None) is not None:
+        if blobs is None:
             raise ShoalError(f"consolidating the optimizer state failed ({self.group.error}); a peer was "  # type: ignore[attr-defined]
                              "lost: call it again after the next committed step")
         if self.rank == to:
@@ -622,14 +619,3 @@ def _check_state_dict(state_dict: Any, groups: Sequence[dict[str, Any]]) -> list
             raise ConfigError(f"parameter group #{g} holds {len(s['params'])} parameters in the state dict "
                               f"but {len(mine['params'])} here")
     return list(saved)
-
-
-def _serialise(obj: Any, device: torch.device) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
-
-
-def _deserialise(t: torch.Tensor) -> Any:
-    # weights_only: a peer's bytes may hold tensors and plain containers, never code.
-    return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=True)

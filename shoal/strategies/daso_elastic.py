@@ -32,7 +32,6 @@ Example: ``shoal.wrap(model, opt, shoal.DASO(...), process_group=ElasticGroup())
 
 from __future__ import annotations
 
-import io
 from typing import Any, Callable
 
 import torch
@@ -43,27 +42,21 @@ from shoal.comm.elastic import ElasticGroup
 from shoal.comm.elastic_sub import ElasticSubgroup, by_host, host_leaders, member_infos
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
+from shoal.comm.objects import broadcast_bytes, from_bytes, to_bytes
 from shoal.strategies.elastic import ADOPT
 
 TAG = "daso/global"
 
 
 def broadcast_state(group: ElasticGroup, state: Any, src: int, tag: str) -> Any:
-    """``state`` of subgroup rank ``src`` on every member (``torch.save``-able; the size first)."""
-    if group.rank == src:
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    else:
-        blob = torch.empty(0, dtype=torch.uint8)
-    n = torch.tensor([blob.numel()], dtype=torch.int64)
-    group.broadcast(n, src=src, tag=tag).wait()
-    if group.rank != src:
-        blob = torch.empty(int(n.item()), dtype=torch.uint8)
-    group.broadcast(blob, src=src, tag=tag).wait()
-    if group.error is not None or group.rank == src:
+    """``state`` of subgroup rank ``src`` on every member (``torch.save``-able; the size first).
+
+    After a failure (the step is lost) every member keeps its own ``state``.
+    """
+    blob = broadcast_bytes(group, to_bytes(state) if group.rank == src else None, src, tag)
+    if blob is None or group.rank == src:
         return state
-    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    return from_bytes(blob)
 
 
 class ElasticDASO:
