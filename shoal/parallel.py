@@ -126,18 +126,19 @@ class DistributedDataParallel(nn.Module):
             quorum, so pass ``True`` for a multi-host elastic run.
         skip_nonfinite: when the averaged gradients hold a NaN/Inf (some
             rank's gradients were not finite), every rank skips the step
-            together (SPEC G5): ``.grad`` is set to ``None`` on every
-            parameter, so ``opt.step()`` changes nothing (torch optimizers
-            skip parameters without a gradient), a ``RuntimeWarning`` is
-            issued and ``comm_stats().total.nonfinite_skips`` counts it. All
-            ranks hold the same averaged gradients, so one fused check after
-            the step's last collective gives every rank the same verdict with
-            no extra message (docs/codecs.md). The next backward writes
-            ``.grad`` again; gradients accumulated under ``no_sync()`` are
-            dropped with the step. Pass ``False`` with ``torch.amp.GradScaler``:
-            the scaler must see the Inf to skip the step and lower its scale
-            (every rank sees the same Inf, so it skips on every rank), and it
-            refuses an optimizer none of whose parameters has a gradient.
+            together (SPEC G5): the averaged gradients are written to
+            ``.grad`` as usual, and the next ``step()`` of any optimizer
+            holding these parameters first sets their ``.grad`` to ``None``
+            (a global optimizer pre-hook, :mod:`shoal.nonfinite`), so it
+            changes nothing (torch optimizers skip parameters without a
+            gradient); a ``RuntimeWarning`` is issued and
+            ``comm_stats().total.nonfinite_skips`` counts it. All ranks hold
+            the same averaged gradients, so one fused check after the step's
+            last collective gives every rank the same verdict with no extra
+            message (docs/codecs.md). ``torch.amp.GradScaler`` works
+            unchanged: its ``unscale_`` sees the same Inf on every rank,
+            skips the step and lowers its scale. Gradients accumulated under
+            ``no_sync()`` are dropped with the step. ``False``: no check.
 
     Example::
 
