@@ -27,11 +27,21 @@ one decision.
 Healing: in each new group the members exchange (committed step, fresh); if
 anyone is behind or new, the lowest-ranked up-to-date member sends every
 registered state (model, optimizer, codec, counters) as one serialised blob,
-point to point and in chunks, to those members only.
+point to point and in chunks, to those members only. A receiver checks it
+against its own state before loading any of it (:mod:`shoal.comm.received`:
+shapes, dtypes, NaN/Inf); state that fails is refused and never loaded: the
+receiver logs why, leaves the run and raises :class:`~shoal.errors.ShoalError`.
+
+Authentication: every member proves it holds the run token when it joins
+(:mod:`shoal.comm.auth`); the token is ``ElasticGroup(token=...)``, else
+``$SHOAL_TOKEN`` (set by ``shoal run --elastic``), and a group without either
+refuses to start (ConfigError). A wrong token gets
+:class:`~shoal.errors.AuthError` at the first :meth:`ElasticGroup.start_step`,
+and its holder is never admitted into a quorum.
 
 Example::
 
-    group = ElasticGroup("run1", coordinator="127.0.0.1:29400")
+    group = ElasticGroup("run1", coordinator="127.0.0.1:29400", token="s3cret-token")
     group.register_state("model", model.state_dict, model.load_state_dict)
     while training:
         group.start_step()
@@ -44,6 +54,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
 import os
 import pickle
 import threading
@@ -54,9 +65,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shoal.comm.auth import check_token
 from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all
 from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
+from shoal.comm.received import check_received
 from shoal.comm.topology import host_identity
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
@@ -64,6 +77,7 @@ CONTROL_TAG = "elastic/control"
 _SLICE = datetime.timedelta(milliseconds=10)   # _await checks the abort flag and deadline this often
 HEAL_TAG = "elastic/heal"
 HEAL_CHUNK = 4 << 20  # bytes per point-to-point heal message (1.7 s at 20 mbit)
+log = logging.getLogger("shoal.elastic")
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,19 @@ def _env(name: str, value: str | None, what: str) -> str:
     return found
 
 
+def run_token(token: str | None) -> str:
+    """The elastic run's token: ``token`` if given (it wins over the environment), else ``$SHOAL_TOKEN``."""
+    if token is not None:
+        return str(check_token(token))
+    found = os.environ.get("SHOAL_TOKEN")
+    if not found:
+        raise ConfigError("an elastic group needs the run token, so that only workers holding it join the "
+                          "run: pass ElasticGroup(token=...) or set $SHOAL_TOKEN (`shoal run --elastic` sets "
+                          "it for its workers; with `--coordinator` or `shoal coordinator` give them the same "
+                          "--token)")
+    return str(check_token(found))
+
+
 class ElasticGroup(Group):
     """A Group whose members follow the run's quorums; see the module docstring.
 
@@ -166,6 +193,12 @@ class ElasticGroup(Group):
         host_id: this worker's host identity, published with its join
             record so that per-quorum subgroups (:mod:`shoal.comm.elastic_sub`)
             know who shares a host (default: ``$SHOAL_HOST_ID``, else the hostname).
+        token: the run token (at least 8 characters), proved to the
+            coordinator at the join without being sent (default:
+            ``$SHOAL_TOKEN``, which ``shoal run --elastic`` sets; an argument
+            wins over it). Required: without either, ConfigError. A wrong one
+            raises :class:`~shoal.errors.AuthError` at the first
+            :meth:`start_step`.
 
     Example::
 
@@ -176,7 +209,7 @@ class ElasticGroup(Group):
     def __init__(self, run_id: str | None = None, *, coordinator: str | None = None,
                  timeouts: Timeouts | None = None, min_workers: int | None = None, meter: Meter | None = None,
                  backend_factory: BackendFactory | None = None, client: MemberClient | None = None,
-                 host_id: str | None = None) -> None:
+                 host_id: str | None = None, token: str | None = None) -> None:
         # Group.__init__ wants the default process group; an elastic group has none.
         if timeouts is not None and not isinstance(timeouts, Timeouts):
             raise ConfigError(f"timeouts must be a shoal Timeouts, got {type(timeouts).__name__}")
@@ -210,7 +243,8 @@ class ElasticGroup(Group):
         # ``client``: a subclass that joins with its own MemberClient (a token, a role) passes it, so
         # that no second store connection is opened for nothing.
         self.client = client or MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
-                                             _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
+                                             _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info,
+                                             token=run_token(token))
         self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
         self.trace = Trace()
         # Joining waits for the first start_step: a newcomer that announced itself
@@ -430,7 +464,7 @@ class ElasticGroup(Group):
             self.stats.heal_bytes = blob.numel()
             self.newcomers = tuple(needy)
             if self.rank in needy:
-                self._load_blob(blob)
+                self._load_blob(blob, src)
                 self.step = top
                 self.stats.heals_received += 1
             self.stats.heal_s = time.monotonic() - t0
@@ -489,11 +523,26 @@ class ElasticGroup(Group):
         torch.save({k: s.get() for k, s in self._states.items()}, buf)
         return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
-    def _load_blob(self, blob: torch.Tensor) -> None:
-        states = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
-        if set(states) != set(self._states):
-            raise ShoalError(f"healing peer sent state {sorted(states)} but this worker registered "
-                             f"{sorted(self._states)}: every worker must run the same program")
+    def _load_blob(self, blob: torch.Tensor, src: int) -> None:
+        """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it."""
+        try:
+            states = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever a malformed blob makes torch.load raise
+            states, why = None, f"it is not a state blob ({type(e).__name__}: {e})"
+        else:
+            why = None
+        if why is None and (not isinstance(states, dict) or set(states) != set(self._states)):
+            why = (f"it holds state {sorted(map(str, states)) if isinstance(states, dict) else '?'} but this "
+                   f"worker registered {sorted(self._states)}: every worker must run the same program")
+        if why is None and isinstance(states, dict):
+            why = check_received(states, {k: s.get() for k, s in self._states.items()})
+        if why is not None or not isinstance(states, dict):
+            member = self.quorum.members[src] if self.quorum is not None else "?"
+            log.error("refusing the state healed from rank %d (member %s): %s; nothing of it was loaded, "
+                      "this worker leaves the run", src, member, why)
+            self.leave()   # the others drop it at once (the coordinator aborts their quorum)
+            raise ShoalError(f"refused the run's state healed from rank {src} (member {member}): {why}; "
+                             "nothing of it was loaded")
         for k, s in self._states.items():
             (s.heal_load or s.load)(states[k])
 
