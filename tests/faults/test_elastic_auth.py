@@ -208,3 +208,50 @@ def test_shoal_coordinator_refuses_to_start_without_a_token() -> None:
     p = subprocess.run([sys.executable, "-m", "shoal", "coordinator", "--port", "0"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "no run token: pass --token or set $SHOAL_TOKEN" in p.stderr, p.stderr
+
+
+# --- shoal run --elastic -----------------------------------------------------------------------
+
+_SCRIPT = """
+import os, sys
+from shoal.elastic import ElasticGroup, Timeouts
+g = ElasticGroup(timeouts=Timeouts(op=5.0, quorum=30.0, join=60.0))
+g.start_step()
+ok = g.should_commit() and g.size == 2
+g.leave()
+with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
+    f.write(os.environ["SHOAL_TOKEN"] + " " + str(ok))
+"""
+
+
+def _shoal_run(tmp_path: Any, launcher: list[str], env_token: str | None) -> tuple[int, str, list[str]]:
+    script = tmp_path / "worker.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "SHOAL_TOKEN"}
+    env["PYTHONPATH"] = harness.ROOT
+    if env_token is not None:
+        env["SHOAL_TOKEN"] = env_token
+    p = subprocess.run([sys.executable, "-m", "shoal", "run", *launcher, str(script), str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=100)
+    found = sorted(f.read_text() for f in tmp_path.iterdir() if f.name in ("0", "1"))
+    return p.returncode, p.stdout + p.stderr, found
+
+
+@pytest.mark.timeout(120)
+def test_shoal_run_token_argument_wins_over_the_environment(tmp_path: Any) -> None:
+    code, out, found = _shoal_run(tmp_path, ["-n", "2", "--elastic", "--token", "cli-token-123"], "env-token-456")
+    assert code == 0 and found == ["cli-token-123 True"] * 2, out
+
+
+@pytest.mark.timeout(120)
+def test_shoal_run_without_a_token_gives_its_workers_a_fresh_one(tmp_path: Any) -> None:
+    code, out, found = _shoal_run(tmp_path, ["-n", "2", "--elastic"], None)
+    assert code == 0 and len(found) == 2 and found[0] == found[1] and found[0].endswith(" True"), out
+    assert len(found[0].split()[0]) >= 16, found
+
+
+def test_shoal_run_token_needs_elastic_and_a_standalone_coordinator_needs_a_token(tmp_path: Any) -> None:
+    code, out, _ = _shoal_run(tmp_path, ["-n", "1", "--token", "cli-token-123"], None)
+    assert code == 2 and "--token need --elastic" in out, out
+    code, out, _ = _shoal_run(tmp_path, ["-n", "1", "--elastic", "--coordinator", "127.0.0.1:9"], None)
+    assert code == 2 and "needs the run's token" in out, out
