@@ -30,6 +30,8 @@ Protocol (keys under ``<run_id>/``; ``runs/n`` and ``runs/<k>`` list the runs):
 - a member silent for ``heartbeat_timeout`` is dropped without any request,
   and ``<prefix>abort`` of the current quorum is set, so that members blocked
   in one of its collectives give up at once.
+- every dropped member is marked ``dropped/<id>``: one that was only slow
+  sees it while it waits for a quorum and joins again under a new id.
 - authentication (a coordinator started with a ``token``; it sets
   ``auth/required``): after taking its id the joiner waits for
   ``auth/<id>/nonce``, answers ``auth/<id>/proof = HMAC(token, run/id, nonce)``
@@ -338,7 +340,7 @@ class Coordinator:
             elif b != m.beats:
                 m.beats, m.seen = b, now
         for i in gone:
-            del run.members[i]
+            self._drop(run, i)
         if gone and set(gone) & set(run.current):
             st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
         self._maybe_publish(run, now, t, bool(gone))
@@ -385,13 +387,22 @@ class Coordinator:
             # slow finds itself outside the next quorum and joins again under a new id.
             for i in alive:
                 if i not in answered:
-                    del run.members[i]
+                    self._drop(run, i)
             self._publish(run, answered)
             return
         changed = alive != run.current
         if not changed or (not lost and now - run.last_join < self.join_grace):
             return
         self._publish(run, alive)
+
+    def _drop(self, run: _Run, i: int) -> None:
+        """Forget member ``i`` and tell it (``dropped/<id>``): a live one that was only slow joins again.
+
+        Without the mark a member dropped while too few others remain for a quorum would never
+        learn it (no newer quorum is published to leave it out of) and the run would stall.
+        """
+        del run.members[i]
+        self._store.set(run.key(f"dropped/{i}"), "1")
 
     def _publish(self, run: _Run, members: tuple[int, ...]) -> None:
         need = run.min_workers() if run.qid else max(run.min_workers(), self.initial_workers)
@@ -548,9 +559,10 @@ class MemberClient:
     def wait_quorum(self, after: int, timeout: float) -> Quorum:
         """The first quorum newer than ``after`` that includes this member.
 
-        A newer quorum without this member means the coordinator dropped it
-        (e.g. it missed a probe while busy): it joins again under a new id and
-        goes on waiting, and will be healed as a newcomer.
+        A newer quorum without this member, or its ``dropped/<id>`` mark,
+        means the coordinator dropped it (e.g. it missed a probe while busy):
+        it joins again under a new id and goes on waiting, and will be healed
+        as a newcomer.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -562,6 +574,8 @@ class MemberClient:
                 if self.member_id in q.members:
                     return q
                 after = latest
+                self.join()
+            elif self.store.check([self.key(f"dropped/{self.member_id}")]):
                 self.join()
             if time.monotonic() > deadline:
                 raise ShoalError(
