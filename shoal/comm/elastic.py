@@ -525,12 +525,11 @@ class ElasticGroup(Group):
 
     def _load_blob(self, blob: torch.Tensor, src: int) -> None:
         """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it."""
+        why: str | None = None
         try:
             states = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever a malformed blob makes torch.load raise
             states, why = None, f"it is not a state blob ({type(e).__name__}: {e})"
-        else:
-            why = None
         if why is None and (not isinstance(states, dict) or set(states) != set(self._states)):
             why = (f"it holds state {sorted(map(str, states)) if isinstance(states, dict) else '?'} but this "
                    f"worker registered {sorted(self._states)}: every worker must run the same program")

@@ -72,8 +72,8 @@ def _compare(received: Any, local: Any, path: str, tensors: list[tuple[str, torc
     if isinstance(local, (list, tuple)) and not isinstance(received, (list, tuple)):
         return f"{path}: expected a sequence, got {type(received).__name__}"
     if isinstance(received, dict):
-        mine = local if isinstance(local, dict) else {}
-        items: Any = ((k, v, mine.get(k)) for k, v in received.items())
+        known = local if isinstance(local, dict) else {}
+        items: Any = ((k, v, known.get(k)) for k, v in received.items())
     elif isinstance(received, (list, tuple)):
         mine = list(local) if isinstance(local, (list, tuple)) else []
         if mine and len(mine) != len(received):

@@ -11,7 +11,9 @@ the final model, optimizer and strategy state.
 
 Parking (so that a fault lands at the same place on any machine, fast or slow):
 ``--hold-restart`` keeps a restarted incarnation out of the run until a
-survivor has committed a round without it (``<out>/alone``);
+survivor has committed a round without it (``<out>/alone``), and the
+survivors then wait between two rounds until it is in a published quorum
+(however long its start takes, they do not run to ``--max-steps`` without it);
 ``--admit-at S`` makes the first workers wait at optimizer step ``S`` (between
 two rounds) until the coordinator has published a quorum with the joiner
 (``RANK >= WORLD_SIZE``), which itself joins only once they are there
@@ -46,10 +48,12 @@ def touch(out: str, name: str) -> None:
     os.replace(tmp, os.path.join(out, name))
 
 
-def park(until: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + PARK_S
-    while not until() and time.monotonic() < deadline:
+def park(until: Callable[[], bool]) -> float:
+    """Wait until ``until()`` (at most PARK_S); the seconds waited."""
+    t0 = time.monotonic()
+    while not until() and time.monotonic() < t0 + PARK_S:
         time.sleep(0.02)
+    return time.monotonic() - t0
 
 
 def digest(tensors: list[torch.Tensor]) -> float:
@@ -138,8 +142,14 @@ def main() -> None:
     group.register_state("test/full_rounds", lambda: dict(full), full.update)
     group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size == a.want_size else 0,
                                         max=max(full["max"], group.size)))
+    # A survivor committed a round of --hold-size ("seen"): it waits for the restarted worker once ("waited").
+    alone = {"seen": False, "waited": False}
     if a.hold_restart and life == 0:
-        group.on_commit(lambda: touch(a.out, "alone") if group.size == a.hold_size else None)
+        def left_alone() -> None:
+            if group.size == a.hold_size and not alone["seen"]:
+                alone["seen"] = True
+                touch(a.out, "alone")
+        group.on_commit(left_alone)
     threes = [0]   # this worker's own count of committed rounds of three (when to leave)
     group.on_commit(lambda: threes.__setitem__(0, threes[0] + int(group.size == 3)))
     inner = torch.optim.Adam(net.parameters(), lr=1e-2)
@@ -158,10 +168,15 @@ def main() -> None:
                and (full["rounds"] >= 4 or not a.want_size or strategy.step >= a.max_steps)):
         if rank == a.leave_rank and synced(strategy) and threes[0] >= 3:
             break    # a graceful leave() right after a round
+        parked = 0.0   # seconds this step waited on purpose (not a stall)
         if not joiner and strategy.step == a.admit_at:
             touch(a.out, "ready")
             q = group.quorum
-            park(lambda: q is None or group.client.latest() > q.qid)
+            parked += park(lambda: q is None or group.client.latest() > q.qid)
+        if alone["seen"] and not alone["waited"]:
+            alone["waited"] = True
+            q = group.quorum
+            parked += park(lambda: q is None or group.client.latest() > q.qid)
         idx = torch.randint(0, 512, (16,), generator=pick)
         loss = F.mse_loss(model(x[idx]), y[idx])
         loss.backward()
@@ -169,7 +184,7 @@ def main() -> None:
         opt.zero_grad()
         log.append({"t": time.time(), "step": strategy.step, "round": group.step, "size": group.size,
                     "pre": pre[-1] if pre else None, "contributed": strategy.rounds.contributed,
-                    "digest": digest(synced_state(strategy, model, opt)), "loss": loss.item()})
+                    "digest": digest(synced_state(strategy, model, opt)), "loss": loss.item(), "parked": parked})
         if a.pace:
             time.sleep(a.pace)
     rounds = strategy.rounds

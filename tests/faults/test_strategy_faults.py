@@ -79,9 +79,9 @@ def test_sigkill_mid_round_survivors_agree_and_restart_heals(strategy: str, tmp_
     # until then (AVERAGE_SURVIVORS).
     assert any(size == 2 for _, _, size in _rounds(survivors[0])), why
     assert reborn["log"][0]["step"] <= _rounds(survivors[0])[-1][0], why
-    for s in survivors:
-        times = [e["t"] for e in s["log"]]
-        assert max(b - a for a, b in zip(times, times[1:])) <= OP + 5, why
+    for s in survivors:   # no stall beyond the op timeout (time parked waiting for the restart excluded)
+        log = s["log"]
+        assert max(b["t"] - a["t"] - b.get("parked", 0.0) for a, b in zip(log, log[1:])) <= OP + 5, why
     _assert_equal_synced(final)
     # The restarted worker healed and equalled the survivors right after its first round.
     assert reborn["stats"]["heals_received"] >= 1, why
