@@ -364,9 +364,9 @@ class ElasticGroup(Group):
         if self.error is None and self.size == 1:
             return f"commit:{self.client.latest()}"
         if self.error is not None:
-            return _s(st.compare_set(key, "", "discard"))
+            return self._decide(key, "discard")
         if st.add(f"{q.prefix}ok/{self.step}", 1) == self.size:
-            return _s(st.compare_set(key, "", f"commit:{self.client.latest()}"))
+            return self._decide(key, f"commit:{self.client.latest()}")
         start = time.monotonic()
         deadline, pause, beats = start + self.timeouts.quorum, 5e-5, self._beats(q)
         next_probe = start + self.timeouts.probe
@@ -381,10 +381,23 @@ class ElasticGroup(Group):
                     self._record(PeerLostError("a member stopped heartbeating before voting"))
                 beats = latest
             if self.error is not None or self.client.remote_abort.is_set() or now > deadline:
-                return _s(st.compare_set(key, "", "discard"))
+                return self._decide(key, "discard")
             time.sleep(pause)
             pause = min(2 * pause, 0.001)   # the decision is read at most ~1 ms late (a store RTT is ~15 us)
-        return _s(st.get(key))
+        return self._decision(st.get(key))
+
+    def _decide(self, key: str, verdict: str) -> str:
+        """Write ``verdict`` as the step's decision unless one is there; return the one that stands.
+
+        Signed by this member (:mod:`shoal.comm.records`): a decision written by someone without the
+        run token (say a forged ``commit`` for a step that failed) reads as ``discard`` on every member.
+        """
+        return self._decision(self.client.store.compare_set(key, "", self.client.book.seal({"d": verdict})))
+
+    def _decision(self, raw: Any) -> str:
+        rec = self.client.book.open(raw, kind="vote")
+        d = rec.get("d") if rec is not None else None
+        return d if isinstance(d, str) and (d == "discard" or d.startswith("commit:")) else "discard"
 
     def _beats(self, q: Quorum) -> list[bytes]:
         return list(self.client.store.multi_get([self.client.key(f"hb/{m}") for m in q.members]))
@@ -738,6 +751,3 @@ class ElasticGroup(Group):
         qid = self.quorum.qid if self.quorum else None
         return f"ElasticGroup(member={self.client.member_id}, quorum={qid}, rank={self.rank}, size={self.size}, step={self.step})"
 
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

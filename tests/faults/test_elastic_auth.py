@@ -140,6 +140,34 @@ def test_a_forged_join_record_is_ignored() -> None:
         coord.stop()
 
 
+def _vote_worker(rank: int, world: int, address: str, run_id: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    g = ElasticGroup(run_id, coordinator=address, timeouts=_T, min_workers=2, token=TOKEN)
+    g.start_step()
+    if rank == 1:
+        g.report_error(ShoalError("this member's step failed"))
+    g.all_reduce(torch.ones(1), tag="step").wait()
+    first = g.should_commit()
+    qid = g.quorum.qid if g.quorum is not None else -1
+    g.leave()
+    return {"commit": first, "qid": qid, "discards": g.stats.discards}
+
+
+@pytest.mark.timeout(60)
+def test_a_forged_commit_decision_reads_as_discard() -> None:
+    # A stranger writes "commit" as the decision of the first step before anyone votes; one member's
+    # step fails, so the step must be discarded on both (a forged commit would make them apply it).
+    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
+    run_id = uuid.uuid4().hex[:8]
+    try:
+        connect(coord.address, 10.0).set(f"{run_id}/q1/d/0", "commit:1")
+        results = run_workers(_vote_worker, 2, coord.address, run_id, timeout=50, init_group=False)
+    finally:
+        coord.stop()
+    assert [r["qid"] for r in results] == [1, 1], results
+    assert [r["commit"] for r in results] == [False, False], results
+
+
 # --- heals --------------------------------------------------------------------------------------
 
 def _corrupt(kind: str) -> torch.Tensor:
