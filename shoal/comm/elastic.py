@@ -22,7 +22,8 @@ failure adds one to ``<prefix>ok/<step>``; the member whose add completes the
 count writes ``commit`` to ``<prefix>d/<step>`` with compare-and-set; a member
 that failed, or sees the run's abort flag, or waits past ``Timeouts.quorum``,
 writes ``discard`` the same way. The first write wins, so every member reads
-one decision.
+one decision. Decisions are signed by their writer (:mod:`shoal.comm.records`);
+one that does not verify reads as ``discard`` everywhere.
 
 Healing: in each new group the members exchange (committed step, fresh); if
 anyone is behind or new, the lowest-ranked up-to-date member sends every
