@@ -752,3 +752,6 @@ class ElasticGroup(Group):
         qid = self.quorum.qid if self.quorum else None
         return f"ElasticGroup(member={self.client.member_id}, quorum={qid}, rank={self.rank}, size={self.size}, step={self.step})"
 
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
