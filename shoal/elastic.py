@@ -6,7 +6,7 @@ step ends, which the optimizer wrapper tells it::
     import shoal, torch
     from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler
 
-    group = ElasticGroup()                  # joins the run started by `shoal run --elastic`
+    group = ElasticGroup()                  # joins the run started by `shoal run --elastic` (its token: $SHOAL_TOKEN)
     model = shoal.DistributedDataParallel(net, process_group=group)
     opt = ElasticOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), group)
     data = ElasticSampler(len(dataset), group, batch_size=32)

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import statistics
 import subprocess
@@ -170,7 +171,8 @@ def worker(a: argparse.Namespace) -> None:
 
 def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
     with ExitStack() as stack:
-        env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1"}
+        token = secrets.token_urlsafe(16)   # elastic runs require one; the workers read SHOAL_TOKEN
+        env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "SHOAL_TOKEN": token}
         env.pop("SHOAL_ELASTIC_TRACE", None)
         if a.trace:   # the workers and the coordinator write timestamped events (see _recovery)
             env["SHOAL_ELASTIC_TRACE"] = os.path.join(out, "trace")
@@ -179,12 +181,12 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
         if a.bandwidth:   # one worker per emulated host; the coordinator must live inside the cluster
             emu = stack.enter_context(EmulatedCluster(ClusterSpec(a.workers, 1, (a.bandwidth,))))
             env["SHOAL_COORDINATOR"] = stack.enter_context(
-                NamespacedCoordinator(emu, initial_workers=a.workers, env=env)).address
+                NamespacedCoordinator(emu, initial_workers=a.workers, env=env, token=token)).address
         else:
             old = os.environ.get("SHOAL_ELASTIC_TRACE")
             os.environ["SHOAL_ELASTIC_TRACE"] = env.get("SHOAL_ELASTIC_TRACE", "")
             try:
-                coord = Coordinator(port=0, initial_workers=a.workers).start()
+                coord = Coordinator(port=0, initial_workers=a.workers, token=token).start()
             finally:
                 if old is None:
                     os.environ.pop("SHOAL_ELASTIC_TRACE")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import secrets
 import statistics
 import time
 import uuid
@@ -112,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.snapshot_cost:
         print(json.dumps(snapshot_cost()))
         return 0
-    coord = Coordinator(port=0, initial_workers=a.workers).start()
+    token = secrets.token_urlsafe(16)   # the workers prove it at their join (elastic runs require one)
+    coord = Coordinator(port=0, initial_workers=a.workers, token=token).start()
     try:
-        env = {"SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": uuid.uuid4().hex[:8]}
+        env = {"SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "SHOAL_TOKEN": token}
         res = run_workers(_worker, a.workers, a.steps, a.rounds, a.codec, env=env, timeout=600)
     finally:
         coord.stop()

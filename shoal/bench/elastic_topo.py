@@ -19,6 +19,7 @@ import argparse
 import copy
 import json
 import os
+import secrets
 import statistics
 import time
 import uuid
@@ -85,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps per block")
     ap.add_argument("--rounds", type=int, default=5, help="blocks per model (after one warm-up block)")
     a = ap.parse_args(argv)
-    coord = Coordinator(port=0, initial_workers=a.workers).start()
+    token = secrets.token_urlsafe(16)   # the workers prove it at their join (elastic runs require one)
+    coord = Coordinator(port=0, initial_workers=a.workers, token=token).start()
     try:
-        env = {"SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": uuid.uuid4().hex[:8]}
+        env = {"SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "SHOAL_TOKEN": token}
         res = run_workers(_worker, a.workers, a.strategy, a.steps, a.rounds, env=env, timeout=600)
     finally:
         coord.stop()

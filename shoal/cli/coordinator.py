@@ -5,15 +5,21 @@ Workers reach it with ``SHOAL_COORDINATOR=HOST:PORT`` (or
 --coordinator HOST:PORT``). One coordinator serves any number of runs, told
 apart by their run id. It holds no training state; stop it with Ctrl-C.
 
+It admits only workers that prove they hold the run token (an HMAC
+challenge; the token never travels): ``--token``, else ``$SHOAL_TOKEN``;
+without either it refuses to start (elastic workers require a token). Give
+the workers the same token (``SHOAL_TOKEN``, ``shoal run --token``).
+
 Examples::
 
-    shoal coordinator --port 29400
-    shoal coordinator --host 0.0.0.0 --port 29400 --initial-workers 4
+    SHOAL_TOKEN=s3cret-token shoal coordinator --port 29400
+    shoal coordinator --host 0.0.0.0 --port 29400 --initial-workers 4 --token s3cret-token
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shoal.comm.membership import Coordinator
@@ -26,9 +32,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--initial-workers", type=int, default=1,
                    help="a run's first quorum waits for this many workers (default 1)")
+    p.add_argument("--token", default=None,
+                   help="the run token workers must prove (default $SHOAL_TOKEN; one of them is required); "
+                        "visible in `ps`, so prefer $SHOAL_TOKEN on shared machines")
     ns = p.parse_args(argv)
+    token = ns.token if ns.token is not None else os.environ.get("SHOAL_TOKEN")
     try:
-        coord = Coordinator(port=ns.port, host=ns.host, initial_workers=ns.initial_workers)
+        if not token:
+            raise ShoalError("no run token: pass --token or set $SHOAL_TOKEN (at least 8 characters); "
+                             "elastic workers join only a coordinator that authenticates them")
+        coord = Coordinator(port=ns.port, host=ns.host, initial_workers=ns.initial_workers, token=token)
     except ShoalError as e:
         print(f"shoal coordinator: error: {e}", file=sys.stderr)
         return 2

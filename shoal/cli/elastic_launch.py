@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from types import TracebackType
 
 from shoal.cli.cluster import EmulatedCluster
 from shoal.cli.launcher import _Output, _Supervisor, _Worker
+from shoal.comm.auth import check_token
 from shoal.errors import ConfigError, ShoalError
 
 COORDINATOR_PORT = 29400  # a fresh namespace has every port free
@@ -55,12 +57,18 @@ class ElasticLaunch:
         joins: seconds after the start at which to add one worker each.
         coordinator: ``host:port`` of a standalone coordinator; ``None``
             embeds one in the launcher.
+        token: the run token the workers prove at their join (they get it
+            as ``SHOAL_TOKEN``). ``None``: ``$SHOAL_TOKEN`` of the launch
+            environment, else, with an embedded coordinator, a fresh random
+            one (only the launcher and its workers know it); a standalone
+            coordinator needs it given (its own token), ConfigError otherwise.
     """
 
     min_workers: int = 1
     max_restarts: int = 3
     joins: tuple[float, ...] = ()
     coordinator: str | None = None
+    token: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_workers", "max_restarts"):
@@ -71,6 +79,21 @@ class ElasticLaunch:
         for t in self.joins:
             if not isinstance(t, (int, float)) or t < 0:
                 raise ConfigError(f"join times must be seconds >= 0, got {t!r}")
+        check_token(self.token)
+
+    def __repr__(self) -> str:   # the token stays out of logs and tracebacks
+        return (f"ElasticLaunch(min_workers={self.min_workers}, max_restarts={self.max_restarts}, "
+                f"joins={self.joins}, coordinator={self.coordinator!r}, token={'***' if self.token else None})")
+
+    def resolve_token(self, env: Mapping[str, str]) -> str:
+        """The run's token: this spec's, else ``env["SHOAL_TOKEN"]``, else a fresh one for an embedded coordinator."""
+        token = self.token or env.get("SHOAL_TOKEN")
+        if token:
+            return str(check_token(token))
+        if self.coordinator is not None:
+            raise ConfigError(f"the standalone coordinator at {self.coordinator} needs the run's token, and none "
+                              "was given: pass `--token` (or set $SHOAL_TOKEN) to the token it was started with")
+        return secrets.token_urlsafe(24)
 
 
 @dataclass
@@ -150,6 +173,8 @@ class NamespacedCoordinator:
         host: the host whose namespace runs it.
         initial_workers: the first quorum waits for this many workers.
         env: its environment (``PYTHONPATH`` must find shoal).
+        token: the run token (passed as ``SHOAL_TOKEN`` in its environment,
+            never on its command line); None: ``env``'s ``SHOAL_TOKEN``.
         on_line: called with each line it prints (default: dropped).
         port: the port it listens on.
         ready_s: how long it may take to start serving.
@@ -157,13 +182,13 @@ class NamespacedCoordinator:
     Example::
 
         with EmulatedCluster(ClusterSpec(2, 1, ("20mbit",))) as emu, \\
-                NamespacedCoordinator(emu, initial_workers=2) as coord:
+                NamespacedCoordinator(emu, initial_workers=2, token="s3cret-token") as coord:
             env["SHOAL_COORDINATOR"] = coord.address      # "10.213.0.1:29400"
     """
 
     def __init__(self, cluster: EmulatedCluster, host: int = 0, initial_workers: int = 1,
                  env: Mapping[str, str] | None = None, on_line: Callable[[str], None] | None = None,
-                 port: int = COORDINATOR_PORT, ready_s: float = 60.0) -> None:
+                 port: int = COORDINATOR_PORT, ready_s: float = 60.0, token: str | None = None) -> None:
         if not 0 <= host < cluster.spec.hosts:
             raise ConfigError(f"host must be in [0, {cluster.spec.hosts}), got {host}")
         self.cluster, self.host, self.port = cluster, host, port
@@ -171,6 +196,8 @@ class NamespacedCoordinator:
             sys.executable, "-m", "shoal", "coordinator", "--host", cluster.address(host), "--port", str(port),
             "--initial-workers", str(initial_workers)]
         self.env = dict(env if env is not None else os.environ)
+        if token is not None:
+            self.env["SHOAL_TOKEN"] = str(check_token(token))
         # torch's C++ warnings (e.g. about the namespace's missing hostname) would read like failures.
         self.env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         self.on_line = on_line

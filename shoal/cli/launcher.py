@@ -343,7 +343,9 @@ def launch(
         grace_s: seconds between SIGTERM and SIGKILL when stopping workers.
         elastic: run elastically (:mod:`shoal.cli.elastic_launch`): an
             embedded coordinator (``SHOAL_COORDINATOR``, ``SHOAL_RUN_ID``,
-            ``SHOAL_MIN_WORKERS`` in each worker's environment), crashed
+            ``SHOAL_MIN_WORKERS``, ``SHOAL_TOKEN`` in each worker's
+            environment; see :class:`~shoal.cli.elastic_launch.ElasticLaunch`
+            for where the token comes from), crashed
             workers restarted, joiners started. With ``cluster`` the
             coordinator runs inside host 0's namespace (the hosts cannot
             reach the launcher's), restarts stay on their host and joiners
@@ -406,17 +408,18 @@ def _elastic_env(stack: ExitStack, spec: "ElasticLaunch", world: int, emu: Emula
     from shoal.comm.membership import Coordinator
 
     address, ready = spec.coordinator, (lambda: None)
+    token = spec.resolve_token(base_env)
     if address is None and emu is not None:
         nc = NamespacedCoordinator(emu, host=0, initial_workers=world, env=base_env,
-                                   on_line=lambda line: sup.note(f"coordinator: {line}"))
+                                   on_line=lambda line: sup.note(f"coordinator: {line}"), token=token)
         stack.callback(nc.close)
         nc.start(wait=False)  # its start-up (a torch import) overlaps the workers'
         address, ready = nc.address, nc.wait_ready
     elif address is None:
-        coord = Coordinator(port=0, initial_workers=world).start()
+        coord = Coordinator(port=0, initial_workers=world, token=token).start()
         stack.callback(coord.stop)
         address = coord.address
-    env = {"SHOAL_COORDINATOR": address, "SHOAL_MIN_WORKERS": str(spec.min_workers),
+    env = {"SHOAL_COORDINATOR": address, "SHOAL_MIN_WORKERS": str(spec.min_workers), "SHOAL_TOKEN": token,
            "SHOAL_RUN_ID": base_env.get("SHOAL_RUN_ID") or uuid.uuid4().hex[:12]}
     return env, ready
 

@@ -8,6 +8,7 @@ Examples::
     shoal run --hosts 3 --bandwidth 1gbit,100mbit,20mbit train.py
     shoal run -n 2 --kill 1@5 train.py
     shoal run -n 4 --elastic --min-workers 2 --max-restarts 3 --kill 1@10 --join @30 train.py
+    SHOAL_TOKEN=... shoal run -n 2 --elastic --coordinator 10.0.0.1:29400 train.py
     shoal run --hosts 4 --bandwidth 20mbit --elastic --min-workers 2 --kill 1@30 train.py
     shoal run --cleanup
 """
@@ -41,7 +42,10 @@ it fails the run like any crash unless --tolerate-kills is given.
 
 elastic (--elastic): a coordinator runs inside shoal run (with --hosts: inside
 host 0's namespace; else use --coordinator HOST:PORT of `shoal coordinator`); workers get SHOAL_COORDINATOR, SHOAL_RUN_ID
-and SHOAL_MIN_WORKERS and build shoal.elastic.ElasticGroup(). A crashed or
+and SHOAL_MIN_WORKERS and build shoal.elastic.ElasticGroup(). Every worker
+proves the run token when it joins (SHOAL_TOKEN in its environment): --token,
+else $SHOAL_TOKEN, else (embedded coordinator only) a fresh random token; with
+--coordinator give the token that coordinator was started with. A crashed or
 killed worker is restarted (same RANK, SHOAL_RESTART incremented) up to
 --max-restarts times and heals from a live peer; --join @SECONDS starts one
 more worker then. The run goes on while --min-workers workers live.
@@ -69,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="elastic: start one more worker after SECONDS (repeatable)")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="elastic: use this standalone coordinator (`shoal coordinator`) instead of an embedded one")
+    p.add_argument("--token", default=None,
+                   help="elastic: the run token (default $SHOAL_TOKEN; else a fresh one for the embedded "
+                        "coordinator); visible in `ps`, so prefer $SHOAL_TOKEN on shared machines")
     p.add_argument("--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]")
     p.add_argument("--quiet", action="store_true", help="silence shoal run's own messages")
@@ -81,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _VALUE_OPTS = {"-n", "--nproc-per-node", "--nprocs", "--hosts", "--procs-per-host", "--bandwidth", "--kill", "--grace",
-               "--min-workers", "--max-restarts", "--join", "--coordinator"}
+               "--min-workers", "--max-restarts", "--join", "--coordinator", "--token"}
 
 
 def _split_argv(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
@@ -116,8 +123,8 @@ def _parse_kill(item: str) -> tuple[int, float]:
 
 def _elastic(ns: argparse.Namespace) -> ElasticLaunch | None:
     if not ns.elastic:
-        if ns.min_workers is not None or ns.max_restarts is not None or ns.join or ns.coordinator:
-            raise ShoalError("--min-workers, --max-restarts, --join and --coordinator need --elastic")
+        if ns.min_workers is not None or ns.max_restarts is not None or ns.join or ns.coordinator or ns.token:
+            raise ShoalError("--min-workers, --max-restarts, --join, --coordinator and --token need --elastic")
         return None
     joins = []
     for item in ns.join:
@@ -127,7 +134,7 @@ def _elastic(ns: argparse.Namespace) -> ElasticLaunch | None:
             raise ShoalError(f"--join expects @SECONDS such as @30, got {item!r}") from None
     return ElasticLaunch(min_workers=1 if ns.min_workers is None else ns.min_workers,
                          max_restarts=3 if ns.max_restarts is None else ns.max_restarts,
-                         joins=tuple(joins), coordinator=ns.coordinator)
+                         joins=tuple(joins), coordinator=ns.coordinator, token=ns.token)
 
 
 def _cluster(ns: argparse.Namespace) -> ClusterSpec | None:

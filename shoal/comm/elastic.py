@@ -22,16 +22,27 @@ failure adds one to ``<prefix>ok/<step>``; the member whose add completes the
 count writes ``commit`` to ``<prefix>d/<step>`` with compare-and-set; a member
 that failed, or sees the run's abort flag, or waits past ``Timeouts.quorum``,
 writes ``discard`` the same way. The first write wins, so every member reads
-one decision.
+one decision. Decisions are signed by their writer (:mod:`shoal.comm.records`);
+one that does not verify reads as ``discard`` everywhere.
 
 Healing: in each new group the members exchange (committed step, fresh); if
 anyone is behind or new, the lowest-ranked up-to-date member sends every
 registered state (model, optimizer, codec, counters) as one serialised blob,
-point to point and in chunks, to those members only.
+point to point and in chunks, to those members only. A receiver checks it
+against its own state before loading any of it (:mod:`shoal.comm.received`:
+shapes, dtypes, NaN/Inf); state that fails is refused and never loaded: the
+receiver logs why, leaves the run and raises :class:`~shoal.errors.ShoalError`.
+
+Authentication: every member proves it holds the run token when it joins
+(:mod:`shoal.comm.auth`); the token is ``ElasticGroup(token=...)``, else
+``$SHOAL_TOKEN`` (set by ``shoal run --elastic``), and a group without either
+refuses to start (ConfigError). A wrong token gets
+:class:`~shoal.errors.AuthError` at the first :meth:`ElasticGroup.start_step`,
+and its holder is never admitted into a quorum.
 
 Example::
 
-    group = ElasticGroup("run1", coordinator="127.0.0.1:29400")
+    group = ElasticGroup("run1", coordinator="127.0.0.1:29400", token="s3cret-token")
     group.register_state("model", model.state_dict, model.load_state_dict)
     while training:
         group.start_step()
@@ -43,6 +54,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 import time
@@ -53,10 +65,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shoal.comm.auth import check_token
 from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op
 from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.objects import all_gather_object, from_bytes, to_bytes
+from shoal.comm.received import check_received
 from shoal.comm.topology import host_identity
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
@@ -64,6 +78,7 @@ CONTROL_TAG = "elastic/control"
 _SLICE = datetime.timedelta(milliseconds=10)   # _await checks the abort flag and deadline this often
 HEAL_TAG = "elastic/heal"
 HEAL_CHUNK = 4 << 20  # bytes per point-to-point heal message (1.7 s at 20 mbit)
+log = logging.getLogger("shoal.elastic")
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,19 @@ def _env(name: str, value: str | None, what: str) -> str:
     return found
 
 
+def run_token(token: str | None) -> str:
+    """The elastic run's token: ``token`` if given (it wins over the environment), else ``$SHOAL_TOKEN``."""
+    if token is not None:
+        return str(check_token(token))
+    found = os.environ.get("SHOAL_TOKEN")
+    if not found:
+        raise ConfigError("an elastic group needs the run token, so that only workers holding it join the "
+                          "run: pass ElasticGroup(token=...) or set $SHOAL_TOKEN (`shoal run --elastic` sets "
+                          "it for its workers; with `--coordinator` or `shoal coordinator` give them the same "
+                          "--token)")
+    return str(check_token(found))
+
+
 class ElasticGroup(Group):
     """A Group whose members follow the run's quorums; see the module docstring.
 
@@ -166,6 +194,12 @@ class ElasticGroup(Group):
         host_id: this worker's host identity, published with its join
             record so that per-quorum subgroups (:mod:`shoal.comm.elastic_sub`)
             know who shares a host (default: ``$SHOAL_HOST_ID``, else the hostname).
+        token: the run token (at least 8 characters), proved to the
+            coordinator at the join without being sent (default:
+            ``$SHOAL_TOKEN``, which ``shoal run --elastic`` sets; an argument
+            wins over it). Required: without either, ConfigError. A wrong one
+            raises :class:`~shoal.errors.AuthError` at the first
+            :meth:`start_step`.
 
     Example::
 
@@ -176,7 +210,7 @@ class ElasticGroup(Group):
     def __init__(self, run_id: str | None = None, *, coordinator: str | None = None,
                  timeouts: Timeouts | None = None, min_workers: int | None = None, meter: Meter | None = None,
                  backend_factory: BackendFactory | None = None, client: MemberClient | None = None,
-                 host_id: str | None = None) -> None:
+                 host_id: str | None = None, token: str | None = None) -> None:
         # Group.__init__ wants the default process group; an elastic group has none.
         if timeouts is not None and not isinstance(timeouts, Timeouts):
             raise ConfigError(f"timeouts must be a shoal Timeouts, got {type(timeouts).__name__}")
@@ -210,7 +244,8 @@ class ElasticGroup(Group):
         # ``client``: a subclass that joins with its own MemberClient (a token, a role) passes it, so
         # that no second store connection is opened for nothing.
         self.client = client or MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
-                                             _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info)
+                                             _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info,
+                                             token=run_token(token))
         self._abort_store = self.client.store.clone()  # type: ignore[attr-defined]
         self.trace = Trace()
         self._discard_reasons: list[str] = []  # why each step since the last commit was discarded
@@ -363,9 +398,9 @@ class ElasticGroup(Group):
         if self.error is None and self.size == 1:
             return f"commit:{self.client.latest()}"
         if self.error is not None:
-            return _s(st.compare_set(key, "", "discard"))
+            return self._decide(key, "discard")
         if st.add(f"{q.prefix}ok/{self.step}", 1) == self.size:
-            return _s(st.compare_set(key, "", f"commit:{self.client.latest()}"))
+            return self._decide(key, f"commit:{self.client.latest()}")
         start = time.monotonic()
         deadline, pause, beats = start + self.timeouts.quorum, 5e-5, self._beats(q)
         next_probe = start + self.timeouts.probe
@@ -380,10 +415,23 @@ class ElasticGroup(Group):
                     self._record(PeerLostError("a member stopped heartbeating before voting"))
                 beats = latest
             if self.error is not None or self.client.remote_abort.is_set() or now > deadline:
-                return _s(st.compare_set(key, "", "discard"))
+                return self._decide(key, "discard")
             time.sleep(pause)
             pause = min(2 * pause, 0.001)   # the decision is read at most ~1 ms late (a store RTT is ~15 us)
-        return _s(st.get(key))
+        return self._decision(st.get(key))
+
+    def _decide(self, key: str, verdict: str) -> str:
+        """Write ``verdict`` as the step's decision unless one is there; return the one that stands.
+
+        Signed by this member (:mod:`shoal.comm.records`): a decision written by someone without the
+        run token (say a forged ``commit`` for a step that failed) reads as ``discard`` on every member.
+        """
+        return self._decision(self.client.store.compare_set(key, "", self.client.book.seal({"d": verdict})))
+
+    def _decision(self, raw: Any) -> str:
+        rec = self.client.book.open(raw, kind="vote")
+        d = rec.get("d") if rec is not None else None
+        return d if isinstance(d, str) and (d == "discard" or d.startswith("commit:")) else "discard"
 
     def _beats(self, q: Quorum) -> list[bytes]:
         return list(self.client.store.multi_get([self.client.key(f"hb/{m}") for m in q.members]))
@@ -463,7 +511,7 @@ class ElasticGroup(Group):
             self.stats.heal_bytes = blob.numel()
             self.newcomers = tuple(needy)
             if self.rank in needy:
-                self._load_blob(blob)
+                self._load_blob(blob, src)
                 self.step = top
                 self.stats.heals_received += 1
             self.stats.heal_s = time.monotonic() - t0
@@ -520,11 +568,25 @@ class ElasticGroup(Group):
     def _blob(self) -> torch.Tensor:
         return to_bytes({k: s.get() for k, s in self._states.items()})
 
-    def _load_blob(self, blob: torch.Tensor) -> None:
-        states = from_bytes(blob)
-        if set(states) != set(self._states):
-            raise ShoalError(f"healing peer sent state {sorted(states)} but this worker registered "
-                             f"{sorted(self._states)}: every worker must run the same program")
+    def _load_blob(self, blob: torch.Tensor, src: int) -> None:
+        """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it."""
+        why: str | None = None
+        try:
+            states = from_bytes(blob)
+        except Exception as e:  # noqa: BLE001 - whatever a malformed blob makes torch.load raise
+            states, why = None, f"it is not a state blob ({type(e).__name__}: {e})"
+        if why is None and (not isinstance(states, dict) or set(states) != set(self._states)):
+            why = (f"it holds state {sorted(map(str, states)) if isinstance(states, dict) else '?'} but this "
+                   f"worker registered {sorted(self._states)}: every worker must run the same program")
+        if why is None and isinstance(states, dict):
+            why = check_received(states, {k: s.get() for k, s in self._states.items()})
+        if why is not None or not isinstance(states, dict):
+            member = self.quorum.members[src] if self.quorum is not None else "?"
+            log.error("refusing the state healed from rank %d (member %s): %s; nothing of it was loaded, "
+                      "this worker leaves the run", src, member, why)
+            self.leave()   # the others drop it at once (the coordinator aborts their quorum)
+            raise ShoalError(f"refused the run's state healed from rank {src} (member {member}): {why}; "
+                             "nothing of it was loaded")
         for k, s in self._states.items():
             (s.heal_load or s.load)(states[k])
 

@@ -37,7 +37,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import weakref
@@ -128,10 +127,9 @@ def by_slot(size: int) -> Partition:
 
 def member_infos(client: MemberClient, q: Quorum) -> list[MemberInfo]:
     """The quorum's members' join records, by quorum rank (one store read, no collective)."""
-    raw = client.store.multi_get([client.key(f"join/{m}") for m in q.members])
     out = []
-    for m, blob in zip(q.members, raw):
-        info = json.loads(blob.decode() if isinstance(blob, bytes) else str(blob))
+    for m, found in zip(q.members, client.join_infos(q.members)):
+        info = found or {}    # a record that does not verify counts as none (see MemberClient.join_infos)
         rank = str(info.get("rank", ""))
         out.append(MemberInfo(int(rank) if rank.isdigit() else None, str(info.get("host") or f"member-{m}")))
     return out

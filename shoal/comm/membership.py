@@ -30,12 +30,20 @@ Protocol (keys under ``<run_id>/``; ``runs/n`` and ``runs/<k>`` list the runs):
 - a member silent for ``heartbeat_timeout`` is dropped without any request,
   and ``<prefix>abort`` of the current quorum is set, so that members blocked
   in one of its collectives give up at once.
+- every dropped member is marked ``dropped/<id>``: one that was only slow
+  sees it while it waits for a quorum and joins again under a new id.
 - authentication (a coordinator started with a ``token``; it sets
   ``auth/required``): after taking its id the joiner waits for
   ``auth/<id>/nonce``, answers ``auth/<id>/proof = HMAC(token, run/id, nonce)``
   and reads ``auth/<id>/verdict``. The coordinator admits only ids whose
   proof it verified, and signs each quorum record (``mac``) so members can
-  reject records it did not write. The token never travels.
+  reject records it did not write. A member then signs its ``join/<id>``
+  record with its session key (:mod:`shoal.comm.records`): the coordinator
+  (timeouts, ``min_workers``) and the members (host identities, launch slots)
+  use a join record only if it verifies, so a stranger who reaches the store
+  cannot change them. The token never travels. Elastic groups always
+  authenticate (:class:`shoal.comm.elastic.ElasticGroup` requires a token);
+  collaborative runs may go without one.
 
 Example::
 
@@ -50,6 +58,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import threading
 import time
@@ -59,9 +68,11 @@ from typing import Any
 import torch.distributed as dist
 
 from shoal.comm import auth
+from shoal.comm.records import RecordBook
 from shoal.errors import AuthError, ConfigError, ShoalError
 
 _TICK_S = 0.02  # coordinator poll period: membership changes are seen within it
+log = logging.getLogger("shoal.elastic")
 
 
 @dataclass(frozen=True)
@@ -194,8 +205,9 @@ class _Member:
 class _Run:
     """The coordinator's view of one run: members, heartbeats, quorums."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, book: RecordBook) -> None:
         self.run_id = run_id
+        self.book = book                        # opens (verifies) the members' join records
         self.next_seen = 0                      # highest member id registered so far
         self.members: dict[int, _Member] = {}
         self.pending_join: set[int] = set()     # ids whose join record is not yet written
@@ -302,7 +314,8 @@ class Coordinator:
         while self._runs_seen < n:
             self._runs_seen += 1
             name = _s(self._store.get(f"runs/{self._runs_seen}"))
-            self._runs.setdefault(name, _Run(name))
+            if name not in self._runs:
+                self._runs[name] = _Run(name, RecordBook(self._store, name, 0, self.token, log))
         for run in self._runs.values():
             self._tick_run(run, now)
 
@@ -316,8 +329,13 @@ class Coordinator:
             if self.token is not None and i not in run.authed and not self._challenge(run, i):
                 continue
             if st.check([run.key(f"join/{i}")]):
+                # A record that does not verify (written by someone without the token, or not JSON)
+                # is ignored: the member stays pending until its own, signed record is there.
+                info = run.book.open(st.get(run.key(f"join/{i}")), writer=i, kind="join")
+                if info is None:
+                    continue
                 run.pending_join.discard(i)
-                run.members[i] = _Member(seen=now, info=json.loads(_s(st.get(run.key(f"join/{i}")))))
+                run.members[i] = _Member(seen=now, info=info)
                 run.last_join = now
         if not run.members:
             return
@@ -333,7 +351,7 @@ class Coordinator:
             elif b != m.beats:
                 m.beats, m.seen = b, now
         for i in gone:
-            del run.members[i]
+            self._drop(run, i)
         if gone and set(gone) & set(run.current):
             st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
         self._maybe_publish(run, now, t, bool(gone))
@@ -380,13 +398,22 @@ class Coordinator:
             # slow finds itself outside the next quorum and joins again under a new id.
             for i in alive:
                 if i not in answered:
-                    del run.members[i]
+                    self._drop(run, i)
             self._publish(run, answered)
             return
         changed = alive != run.current
         if not changed or (not lost and now - run.last_join < self.join_grace):
             return
         self._publish(run, alive)
+
+    def _drop(self, run: _Run, i: int) -> None:
+        """Forget member ``i`` and tell it (``dropped/<id>``): a live one that was only slow joins again.
+
+        Without the mark a member dropped while too few others remain for a quorum would never
+        learn it (no newer quorum is published to leave it out of) and the run would stall.
+        """
+        del run.members[i]
+        self._store.set(run.key(f"dropped/{i}"), "1")
 
     def _publish(self, run: _Run, members: tuple[int, ...]) -> None:
         need = run.min_workers() if run.qid else max(run.min_workers(), self.initial_workers)
@@ -437,6 +464,8 @@ class MemberClient:
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         self._hb_error: BaseException | None = None
+        self.book = RecordBook(self.store, run_id, 0, self.token, log)
+        self._infos: dict[int, dict[str, Any]] = {}   # verified join records, by member id
 
     def key(self, k: str) -> str:
         return f"{self.run_id}/{k}"
@@ -451,7 +480,8 @@ class MemberClient:
         self._authenticate(self.member_id)
         st.add(self.key(f"hb/{self.member_id}"), 1)
         record = {"timeouts": asdict(self.timeouts), "min_workers": self.min_workers, **self.info}
-        st.set(self.key(f"join/{self.member_id}"), json.dumps(record))
+        self.book.member_id = self.member_id    # signs with this join's session key
+        st.set(self.key(f"join/{self.member_id}"), self.book.seal(record))
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, args=(self.member_id, self._stop),
                                     name="shoal-heartbeat", daemon=True)
@@ -465,11 +495,13 @@ class MemberClient:
         if self.token is None:
             if required:
                 raise AuthError(f"the coordinator at {self.address} requires a run token and this worker "
-                                "has none: pass the run's token (e.g. CollaborativeConfig(token=...))")
+                                "has none: pass the run's token (ElasticGroup(token=...) or $SHOAL_TOKEN; "
+                                "CollaborativeConfig(token=...))")
             return
         if not required:
             raise AuthError(f"this worker has a run token but the coordinator at {self.address} does not "
-                            "authenticate workers: start it with the same token (Coordinator(token=...))")
+                            "authenticate workers: start it with the same token (Coordinator(token=...), "
+                            "`shoal coordinator --token` or $SHOAL_TOKEN)")
         wait = datetime.timedelta(seconds=self.timeouts.quorum)
         try:
             st.wait([base + "nonce"], wait)
@@ -519,6 +551,18 @@ class MemberClient:
                             "someone other than the coordinator wrote it")
         return Quorum(qid, members, prefix)
 
+    def join_infos(self, members: tuple[int, ...] | list[int]) -> list[dict[str, Any] | None]:
+        """The join records of ``members`` (one store read for those not seen yet); None where one
+        does not verify (see the module docstring). Cached: a member writes its record once, before
+        the coordinator admits it, so a later overwrite cannot change what this worker uses."""
+        todo = [m for m in members if m not in self._infos]
+        if todo:
+            for m, raw in zip(todo, self.store.multi_get([self.key(f"join/{m}") for m in todo])):
+                info = self.book.open(raw, writer=m, kind="join")
+                if info is not None:
+                    self._infos[m] = info
+        return [self._infos.get(m) for m in members]
+
     def request_quorum(self, failed_qid: int) -> None:
         """Ask for a quorum to replace ``failed_qid``; the coordinator probes liveness first."""
         self.store.set(self.key(f"req/{failed_qid}"), str(self.member_id))
@@ -526,9 +570,10 @@ class MemberClient:
     def wait_quorum(self, after: int, timeout: float) -> Quorum:
         """The first quorum newer than ``after`` that includes this member.
 
-        A newer quorum without this member means the coordinator dropped it
-        (e.g. it missed a probe while busy): it joins again under a new id and
-        goes on waiting, and will be healed as a newcomer.
+        A newer quorum without this member, or its ``dropped/<id>`` mark,
+        means the coordinator dropped it (e.g. it missed a probe while busy):
+        it joins again under a new id and goes on waiting, and will be healed
+        as a newcomer.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -540,6 +585,8 @@ class MemberClient:
                 if self.member_id in q.members:
                     return q
                 after = latest
+                self.join()
+            elif self.store.check([self.key(f"dropped/{self.member_id}")]):
                 self.join()
             if time.monotonic() > deadline:
                 raise ShoalError(

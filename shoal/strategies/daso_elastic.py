@@ -77,7 +77,7 @@ class ElasticDASO:
         self.leaders = ElasticSubgroup(group, "daso/leaders", host_leaders)
         numel = sum(p.numel() for p in params)
         self.ref = self._flat(torch.empty(numel, dtype=torch.float32))   # last agreed parameters
-        self.at_launch = torch.empty_like(self.ref)
+        self.at_launch = torch.zeros_like(self.ref)   # healed before any launch: no uninitialised memory (may be NaN)
         self.agreed = torch.zeros_like(self.ref)     # the committed mean delta, until it lands
         self.scratch = torch.empty_like(self.ref)
         self.pending = False

@@ -95,6 +95,6 @@ def test_a_coordinator_that_cannot_serve_is_reported_with_its_output() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with EmulatedCluster(ClusterSpec(1, 1)) as emu:
         with pytest.raises(ShoalError, match=r"exited with code 2; its output: .*port must be in \[0, 65535\]"):
-            with NamespacedCoordinator(emu, port=70000, env=env):
+            with NamespacedCoordinator(emu, port=70000, env=env, token="e2e-token-123"):
                 pass
     assert _leftovers(os.getpid()) == []

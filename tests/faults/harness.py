@@ -47,11 +47,14 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
     """Start one process per rank (``ranks``, default all of ``world``) and wait for them all.
 
     With ``coordinator`` (and ``run_id``) the processes join that run, whose other
-    peers the caller runs itself; the caller then stops the coordinator.
+    peers the caller runs itself; the caller then stops the coordinator (and
+    passes its ``token``). ``token`` (default: a fresh one) is the run's, given
+    to the processes as ``SHOAL_TOKEN`` unless ``env`` sets another.
     """
+    token = token or f"test-{uuid.uuid4().hex}"
     coord = coordinator or Coordinator(port=0, initial_workers=world if initial_workers is None else initial_workers,
                                        token=token).start()
-    base = {**os.environ, **(env or {}), "SHOAL_COORDINATOR": coord.address,
+    base = {**os.environ, "SHOAL_TOKEN": token, **(env or {}), "SHOAL_COORDINATOR": coord.address,
             "SHOAL_RUN_ID": run_id or uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}

@@ -8,6 +8,16 @@ exactly ``--want-size`` members (and some round ``--want-max``) (a count healed 
 ``<out>/<rank>-<incarnation>.pt``: a log of every step (time, optimizer
 step, committed rounds, quorum size, digest of the synchronised state) and
 the final model, optimizer and strategy state.
+
+Parking (so that a fault lands at the same place on any machine, fast or slow):
+``--hold-restart`` keeps a restarted incarnation out of the run until a
+survivor has committed a round without it (``<out>/alone``), and the
+survivors then wait between two rounds until it is in a published quorum
+(however long its start takes, they do not run to ``--max-steps`` without it);
+``--admit-at S`` makes the first workers wait at optimizer step ``S`` (between
+two rounds) until the coordinator has published a quorum with the joiner
+(``RANK >= WORLD_SIZE``), which itself joins only once they are there
+(``<out>/ready``): the joiner is then admitted right after the next round.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Callable
 from typing import Any
 
 import torch
@@ -27,6 +38,22 @@ from shoal.testing import FaultPlan
 from harness import save_and_leave
 
 PERIOD = 4
+PARK_S = 60.0   # a parked worker gives up waiting after this long (the test then fails, it does not hang)
+
+
+def touch(out: str, name: str) -> None:
+    tmp = os.path.join(out, f"{name}.{os.getpid()}.tmp")   # several workers may touch the same name
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(out, name))
+
+
+def park(until: Callable[[], bool]) -> float:
+    """Wait until ``until()`` (at most PARK_S); the seconds waited."""
+    t0 = time.monotonic()
+    while not until() and time.monotonic() < t0 + PARK_S:
+        time.sleep(0.02)
+    return time.monotonic() - t0
 
 
 def digest(tensors: list[torch.Tensor]) -> float:
@@ -91,9 +118,17 @@ def main() -> None:
     ap.add_argument("--want-max", type=int, default=0, help="and a round had at least this many members")
     ap.add_argument("--leave-rank", type=int, default=-1, help="this RANK leaves after its third round of three")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
+    ap.add_argument("--hold-restart", action="store_true",
+                    help="a restarted incarnation waits until a survivor committed a round of --hold-size")
+    ap.add_argument("--hold-size", type=int, default=2)
+    ap.add_argument("--admit-at", type=int, default=-1,
+                    help="the first workers wait at this optimizer step until the joiner is in a quorum")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
+    joiner = "WORLD_SIZE" in os.environ and rank >= int(os.environ["WORLD_SIZE"])   # started by --join
+    if a.hold_restart and life > 0:
+        park(lambda: os.path.exists(os.path.join(a.out, "alone")))
     timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
                         quorum=a.op + 10, join=a.op + 60)
     group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers,
@@ -107,10 +142,20 @@ def main() -> None:
     group.register_state("test/full_rounds", lambda: dict(full), full.update)
     group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size == a.want_size else 0,
                                         max=max(full["max"], group.size)))
+    # A survivor committed a round of --hold-size ("seen"): it waits for the restarted worker once ("waited").
+    alone = {"seen": False, "waited": False}
+    if a.hold_restart and life == 0:
+        def left_alone() -> None:
+            if group.size == a.hold_size and not alone["seen"]:
+                alone["seen"] = True
+                touch(a.out, "alone")
+        group.on_commit(left_alone)
     threes = [0]   # this worker's own count of committed rounds of three (when to leave)
     group.on_commit(lambda: threes.__setitem__(0, threes[0] + int(group.size == 3)))
     inner = torch.optim.Adam(net.parameters(), lr=1e-2)
     pre: list[float] = []   # digest after the inner step, before the strategy's round
+    if joiner and a.admit_at >= 0:
+        park(lambda: os.path.exists(os.path.join(a.out, "ready")))
     model, opt = shoal.wrap(net, inner, strategy, process_group=group)
     inner.register_step_post_hook(lambda *_: pre.append(digest(synced_state(strategy, model, opt))))
     log = [{"t": time.time(), "step": strategy.step, "round": group.step, "size": group.size, "joined": True,
@@ -123,6 +168,15 @@ def main() -> None:
                and (full["rounds"] >= 4 or not a.want_size or strategy.step >= a.max_steps)):
         if rank == a.leave_rank and synced(strategy) and threes[0] >= 3:
             break    # a graceful leave() right after a round
+        parked = 0.0   # seconds this step waited on purpose (not a stall)
+        if not joiner and strategy.step == a.admit_at:
+            touch(a.out, "ready")
+            q = group.quorum
+            parked += park(lambda: q is None or group.client.latest() > q.qid)
+        if alone["seen"] and not alone["waited"]:
+            alone["waited"] = True
+            q = group.quorum
+            parked += park(lambda: q is None or group.client.latest() > q.qid)
         idx = torch.randint(0, 512, (16,), generator=pick)
         loss = F.mse_loss(model(x[idx]), y[idx])
         loss.backward()
@@ -130,7 +184,7 @@ def main() -> None:
         opt.zero_grad()
         log.append({"t": time.time(), "step": strategy.step, "round": group.step, "size": group.size,
                     "pre": pre[-1] if pre else None, "contributed": strategy.rounds.contributed,
-                    "digest": digest(synced_state(strategy, model, opt)), "loss": loss.item()})
+                    "digest": digest(synced_state(strategy, model, opt)), "loss": loss.item(), "parked": parked})
         if a.pace:
             time.sleep(a.pace)
     rounds = strategy.rounds

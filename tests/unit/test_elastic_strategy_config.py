@@ -22,12 +22,14 @@ from shoal.errors import ConfigError
 # TCPStore sometimes takes seconds to accept a connection when many clients are open.
 _FAST = Timeouts(op=1.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=0.5, quorum=15.0, join=20.0)
 
+TOKEN = "config-test-token"
+
 
 @pytest.fixture(scope="module")
 def coord() -> Iterator[Coordinator]:
     # A store server only: nobody publishes quorums. One per module: setting one up after another
     # was torn down sometimes took 5 s here.
-    c = Coordinator(port=0)
+    c = Coordinator(port=0, token=TOKEN)
     try:
         yield c
     finally:
@@ -37,7 +39,7 @@ def coord() -> Iterator[Coordinator]:
 @pytest.fixture
 def group(coord: Coordinator) -> Iterator[ElasticGroup]:
     g = ElasticGroup(f"config-test-{uuid.uuid4().hex[:8]}", coordinator=coord.address, timeouts=_FAST,
-                     min_workers=1)
+                     min_workers=1, token=TOKEN)
     try:
         yield g
     finally:
@@ -125,8 +127,8 @@ def test_zero_overlapped_with_ddp_on_an_elastic_group_attaches_without_a_collect
 
 @pytest.mark.timeout(30)
 def test_zero_overlapped_with_ddp_on_another_group_is_refused(group: ElasticGroup) -> None:
-    coord = Coordinator(port=0)
-    other = ElasticGroup("config-test-2", coordinator=coord.address, timeouts=_FAST, min_workers=1)
+    coord = Coordinator(port=0, token=TOKEN)
+    other = ElasticGroup("config-test-2", coordinator=coord.address, timeouts=_FAST, min_workers=1, token=TOKEN)
     try:
         net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
         zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)

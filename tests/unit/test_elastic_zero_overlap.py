@@ -31,8 +31,8 @@ def _net() -> nn.Module:
 
 @pytest.fixture
 def group() -> Iterator[ElasticGroup]:
-    coord = Coordinator(port=0, initial_workers=1).start()
-    g = ElasticGroup("zero-overlap", coordinator=coord.address, timeouts=_T, min_workers=1)
+    coord = Coordinator(port=0, initial_workers=1, token="zero-overlap-token").start()
+    g = ElasticGroup("zero-overlap", coordinator=coord.address, timeouts=_T, min_workers=1, token="zero-overlap-token")
     try:
         yield g
     finally:
