@@ -21,6 +21,7 @@ from shoal.testing import run_workers
 
 LIMIT = 3
 FROM_STEP = 2
+TOKEN = "discard-limit-test-token"
 
 
 class _FailsFromStep:
@@ -43,7 +44,7 @@ def _worker(rank: int, world: int, address: str) -> dict[str, Any]:
                         max_consecutive_discards=LIMIT)
     factory = _FailsFromStep if rank == 1 else gloo_backend
     group = ElasticGroup("discards", coordinator=address, timeouts=timeouts, min_workers=2,
-                         backend_factory=factory)
+                         backend_factory=factory, token=TOKEN)
     verdicts: list[bool] = []
     try:
         for _ in range(FROM_STEP + 2 * LIMIT):      # more than enough: it must stop by itself
@@ -59,7 +60,7 @@ def _worker(rank: int, world: int, address: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(90)
 def test_repeated_discards_raise_on_every_member_with_the_reasons() -> None:
-    coord = Coordinator(port=0, initial_workers=2).start()
+    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
     try:
         out = run_workers(_worker, 2, coord.address, timeout=75, init_group=False)
     finally:
@@ -82,13 +83,13 @@ def test_max_consecutive_discards_is_validated() -> None:
 
 def test_the_discard_streak_travels_with_the_healed_state() -> None:
     # A newcomer loads the run's state blob: it must give up at the same step as its peers.
-    coord = Coordinator(port=0, initial_workers=1).start()
-    group = ElasticGroup("streak", coordinator=coord.address, min_workers=1)
+    coord = Coordinator(port=0, initial_workers=1, token=TOKEN).start()
+    group = ElasticGroup("streak", coordinator=coord.address, min_workers=1, token=TOKEN)
     try:
         group._discard_reasons = ["PeerLostError: lost (a)", "PeerLostError: lost (b)"]
         blob = group._blob()
         group._discard_reasons = []
-        group._load_blob(blob)
+        group._load_blob(blob, src=0)
         assert group._discard_reasons == ["PeerLostError: lost (a)", "PeerLostError: lost (b)"]
     finally:
         group.leave()
