@@ -52,17 +52,17 @@ def broadcast_state(group: ElasticGroup, state: Any, src: int, tag: str) -> Any:
     if group.rank == src:
         buf = io.BytesIO()
         torch.save(state, buf)
-        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(group.device)
     else:
-        blob = torch.empty(0, dtype=torch.uint8)
-    n = torch.tensor([blob.numel()], dtype=torch.int64)
+        blob = torch.empty(0, dtype=torch.uint8, device=group.device)
+    n = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
     group.broadcast(n, src=src, tag=tag).wait()
     if group.rank != src:
-        blob = torch.empty(int(n.item()), dtype=torch.uint8)
+        blob = torch.empty(int(n.item()), dtype=torch.uint8, device=group.device)
     group.broadcast(blob, src=src, tag=tag).wait()
     if group.error is not None or group.rank == src:
         return state
-    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    return torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
 
 
 class ElasticDASO:
@@ -82,7 +82,8 @@ class ElasticDASO:
         self.host = ElasticSubgroup(group, "daso/host", by_host)
         self.leaders = ElasticSubgroup(group, "daso/leaders", host_leaders)
         numel = sum(p.numel() for p in params)
-        self.ref = self._flat(torch.empty(numel, dtype=torch.float32))   # last agreed parameters
+        # Flat buffers on the group's device (they travel over it); the parameters may live elsewhere.
+        self.ref = self._flat(torch.empty(numel, dtype=torch.float32, device=group.device))   # last agreed
         self.at_launch = torch.empty_like(self.ref)
         self.agreed = torch.zeros_like(self.ref)     # the committed mean delta, until it lands
         self.scratch = torch.empty_like(self.ref)
@@ -110,7 +111,8 @@ class ElasticDASO:
         self.kind = dict(s)
 
     def _flat(self, out: torch.Tensor) -> torch.Tensor:
-        torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params], out=out)
+        with torch.no_grad():   # copies across devices and dtypes (torch.cat(out=) does neither)
+            torch._foreach_copy_(flat_views(out, self.params), [p.detach() for p in self.params])
         return out
 
     @torch.no_grad()
@@ -183,11 +185,13 @@ class ElasticDASO:
             self.kind = {"kind": "loss", "land": False}
             self.begin()
             mine = self.group.rank not in self.group.newcomers
-            t = torch.tensor([total, float(count)] if mine else [0.0, 0.0], dtype=torch.float64)
+            t = torch.tensor([total, float(count)] if mine else [0.0, 0.0], dtype=torch.float64,
+                             device=self.group.device)
             self.group.all_reduce(t, op="sum", tag="daso/control").wait()
             if self.group.should_commit():
-                if t[1] > 0:
-                    self.schedule.record_loss(float(t[0] / t[1]))
+                world_total, world_count = t.tolist()
+                if world_count > 0:
+                    self.schedule.record_loss(world_total / world_count)
                 return
 
     def _global_round(self, land: bool) -> None:

@@ -28,6 +28,7 @@ from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.flat import flat_views
+from shoal.comm.streams import SideStream
 from shoal.comm.group import Group
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy, broadcast_module
@@ -215,6 +216,7 @@ class DiLoCo(Strategy):
         self.step = 0
         self.fragments: list[_Fragment] = []
         self._thread: ThreadPoolExecutor | None = None
+        self._side = SideStream(torch.device("cpu"))   # replaced by the parameters' device's with the thread
         self._comm_group: Group | None = None
         self.rounds: ElasticRounds | None = None
 
@@ -284,7 +286,9 @@ class DiLoCo(Strategy):
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-diloco")
-        f.future = self._thread.submit(self._reduce, f)
+            self._side = SideStream(f.delta.device)   # CUDA: the thread's own stream, events both ways
+        side = self._side
+        f.future = self._thread.submit(side.run, side.ready(), lambda: self._reduce(f))
 
     def _reduce(self, f: _Fragment) -> None:
         assert self._comm_group is not None  # set up (checked in after_step)
@@ -295,8 +299,9 @@ class DiLoCo(Strategy):
     def _merge(self, f: _Fragment) -> None:
         """Outer step on the averaged pseudo-gradient; local parameters move to (or toward) the result."""
         if f.future is not None:
-            f.future.result()
+            _, done = f.future.result()
             f.future = None
+            self._side.join(done)   # CUDA: this stream reads the mean only once it is written
         f.merge_at = None
         if f.grad is not f.delta:
             f.grad.copy_(f.delta)
