@@ -180,7 +180,8 @@ class Reducer:
         self._started = False      # its first hook has fired
         self._unused: list[int] = []
         self._ready = [False] * len(self.params)
-        self._used = torch.zeros(len(self.params), dtype=torch.int32)
+        # Host bookkeeping, set by every gradient hook: on a GPU it would cost a kernel per parameter.
+        self._used = torch.zeros(len(self.params), dtype=torch.int32, device="cpu")
         self._next_bucket = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 

@@ -405,8 +405,8 @@ class ElasticGroup(Group):
 
     def _heal(self, q: Quorum) -> None:
         t0 = time.monotonic()
-        mine = torch.tensor([self.step, int(self._fresh)], dtype=torch.int64)
-        table = torch.empty(2 * self.size, dtype=torch.int64)
+        mine = torch.tensor([self.step, int(self._fresh)], dtype=torch.int64, device=self.device)
+        table = torch.empty(2 * self.size, dtype=torch.int64, device=self.device)
         self.all_gather_into(table, mine, tag=CONTROL_TAG).wait()
         if self.error is not None:
             return
@@ -417,11 +417,11 @@ class ElasticGroup(Group):
         needy = [r for r in range(self.size) if r != src and (steps[r] < top or fresh[r])]
         self.quorum = replace(q, max_step=top)
         if needy:
-            blob = self._blob() if self.rank == src else torch.empty(0, dtype=torch.uint8)
-            n = torch.tensor([blob.numel()], dtype=torch.int64)
+            blob = self._blob() if self.rank == src else torch.empty(0, dtype=torch.uint8, device=self.device)
+            n = torch.tensor([blob.numel()], dtype=torch.int64, device=self.device)
             self.broadcast(n, src=src, tag=HEAL_TAG).wait()
             if self.rank != src:
-                blob = torch.empty(int(n.item()), dtype=torch.uint8)
+                blob = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
             if self.rank == src or self.rank in needy:
                 self._send_state(blob, src, needy)
             self._healed_barrier(q)
@@ -665,17 +665,17 @@ class ElasticGroup(Group):
         return Handle(None, output, self.meter, tag, self.timeout, take)
 
     def barrier(self, tag: str = "control") -> None:
-        self.all_reduce(torch.zeros(1), tag=tag).wait()
+        self.all_reduce(torch.zeros(1, device=self.device), tag=tag).wait()
 
     def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
         """Gather picklable objects; after a failure, returns ``[obj] * size`` (the step is lost)."""
         data = pickle.dumps(obj)
-        sizes = torch.empty(self.size, dtype=torch.int64)
-        self.all_gather_into(sizes, torch.tensor([len(data)], dtype=torch.int64), tag=tag).wait()
+        sizes = torch.empty(self.size, dtype=torch.int64, device=self.device)
+        self.all_gather_into(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self.device), tag=tag).wait()
         width = int(sizes.max())
-        mine = torch.zeros(width, dtype=torch.uint8)
+        mine = torch.zeros(width, dtype=torch.uint8, device=self.device)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.empty(width * self.size, dtype=torch.uint8)
+        out = torch.empty(width * self.size, dtype=torch.uint8, device=self.device)
         self.all_gather_into(out, mine, tag=tag).wait()
         if self.error is not None:
             return [obj] * self.size
