@@ -271,16 +271,16 @@ class ElasticShards:
         if self.replicate:
             # Send a replica only where no member holds the primary (its owner is gone): one copy of each
             # state crosses the wire. replicate is the same on every member, so are these collectives.
-            mine = torch.zeros(len(self.params), dtype=torch.uint8)
+            mine = torch.zeros(len(self.params), dtype=torch.uint8, device=g.device)
             if own:
-                mine[torch.tensor(sorted(own), dtype=torch.long)] = 1
-            masks = torch.empty(len(self.params) * g.size, dtype=torch.uint8)
+                mine[torch.tensor(sorted(own), dtype=torch.long, device=g.device)] = 1
+            masks = torch.empty(len(self.params) * g.size, dtype=torch.uint8, device=g.device)
             g.all_gather_into(masks, mine, tag=STATE_TAG).wait()
             if g.error is not None:
                 return None
             primary = masks.view(g.size, -1).amax(0)
             held = {**{i: st for i, st in replica.items() if not primary[i]}, **own}
-        payload = _serialise({"state": held, "known": sorted(self.known)}, torch.device("cpu"))
+        payload = _serialise({"state": held, "known": sorted(self.known)}, g.device)
         blobs = _gather_blobs(g, payload)
         if blobs is None:
             return None
@@ -358,14 +358,15 @@ class ElasticShards:
 
 def _gather_blobs(group: ElasticGroup, payload: torch.Tensor) -> list[torch.Tensor] | None:
     """Every member's byte blob (None if the all-gather failed: the step is lost)."""
-    sizes = torch.empty(group.size, dtype=torch.int64)
-    group.all_gather_into(sizes, torch.tensor([payload.numel()], dtype=torch.int64), tag=STATE_TAG).wait()
+    dev = group.device
+    sizes = torch.empty(group.size, dtype=torch.int64, device=dev)
+    group.all_gather_into(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=dev), tag=STATE_TAG).wait()
     if group.error is not None:
         return None
     width = max(int(sizes.max()), 1)
-    mine = torch.zeros(width, dtype=torch.uint8)
+    mine = torch.zeros(width, dtype=torch.uint8, device=dev)
     mine[: payload.numel()] = payload
-    out = torch.empty(width * group.size, dtype=torch.uint8)
+    out = torch.empty(width * group.size, dtype=torch.uint8, device=dev)
     group.all_gather_into(out, mine, tag=STATE_TAG).wait()
     if group.error is not None:
         return None

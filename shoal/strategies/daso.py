@@ -353,5 +353,5 @@ def expected_global_bytes(numel: int, hosts: int, dtype: torch.dtype) -> int:
     >>> expected_global_bytes(1000, 2, torch.bfloat16)
     2000
     """
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = dtype.itemsize
     return math.floor(2 * (hosts - 1) * numel * size / hosts) if hosts > 1 else 0

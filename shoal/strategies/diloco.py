@@ -154,7 +154,7 @@ class _Fragment:
         self.global_views = flat_views(self.snapshot, shapes)
         self.delta_views = flat_views(self.delta, shapes)
         # The outer gradient: the averaged pseudo-gradient, where the global copy lives.
-        self.grad = self.delta if not host else torch.empty(numel, dtype=torch.float32, pin_memory=pin)
+        self.grad = self.delta if not host else torch.empty(numel, dtype=torch.float32, device="cpu", pin_memory=pin)
         for g, v in zip(self.global_views, flat_views(self.grad, shapes)):
             g.grad = v
         with torch.no_grad():

@@ -42,6 +42,7 @@ import contextlib
 import os
 import sys
 import threading
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -58,7 +59,7 @@ _PASS_THROUGH = (os.path.join(_TORCH, "overrides.py"), os.path.join(_TORCH, "uti
 
 def _called_by_shoal() -> str | None:
     """``file:line`` of the code that made the factory call, if it is shoal's own; else None."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename in _PASS_THROUGH:
         frame = frame.f_back
     if frame is None:
