@@ -22,7 +22,15 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import shoal
 from shoal import codecs
 
-DEV = torch.device("cuda", 0)
+# cuda:0 (every rank shares it). SHOAL_TEST_DEVICE=cpu runs the same workers over gloo on the CPU:
+# a dry run of the tests' own logic on a machine without a GPU (see onegpu.run_nccl).
+DEV = torch.device(os.environ.get("SHOAL_TEST_DEVICE", "cuda:0"))
+IDS = [0] if DEV.type == "cuda" else None
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
 
 
 class Net(nn.Module):
@@ -78,8 +86,8 @@ def ddp_vs_torch(rank: int, world: int, dtype_name: str) -> dict[str, float]:
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(rank)   # different init per rank: both wrappers broadcast rank 0's
     base = Net().to(DEV, dtype)
-    ours = shoal.DistributedDataParallel(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.002)
-    ref = TorchDDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.002)
+    ours = shoal.DistributedDataParallel(copy.deepcopy(base), device_ids=IDS, bucket_cap_mb=0.002)
+    ref = TorchDDP(copy.deepcopy(base), device_ids=IDS, bucket_cap_mb=0.002)
     for m in (ours, ref):
         train(m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), rank, 10, dtype)
     return {"diff": max_diff(ours.module, ref.module), "moved": max_diff(ours.module, base),
@@ -120,7 +128,7 @@ def torch_powersgd_hook(rank: int, world: int) -> float:
     base = Net(64).to(DEV)
     mods = []
     for wrapper in (TorchDDP, shoal.DistributedDataParallel):
-        m = wrapper(copy.deepcopy(base), device_ids=[0])
+        m = wrapper(copy.deepcopy(base), device_ids=IDS)
         m.register_comm_hook(P.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
                                              min_compression_rate=2, random_seed=0), P.powerSGD_hook)
         train(m, torch.optim.SGD(m.parameters(), lr=0.05), rank, 20)
@@ -130,13 +138,16 @@ def torch_powersgd_hook(rank: int, world: int) -> float:
 
 # --- strategies through shoal.wrap -----------------------------------------------------------------
 
-# name -> (strategy factory, steps, ranks equal after the last step)
+# name -> (strategy factory, steps, ranks equal after the last step). Averaging strategies average at
+# step indices warmup + k * period (torch's averagers' rule): the step counts end on one.
 STRATEGIES: dict[str, tuple[Callable[[], shoal.Strategy], int, bool]] = {
     "sync": (lambda: shoal.Sync(), 6, True),
     "sync-powersgd": (lambda: shoal.Sync(codec=codecs.PowerSGD(rank=2, min_compression_rate=1.0)), 6, True),
-    "local": (lambda: shoal.LocalSGD(period=3, average_optimizer_state=True), 6, True),
-    "postlocal": (lambda: shoal.PostLocalSGD(period=2, warmup_steps=2), 6, True),
-    "hierarchical": (lambda: shoal.Hierarchical({2: 2}), 6, True),
+    "local": (lambda: shoal.LocalSGD(period=3, average_optimizer_state=True), 7, True),
+    "postlocal": (lambda: shoal.PostLocalSGD(period=2, warmup_steps=2), 7, True),
+    "hierarchical": (lambda: shoal.Hierarchical({2: 2}), 7, True),
+    # 4 ranks on 2 hosts: every 2 steps inside a host, every 4 over all; index 8 averages over all.
+    "hierarchical-4": (lambda: shoal.Hierarchical({2: 2, 4: 4}), 9, True),
     "diloco": (lambda: shoal.DiLoCo(inner_steps=3), 6, True),
     "diloco-int8": (lambda: shoal.DiLoCo(inner_steps=3, codec=codecs.Int8Blockwise(64)), 6, True),
     "streaming": (lambda: shoal.StreamingDiLoCo(inner_steps=3, fragments=2, overlap_steps=1), 6, False),
@@ -159,7 +170,7 @@ def wrapped(rank: int, world: int, name: str) -> dict[str, float]:
     report = getattr(strategy, "report_loss", None)
     losses = train(model, opt, rank, steps, after=report if report is not None else lambda loss: None)
     strategy.close()
-    torch.cuda.synchronize()
+    sync()
     return {"spread": spread(net), "first": losses[0], "last": losses[-1],
             "finite": float(all(torch.isfinite(p).all() for p in net.parameters()))}
 
@@ -169,7 +180,7 @@ def wrapped(rank: int, world: int, name: str) -> dict[str, float]:
 def zero_vs_torch_adam(rank: int, world: int, overlapped: bool) -> dict[str, float]:
     torch.manual_seed(0)
     base = Net(64).to(DEV)
-    ref = TorchDDP(copy.deepcopy(base), device_ids=[0])
+    ref = TorchDDP(copy.deepcopy(base), device_ids=IDS)
     train(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), rank, 10)
     net = copy.deepcopy(base)
     zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=1e-3)
@@ -178,7 +189,7 @@ def zero_vs_torch_adam(rank: int, world: int, overlapped: bool) -> dict[str, flo
     model = shoal.DistributedDataParallel(net, optimizer=zero if overlapped else None, bucket_cap_mb=0.01)
     train(model, zero, rank, 10)
     zero.wait_for_params()
-    torch.cuda.synchronize()
+    sync()
     return {"diff": max_diff(net, ref.module), "moved": max_diff(net, base), "spread": spread(net),
             "hierarchical": float(model._two_level is not None)}
 
@@ -222,10 +233,10 @@ def collaborative_peers(mode: str) -> list[Any]:
                 time.sleep(1.5)   # stay in the swarm while the other peer ends its last round
             finally:
                 opt.shutdown()
-            torch.cuda.synchronize()
+            sync()
             out[k] = {"outcomes": [r.outcome for r in opt.rounds], "epoch": opt.local_epoch,
                       "params": [p.detach().cpu() for p in net.parameters()],
-                      "device": str(next(net.parameters()).device)}
+                      "device": next(net.parameters()).device.type}
         except BaseException as e:  # noqa: BLE001 - the test re-raises it
             out[k] = e
 

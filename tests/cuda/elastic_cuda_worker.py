@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--op", type=float, default=10.0)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    dev = torch.device("cuda", 0)
+    dev = torch.device(os.environ.get("SHOAL_TEST_DEVICE", "cuda:0"))   # cpu: a dry run without a GPU
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
     timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
                         quorum=a.op + 10, join=a.op + 60)
@@ -55,12 +55,13 @@ def main() -> None:
         commits = group.stats.commits
         opt.step()
         log.append({"step": group.step, "committed": group.stats.commits > commits, "size": group.size})
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     result = {"log": log, "rank": rank, "life": life, "stats": vars(group.stats),
               "model": {k: v.cpu() for k, v in net.state_dict().items()},
               "opt": {i: {k: v.cpu() for k, v in st.items() if isinstance(v, torch.Tensor)}
                       for i, st in inner.state_dict()["state"].items()},
-              "device": str(next(net.parameters()).device)}
+              "device": next(net.parameters()).device.type}
     save_and_leave(a.out, rank, life, result, group)
 
 

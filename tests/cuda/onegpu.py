@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import pytest
@@ -33,6 +34,12 @@ def gpu_env(world: int, per_host: int = 1) -> list[dict[str, str]]:
 
 def run_nccl(fn: Callable[..., Any], world: int, *args: Any, per_host: int = 1, timeout: float = 240.0,
              op_timeout: float = 120.0) -> list[Any]:
-    """``run_workers`` with an NCCL default group, every rank on cuda:0."""
-    return run_workers(fn, world, *args, timeout=timeout, op_timeout=op_timeout, backend="nccl",
+    """``run_workers`` with an NCCL default group, every rank on cuda:0.
+
+    With ``SHOAL_TEST_DEVICE=cpu`` in the environment: gloo and the CPU instead
+    (a dry run of the tests' logic without a GPU; the tests still skip unless
+    CUDA is present, so call the test functions directly).
+    """
+    backend = "gloo" if os.environ.get("SHOAL_TEST_DEVICE") == "cpu" else "nccl"
+    return run_workers(fn, world, *args, timeout=timeout, op_timeout=op_timeout, backend=backend,
                        rank_env=gpu_env(world, per_host))

@@ -33,7 +33,7 @@ def test_elastic_ddp_on_cuda_survives_a_sigkill(tmp_path: Any) -> None:
     final = out.final()
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0)], out.logs
     a, b = final
-    assert a["device"] == "cuda:0", out.logs
+    assert a["device"] == os.environ.get("SHOAL_TEST_DEVICE", "cuda:0").split(":")[0], out.logs
     assert [(e["step"], e["committed"]) for e in a["log"]] == [(e["step"], e["committed"]) for e in b["log"]]
     assert a["stats"]["discards"] >= 1 and a["log"][-1]["size"] == 2, out.logs
     for k, v in a["model"].items():

@@ -11,7 +11,7 @@ pytestmark = needs_cuda
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(W.STRATEGIES))
+@pytest.mark.parametrize("name", sorted(set(W.STRATEGIES) - {"hierarchical-4"}))
 def test_strategy_on_nccl(name: str) -> None:
     _, _, equal = W.STRATEGIES[name]
     for r in run_nccl(W.wrapped, 2, name):
@@ -21,7 +21,7 @@ def test_strategy_on_nccl(name: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["daso", "hierarchical", "sync"])
+@pytest.mark.parametrize("name", ["daso", "daso-skips", "hierarchical-4", "sync"])
 def test_strategy_on_two_hosts_of_two_ranks(name: str) -> None:
     for r in run_nccl(W.wrapped, 4, name, per_host=2):
         assert r["finite"] == 1.0 and r["spread"] <= 1e-6, r
