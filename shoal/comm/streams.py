@@ -28,7 +28,7 @@ Example::
     side = SideStream(flat.device)
     ready = side.ready()                          # training thread
     fut = pool.submit(side.run, ready, lambda: codec.mean([flat], ["x"], group, "tag"))
-    done = fut.result()
+    _, done = fut.result()
     side.join(done)                               # training thread reads flat after this
 """
 
