@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.shoal-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-cuda bench clean
 
 # torch is installed first, pinned, from the local CPU wheel, so that the
 # project's `torch>=2.1` is already satisfied and pip never pulls a CUDA build.
@@ -14,8 +14,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+# tests/cuda runs only under `make test-cuda` (it would be skipped here without a GPU anyway).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 --ignore=tests/cuda
+
+# Multi-rank NCCL on one GPU (issue #13); every test skips itself when CUDA is absent. Needs a
+# CUDA build of torch in .venv (the install above keeps one that is already there).
+test-cuda: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=15 tests/cuda
 
 # The default comparison (docs/BENCHMARKS.md): 4 workers, 90 training seconds
 # per strategy (plus ~40 s of start-up each), about 14 minutes on 2 CPU cores.

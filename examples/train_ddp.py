@@ -7,6 +7,8 @@ Run on 2 local workers:
 
 The only shoal-specific lines are `shoal.init()` and the wrapper; everything
 else is a plain PyTorch loop. Each rank reads its own shard of the batches.
+With CUDA present `shoal.init()` starts NCCL and selects cuda:LOCAL_RANK:
+model and batches go to `group.device` (the CPU under gloo).
 """
 
 from __future__ import annotations
@@ -43,15 +45,16 @@ def main() -> None:
 
     torch.set_num_threads(1)
     group = shoal.init()
-    data = torch.frombuffer(bytearray("".join(topics.values()).encode()), dtype=torch.uint8).long()
-    model = shoal.DistributedDataParallel(NextByte())
+    device = group.device  # cuda:LOCAL_RANK under NCCL, the CPU under gloo
+    data = torch.frombuffer(bytearray("".join(topics.values()).encode()), dtype=torch.uint8).long().to(device)
+    model = shoal.DistributedDataParallel(NextByte().to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     g = torch.Generator().manual_seed(1234 + group.rank)  # each rank its own batches
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, len(data) - CONTEXT - 1, (args.batch,), generator=g)
-        window = torch.stack([data[s:s + CONTEXT + 1] for s in starts.tolist()])
+        window = data[starts.to(device).unsqueeze(1) + torch.arange(CONTEXT + 1, device=device)]
         loss = F.cross_entropy(model(window[:, :-1]), window[:, -1])
         loss.backward()
         opt.step()

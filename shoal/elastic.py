@@ -148,7 +148,7 @@ class ElasticSampler:
             return off
         if self._perm is None or self._perm[0] != epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = (epoch, torch.randperm(self.num_samples, generator=g))
+            self._perm = (epoch, torch.randperm(self.num_samples, generator=g, device="cpu"))   # host indices
         return int(self._perm[1][off])
 
 

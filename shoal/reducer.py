@@ -39,6 +39,7 @@ from torch import nn
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group, Handle
+from shoal.comm.streams import SideStream
 from shoal.errors import ShoalError
 from shoal.nonfinite import StepVerdict
 
@@ -145,6 +146,7 @@ class _Bucket:
         self.views = flat_views(self.buffer, self.params)
         self.pending = len(members)
         self.work: Handle | torch.futures.Future | ThreadFuture | None = None
+        self.comm_done: Any = None   # CUDA: the codec thread's event once its mean is written
 
     def grad_bucket(self) -> GradBucket:
         return GradBucket(self.index, self.buffer, self.views, self.params, self.names, self.last)
@@ -192,11 +194,17 @@ class Reducer:
         self.verdict = StepVerdict(self.params)  # honoured at the next optimizer step
         self._done_thread: ThreadPoolExecutor | None = None
         self._done_tasks: list[ThreadFuture] = []
+        # CUDA: the codec and bucket-done threads each run on a stream of their own, ordered
+        # against backward's stream by events both ways (no-ops on the CPU).
+        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+        self._comm_side = SideStream(device)
+        self._done_side = SideStream(device)
         self._armed = False        # a synchronised backward is expected
         self._started = False      # its first hook has fired
         self._unused: list[int] = []
         self._ready = [False] * len(self.params)
-        self._used = torch.zeros(len(self.params), dtype=torch.int32)
+        # Host bookkeeping, set by every gradient hook: on a GPU it would cost a kernel per parameter.
+        self._used = torch.zeros(len(self.params), dtype=torch.int32, device="cpu")
         self._next_bucket = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
@@ -213,6 +221,7 @@ class Reducer:
         for b in self.buckets:
             b.pending = len(b.members)
             b.work = None
+            b.comm_done = None
         self._unused = []
         if self.find_unused:
             reached = _params_in_graph(outputs)
@@ -311,7 +320,7 @@ class Reducer:
                 b.buffer.copy_(result.view(-1))
             callback(b.grad_bucket())
 
-        return self._done_thread.submit(done)
+        return self._done_thread.submit(self._done_side.run, self._done_side.ready(), done)
 
     def set_codec(self, codec: Codec) -> None:
         """Average buckets through ``codec`` on a dedicated communication thread.
@@ -326,11 +335,14 @@ class Reducer:
             self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-comm")
         group, tag = self.group, GRAD_TAG  # the codec appends its own name: ddp/grad/powersgd/p
 
-        def reduce() -> torch.Tensor:
+        def reduce() -> None:
             codec.mean(b.views, b.names, group, tag)
+
+        def on_side(ready: Any) -> torch.Tensor:
+            _, b.comm_done = self._comm_side.run(ready, reduce)
             return b.buffer
 
-        return self._comm_thread.submit(reduce)
+        return self._comm_thread.submit(on_side, self._comm_side.ready())
 
     def _finalize(self) -> None:
         """End of backward: wait for in-flight reductions, write ``.grad``."""
@@ -344,7 +356,8 @@ class Reducer:
             )
         tasks, self._done_tasks = self._done_tasks, []
         for task in tasks:  # on_bucket_reduced callbacks; each has waited for its bucket
-            task.result()
+            _, done = task.result()
+            self._done_side.join(done)   # CUDA: what the callback wrote, before backward's stream reads it
         for b in self.buckets:
             result = self._wait(b)
             if result is not b.buffer:
@@ -385,6 +398,8 @@ class Reducer:
             return b.work.wait()
         t0 = time.perf_counter()
         value = b.work.result() if isinstance(b.work, ThreadFuture) else b.work.wait()  # type: ignore[union-attr]
+        if isinstance(b.work, ThreadFuture):
+            self._comm_side.join(b.comm_done)   # CUDA: this thread's stream reads the codec's result
         self.group.meter.add_wait(GRAD_TAG, time.perf_counter() - t0)
         if isinstance(value, list):  # a raw Work future yields a list of tensors
             value = value[0]

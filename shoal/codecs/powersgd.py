@@ -273,7 +273,7 @@ class PowerSGD(LossyCodec):
         # the user's global RNG stream is left exactly where it was.
         gen = torch.Generator(device="cpu")
         gen.manual_seed((self.seed * 1_000_003 + zlib.crc32(x.name.encode()) * 7919 + draw) % (2**63))
-        return torch.randn(x.m, x.r, generator=gen).to(device)
+        return torch.randn(x.m, x.r, generator=gen, device="cpu").to(device)
 
     def _error(self, x: _Mat, device: torch.device) -> torch.Tensor:
         e = self.errors.get(x.name)

@@ -62,7 +62,7 @@ class TopK(LossyCodec):
         flat = self._pool.get("flat", numel, torch.float32, device)
         flatten_into(tensors, flat)
         _, idx = torch.topk(flat.abs(), k, sorted=False)
-        isz, vsz = torch.empty(0, dtype=idtype).element_size(), torch.empty(0, dtype=vdtype).element_size()
+        isz, vsz = idtype.itemsize, vdtype.itemsize
         # Rows padded to the index size keep every rank's indices aligned when gathered.
         nbytes = -(-k * (isz + vsz) // isz) * isz
         mine = self._pool.get("wire", nbytes, torch.uint8, device)

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from shoal.comm.flat import flat_views
+from shoal.comm.streams import SideStream
 
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
@@ -104,6 +105,9 @@ class CollaborativeOptimizer:
             raise ConfigError(f"config must be a shoal.CollaborativeConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.names, self.params = self._params(optimizer_or_factory, params)
+        # Accumulators live with the parameters (whose gradients they sum); what travels is
+        # staged on the round group's device (the CPU: its groups are gloo).
+        self._device = self.params[0].device
         self.extra = [t for t in extra_tensors]
         if cfg.offload_optimizer:
             if isinstance(optimizer_or_factory, torch.optim.Optimizer):
@@ -144,7 +148,8 @@ class CollaborativeOptimizer:
                                        settled=lambda: not self._fresh,
                                        role="auxiliary" if cfg.auxiliary else "client" if cfg.client_mode else "peer")
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="shoal-collab") if cfg.delay_optimizer_step else None
-        self._pending: cf.Future[None] | None = None
+        self._side = SideStream(self._device)   # CUDA: the delayed step's own stream, events both ways
+        self._pending: cf.Future[tuple[None, Any]] | None = None
 
     # --- construction helpers --------------------------------------------------
     @staticmethod
@@ -161,10 +166,14 @@ class CollaborativeOptimizer:
                 raise ConfigError(f"params must be floating tensors or (name, tensor) pairs, got {n!r}")
         if not named:
             raise ConfigError("CollaborativeOptimizer got no parameters to train")
+        devices = sorted({str(p.device) for _, p in named})
+        if len(devices) > 1:
+            raise ConfigError(f"the parameters live on several devices ({', '.join(devices)}); "
+                              "CollaborativeOptimizer sums their gradients in one flat buffer: move the model first")
         return [n for n, _ in named], [p for _, p in named]
 
     def _zeros(self) -> torch.Tensor:
-        return torch.zeros(self._numel, dtype=torch.float32)
+        return torch.zeros(self._numel, dtype=torch.float32, device=self._device)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return flat_views(flat, self.params)
@@ -270,12 +279,14 @@ class CollaborativeOptimizer:
         self._reset_accumulators()
         if self._pool is not None and self.config.delay_grad_averaging:
             self.local_epoch += 1        # the next batches count towards the next epoch already
-            self._pending = self._pool.submit(self._finish_round, epoch, contrib, weight, finite)
+            self._pending = self._pool.submit(self._side.run, self._side.ready(),
+                                              lambda: self._finish_round(epoch, contrib, weight, finite))
             return None
         report, averaged = self._round(epoch, epoch, contrib, weight, finite, self.config.averaging_timeout)
         if self._pool is not None and report.outcome != "behind":
             self.local_epoch = report.epoch + 1
-            self._pending = self._pool.submit(self._apply, report, averaged, contrib, weight)
+            self._pending = self._pool.submit(self._side.run, self._side.ready(),
+                                              lambda: self._apply(report, averaged, contrib, weight))
         else:
             self._apply(report, averaged, contrib, weight)
             self._copy_back()
@@ -292,7 +303,7 @@ class CollaborativeOptimizer:
         if report.outcome != "behind":
             if averaged is not None:
                 for p, g in zip(self.opt_params, self._views(averaged)):
-                    p.grad = g.to(p.dtype).clone()
+                    p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             if self.scheduler is not None:
@@ -303,7 +314,8 @@ class CollaborativeOptimizer:
     def _apply_pending(self) -> None:
         if self._pending is not None and self._pending.done():
             fut, self._pending = self._pending, None
-            fut.result()
+            _, done = fut.result()
+            self._side.join(done)
             self._copy_back()
 
     def _copy_back(self) -> None:
@@ -410,12 +422,13 @@ class CollaborativeOptimizer:
     def _header(self, my_epoch: int, weight: int, finite: bool) -> torch.Tensor:
         flags = (FLAG_AUX if self.config.auxiliary else 0) | (FLAG_CLIENT if self.config.client_mode else 0) \
             | (FLAG_FRESH if self._fresh else 0)
-        return encode_header(self.member_id, my_epoch, weight, finite, self._digest, self._numel, flags)
+        return encode_header(self.member_id, my_epoch, weight, finite, self._digest, self._numel, flags,
+                             self.group.device)
 
     def _attempt(self, epoch: int, my_epoch: int, contrib: torch.Tensor, weight: int, finite: bool,
                  excluded: set[int], t0: float) -> tuple[RoundReport, torch.Tensor | None] | None:
         g = self.group
-        table = torch.empty(HEADER_LEN * g.size, dtype=torch.int64)
+        table = torch.empty(HEADER_LEN * g.size, dtype=torch.int64, device=g.device)
         g.all_gather_into(table, self._header(my_epoch, weight, finite), tag="collab/header").wait()
         if g.error is not None:
             g.vote()
@@ -465,15 +478,16 @@ class CollaborativeOptimizer:
         g, total = self.group, sum(weights)
         if total == 0:
             return None, []
-        w = weights[g.rank]
-        work = contrib * (g.size / total) if w > 0 else torch.zeros_like(contrib)
+        w, dev = weights[g.rank], g.device   # staged on the group's device, wherever contrib lives
+        work = contrib.to(dev, copy=True).mul_(g.size / total) if w > 0 \
+            else torch.zeros(self._numel, dtype=torch.float32, device=dev)
         with torch.no_grad():
             codec.mean(self._views(work), self.names, g, tag)
         if g.error is not None or bool(torch.isfinite(work).all()):
             return work, []
         # Someone sent NaN/Inf into the sum: gather everyone's raw contribution to find them.
-        mine = contrib if w > 0 else torch.zeros_like(contrib)
-        everyone = torch.empty(g.size * self._numel, dtype=torch.float32)
+        mine = contrib.to(dev) if w > 0 else torch.zeros(self._numel, dtype=torch.float32, device=dev)
+        everyone = torch.empty(g.size * self._numel, dtype=torch.float32, device=dev)
         g.all_gather_into(everyone, mine, tag=tag + "/check").wait()
         rows = everyone.view(g.size, self._numel)
         finite = torch.isfinite(rows).all(dim=1).tolist()

@@ -115,21 +115,24 @@ def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str]
     the mean, and a sum cannot be cleaned of what they add, so the members all-gather their
     tensors and average the other members' rows (``size`` times the bytes, only in such a round).
     """
-    numel = sum(t.numel() for t in tensors)
-    sizes = torch.empty(g.size, dtype=torch.int64)
-    g.all_gather_into(sizes, torch.tensor([numel], dtype=torch.int64), tag="collab/state-avg").wait()
+    numel, dev = sum(t.numel() for t in tensors), g.device
+    sizes = torch.empty(g.size, dtype=torch.int64, device=dev)
+    g.all_gather_into(sizes, torch.tensor([numel], dtype=torch.int64, device=dev), tag="collab/state-avg").wait()
     keep = [r for r in range(g.size) if r not in skip]
     if g.error is not None or not keep or len({int(sizes[r]) for r in keep}) != 1:
         log.warning("state averaging skipped: the members' optimizer statistics differ in size")
         g.vote(keep=False)
         return False
-    work = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    # Staged on the group's device: the tensors (parameters, optimizer statistics) may live elsewhere.
+    work = torch.empty(numel, dtype=torch.float32, device=dev)
+    with torch.no_grad():
+        torch._foreach_copy_(flat_views(work, tensors), [t.detach() for t in tensors])
     if skip:
         if len(set(sizes.tolist())) != 1:   # an all-gather needs equal sizes: the others average next time
             log.warning("state averaging skipped: a member excluded from this round holds state of another size")
             g.vote(keep=False)
             return False
-        rows = torch.empty(g.size * numel, dtype=torch.float32)
+        rows = torch.empty(g.size * numel, dtype=torch.float32, device=dev)
         g.all_gather_into(rows, work, tag="collab/state-avg/check").wait()
         work = rows.view(g.size, numel)[keep].mean(dim=0)
     else:

@@ -56,9 +56,10 @@ def layout_digest(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> int:
 
 
 def encode_header(member: int, epoch: int, weight: int, finite: bool, digest: int, numel: int,
-                  flags: int) -> torch.Tensor:
-    """This peer's header for a round."""
-    return torch.tensor([member, epoch, weight, int(finite), digest, numel, flags, 0], dtype=torch.int64)
+                  flags: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """This peer's header for a round, on ``device`` (the round group's; shoal passes it)."""
+    return torch.tensor([member, epoch, weight, int(finite), digest, numel, flags, 0], dtype=torch.int64,
+                        device=device)
 
 
 @dataclass

@@ -486,8 +486,8 @@ class ElasticGroup(Group):
 
     def _heal(self, q: Quorum) -> None:
         t0 = time.monotonic()
-        mine = torch.tensor([self.step, int(self._fresh)], dtype=torch.int64)
-        table = torch.empty(2 * self.size, dtype=torch.int64)
+        mine = torch.tensor([self.step, int(self._fresh)], dtype=torch.int64, device=self.device)
+        table = torch.empty(2 * self.size, dtype=torch.int64, device=self.device)
         self.all_gather_into(table, mine, tag=CONTROL_TAG).wait()
         if self.error is not None:
             return
@@ -498,11 +498,11 @@ class ElasticGroup(Group):
         needy = [r for r in range(self.size) if r != src and (steps[r] < top or fresh[r])]
         self.quorum = replace(q, max_step=top)
         if needy:
-            blob = self._blob() if self.rank == src else torch.empty(0, dtype=torch.uint8)
-            n = torch.tensor([blob.numel()], dtype=torch.int64)
+            blob = self._blob() if self.rank == src else torch.empty(0, dtype=torch.uint8, device=self.device)
+            n = torch.tensor([blob.numel()], dtype=torch.int64, device=self.device)
             self.broadcast(n, src=src, tag=HEAL_TAG).wait()
             if self.rank != src:
-                blob = torch.empty(int(n.item()), dtype=torch.uint8)
+                blob = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
             if self.rank == src or self.rank in needy:
                 self._send_state(blob, src, needy)
             self._healed_barrier(q)
@@ -757,7 +757,7 @@ class ElasticGroup(Group):
         return Handle(None, output, self.meter, tag, self.timeout, take)
 
     def barrier(self, tag: str = "control") -> None:
-        self.all_reduce(torch.zeros(1), tag=tag).wait()
+        self.all_reduce(torch.zeros(1, device=self.device), tag=tag).wait()
 
     def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
         """Gather objects (see :func:`shoal.comm.objects.all_gather_object`); after a failure, ``[obj] * size``."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from shoal.comm.flat import flat_views
 from shoal.comm.meter import Meter
 from shoal.comm.objects import all_gather_object
+from shoal.comm.streams import connect
 from shoal.errors import CommTimeoutError, ConfigError, ShoalError
 
 _REDUCE_OPS = {
@@ -433,6 +434,7 @@ class Group:
             pg = dist.new_group([self.global_rank(r) for r in ranks])
             if self.rank in ranks:
                 mine = Group(pg, timeout=self.timeout, meter=self.meter)
+        connect(mine)  # NCCL: build the communicator now, in program order, not lazily on some thread
         return mine
 
     def _check_rank(self, r: int, what: str) -> None:

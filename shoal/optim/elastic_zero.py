@@ -277,16 +277,16 @@ class ElasticShards:
         if self.replicate:
             # Send a replica only where no member holds the primary (its owner is gone): one copy of each
             # state crosses the wire. replicate is the same on every member, so are these collectives.
-            mine = torch.zeros(len(self.params), dtype=torch.uint8)
+            mine = torch.zeros(len(self.params), dtype=torch.uint8, device=g.device)
             if own:
-                mine[torch.tensor(sorted(own), dtype=torch.long)] = 1
-            masks = torch.empty(len(self.params) * g.size, dtype=torch.uint8)
+                mine[torch.tensor(sorted(own), dtype=torch.long, device=g.device)] = 1
+            masks = torch.empty(len(self.params) * g.size, dtype=torch.uint8, device=g.device)
             g.all_gather_into(masks, mine, tag=STATE_TAG).wait()
             if g.error is not None:
                 return None
             primary = masks.view(g.size, -1).amax(0)
             held = {**{i: st for i, st in replica.items() if not primary[i]}, **own}
-        payload = to_bytes({"state": held, "known": sorted(self.known)}, torch.device("cpu"))
+        payload = to_bytes({"state": held, "known": sorted(self.known)}, g.device)
         blobs = all_gather_bytes(g, payload, STATE_TAG)
         if blobs is None:
             return None

@@ -51,6 +51,7 @@ from torch import nn
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group, Handle
 from shoal.comm.objects import all_gather_bytes, from_bytes, to_bytes
+from shoal.comm.streams import connect
 from shoal.errors import ConfigError, ShoalError
 from shoal.nonfinite import verdict_for
 
@@ -472,9 +473,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # Broadcasts are issued from the bucket-done thread while gradient
         # reductions are issued from backward: on one group their order would
         # differ between ranks. A group of their own keeps each stream ordered.
+        # Over the whole world, every rank enters new_group in the same order (NCCL splits
+        # communicators from the world's when a device is bound; that split needs all ranks).
+        # On NCCL the communicator is built here, on the training thread, not lazily at the
+        # first broadcast on the bucket-done thread, where ranks would reach it at different times.
         ranks = [self.group.global_rank(r) for r in range(self.world_size)]
-        pg = dist.new_group(ranks=ranks, backend=self.group.backend, use_local_synchronization=True)
-        return Group(pg, timeout=self.group.timeout, meter=self.group.meter)
+        local = self.world_size < dist.get_world_size()   # a subgroup: other ranks never get here
+        pg = dist.new_group(ranks=ranks, backend=self.group.backend, use_local_synchronization=local)
+        bcast = Group(pg, timeout=self.group.timeout, meter=self.group.meter)
+        connect(bcast)
+        return bcast
 
     def _on_bucket_reduced(self, bucket: GradBucket) -> None:
         """The reducer's callback: the owner steps this bucket's parameters, then all broadcast them."""

@@ -35,6 +35,7 @@ from shoal.codecs.cast import Cast
 from shoal.codecs.identity import Identity
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
+from shoal.comm.streams import SideStream
 from shoal.comm.topology import HostGroups
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy, broadcast_module
@@ -176,6 +177,7 @@ class _GlobalSync:
         self.delta = torch.empty_like(self.ref)
         self._thread: ThreadPoolExecutor | None = None
         self._work: ThreadFuture | None = None
+        self._side = SideStream(device)   # CUDA: the background mean's own stream, events both ways
 
     def _flat_params(self, out: torch.Tensor) -> torch.Tensor:
         torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params], out=out)
@@ -199,7 +201,8 @@ class _GlobalSync:
         codec, delta = self.codec, self.delta
         # A host whose delta holds a NaN/Inf is left out of the mean (see finite_mean); lenient: when
         # every host is, the mean is zero and every host restarts from the last agreed parameters.
-        self._work = self._thread.submit(lambda: finite_mean(codec, [delta], ["params"], leaders, TAG, strict=False))
+        self._work = self._thread.submit(self._side.run, self._side.ready(),
+                                         lambda: finite_mean(codec, [delta], ["params"], leaders, TAG, strict=False))
 
     @torch.no_grad()
     def land(self) -> None:
@@ -209,8 +212,9 @@ class _GlobalSync:
         if self.levels.leaders is not None:
             if self._work is None:
                 raise ShoalError("DASO: a global sync lands that was never launched")
-            self._work.result()
+            _, done = self._work.result()
             self._work = None
+            self._side.join(done)                           # CUDA: read the mean after it is written
             self.ref.add_(self.delta)                       # the agreed parameters at launch
             now = self._flat_params(self.delta)             # reuse the buffer: parameters now
             now.sub_(self.at_launch).add_(self.ref)         # + progress since launch
@@ -334,11 +338,13 @@ class DASO(Strategy):
 
     def _share_epoch_loss(self, group: Group) -> None:
         """World mean of the epoch's reported losses (every rank decides the same schedule)."""
-        t = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64)
+        # On the group's device: an NCCL group cannot reduce a CPU tensor.
+        t = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64, device=group.device)
         group.all_reduce(t, op="sum", tag="daso/control").wait()
         self._loss_sum, self._loss_count = 0.0, 0
-        if t[1] > 0:
-            self.schedule.record_loss(float(t[0] / t[1]))
+        total, count = t.tolist()   # the one host read, after the collective
+        if count > 0:
+            self.schedule.record_loss(total / count)
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule.state_dict()}
@@ -358,5 +364,5 @@ def expected_global_bytes(numel: int, hosts: int, dtype: torch.dtype) -> int:
     >>> expected_global_bytes(1000, 2, torch.bfloat16)
     2000
     """
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = dtype.itemsize
     return math.floor(2 * (hosts - 1) * numel * size / hosts) if hosts > 1 else 0

@@ -76,7 +76,8 @@ class ElasticDASO:
         self.host = ElasticSubgroup(group, "daso/host", by_host)
         self.leaders = ElasticSubgroup(group, "daso/leaders", host_leaders)
         numel = sum(p.numel() for p in params)
-        self.ref = self._flat(torch.empty(numel, dtype=torch.float32))   # last agreed parameters
+        # Flat buffers on the group's device (they travel over it); the parameters may live elsewhere.
+        self.ref = self._flat(torch.empty(numel, dtype=torch.float32, device=group.device))   # last agreed
         self.at_launch = torch.zeros_like(self.ref)   # healed before any launch: no uninitialised memory (may be NaN)
         self.agreed = torch.zeros_like(self.ref)     # the committed mean delta, until it lands
         self.scratch = torch.empty_like(self.ref)
@@ -104,7 +105,8 @@ class ElasticDASO:
         self.kind = dict(s)
 
     def _flat(self, out: torch.Tensor) -> torch.Tensor:
-        torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params], out=out)
+        with torch.no_grad():   # copies across devices and dtypes (torch.cat(out=) does neither)
+            torch._foreach_copy_(flat_views(out, self.params), [p.detach() for p in self.params])
         return out
 
     @torch.no_grad()
@@ -177,11 +179,13 @@ class ElasticDASO:
             self.kind = {"kind": "loss", "land": False}
             self.begin()
             mine = self.group.rank not in self.group.newcomers
-            t = torch.tensor([total, float(count)] if mine else [0.0, 0.0], dtype=torch.float64)
+            t = torch.tensor([total, float(count)] if mine else [0.0, 0.0], dtype=torch.float64,
+                             device=self.group.device)
             self.group.all_reduce(t, op="sum", tag="daso/control").wait()
             if self.group.should_commit():
-                if t[1] > 0:
-                    self.schedule.record_loss(float(t[0] / t[1]))
+                world_total, world_count = t.tolist()
+                if world_count > 0:
+                    self.schedule.record_loss(world_total / world_count)
                 return
 
     def _global_round(self, land: bool) -> None:

@@ -29,6 +29,7 @@ from shoal.codecs.identity import Identity
 from shoal.comm.elastic import ElasticGroup
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
+from shoal.comm.streams import SideStream
 from shoal.comm.group import Group
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy, broadcast_module
@@ -154,7 +155,7 @@ class _Fragment:
         self.global_views = flat_views(self.snapshot, shapes)
         self.delta_views = flat_views(self.delta, shapes)
         # The outer gradient: the averaged pseudo-gradient, where the global copy lives.
-        self.grad = self.delta if not host else torch.empty(numel, dtype=torch.float32, pin_memory=pin)
+        self.grad = self.delta if not host else torch.empty(numel, dtype=torch.float32, device="cpu", pin_memory=pin)
         for g, v in zip(self.global_views, flat_views(self.grad, shapes)):
             g.grad = v
         with torch.no_grad():
@@ -221,6 +222,7 @@ class DiLoCo(Strategy):
         self.step = 0
         self.fragments: list[_Fragment] = []
         self._thread: ThreadPoolExecutor | None = None
+        self._side = SideStream(torch.device("cpu"))   # replaced by the parameters' device's with the thread
         self._comm_group: Group | None = None
         self.rounds: ElasticRounds | None = None
 
@@ -290,7 +292,9 @@ class DiLoCo(Strategy):
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-diloco")
-        f.future = self._thread.submit(self._reduce, f)
+            self._side = SideStream(f.delta.device)   # CUDA: the thread's own stream, events both ways
+        side = self._side
+        f.future = self._thread.submit(side.run, side.ready(), lambda: self._reduce(f))
 
     def _reduce(self, f: _Fragment) -> None:
         assert self._comm_group is not None  # set up (checked in after_step)
@@ -301,8 +305,9 @@ class DiLoCo(Strategy):
     def _merge(self, f: _Fragment) -> None:
         """Outer step on the averaged pseudo-gradient; local parameters move to (or toward) the result."""
         if f.future is not None:
-            f.future.result()
+            _, done = f.future.result()
             f.future = None
+            self._side.join(done)   # CUDA: this stream reads the mean only once it is written
         f.merge_at = None
         if read_flag(nonfinite_flag([f.delta])):
             # The mean is the same on every rank: all skip the outer step and restart from the

@@ -30,7 +30,7 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -66,6 +66,8 @@ def _entry(
     env: dict[str, str],
     init_group: bool,
     op_timeout: float,
+    backend: str,
+    own_env: dict[str, str],
 ) -> None:
     # Forked from the fork server, this process has the server's environment: take the caller's.
     os.environ.clear()
@@ -78,12 +80,15 @@ def _entry(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    os.environ.update(own_env)
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"{rank}.pt")
     try:
         if init_group:
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             torch.distributed.init_process_group(
-                "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=op_timeout)
+                backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=op_timeout)
             )
         result = fn(rank, world_size, *args)
         torch.save(result, path + ".tmp")
@@ -104,6 +109,8 @@ def run_workers(
     op_timeout: float = 60.0,
     env: dict[str, str] | None = None,
     init_group: bool = True,
+    rank_env: Sequence[dict[str, str]] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
@@ -113,9 +120,18 @@ def run_workers(
             collective instead of blocking it forever.
         env: extra environment variables for the children.
         init_group: set False when ``fn`` builds its own group.
+        rank_env: per rank, more variables (applied last: they may override
+            ``LOCAL_RANK``), e.g. a distinct ``NCCL_HOSTID`` per rank so that
+            several NCCL ranks share one GPU.
+        backend: the group's backend, ``"gloo"`` or ``"nccl"`` (NCCL: each
+            child first selects ``cuda:LOCAL_RANK``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if rank_env is not None and len(rank_env) != world_size:
+        raise ValueError(f"rank_env has {len(rank_env)} entries, expected one per rank ({world_size})")
     ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="shoal-workers-") as out_dir:
@@ -123,7 +139,7 @@ def run_workers(
             ctx.Process(
                 target=_entry,
                 args=(fn, r, world_size, port, args, out_dir, {**os.environ, **(env or {})}, init_group,
-                      op_timeout),
+                      op_timeout, backend, dict(rank_env[r]) if rank_env else {}),
                 daemon=True,
             )
             for r in range(world_size)

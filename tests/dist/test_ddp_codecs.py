@@ -65,6 +65,8 @@ def _fit(model: nn.Module, rank: int, steps: int) -> float:
 
 
 def _powersgd_vs_torch(rank: int, world: int) -> dict[str, float]:
+    if torch.cuda.is_available():  # the CUDA_VISIBLE_DEVICES="" below did not hide it
+        return {"cuda_visible": 1.0}
     torch.manual_seed(0)
     base = Net(width=64)
     out = {}
@@ -85,9 +87,17 @@ def _powersgd_vs_torch(rank: int, world: int) -> dict[str, float]:
     return out
 
 
+# torch's hook calls torch.cuda.synchronize(bucket's device) whenever CUDA is available, which
+# fails for the CPU tensors of this gloo test: the workers run with CUDA hidden.
+_NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 @pytest.mark.timeout(180)
 def test_powersgd_matches_torch_hook() -> None:
-    for r in run_workers(_powersgd_vs_torch, 2, timeout=170):
+    results = run_workers(_powersgd_vs_torch, 2, timeout=170, env=_NO_CUDA)
+    if any("cuda_visible" in r for r in results):
+        pytest.skip("CUDA stays visible in the workers; torch's PowerSGD hook cannot run on CPU tensors then")
+    for r in results:
         # torch's hook gives the same training on either wrapper.
         assert r["hook_param_diff"] <= 1e-5, r
         # shoal's codec: final loss within 1% of torch's hook (Q draws differ).
