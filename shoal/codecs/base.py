@@ -218,7 +218,7 @@ def finite_flags(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     [True, False, True]
     """
     if not tensors:
-        return torch.ones(0, dtype=torch.bool)
+        return torch.ones(0, dtype=torch.bool, device="cpu")
     empty = torch.zeros(1, device=tensors[0].device)   # an empty tensor is finite (and has no inf-norm)
     norms = torch._foreach_norm([t.detach() if t.numel() else empty for t in tensors], float("inf"))
     return torch.stack([n.float() for n in norms]).isfinite()

@@ -61,7 +61,7 @@ class AveragingStrategy(Strategy):
         self._grad_codec = Identity()  # post-local SGD's warm-up gradients travel exact, as in its DDP
         # (live, averaged scratch, a parameter round's group)
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor], ElasticGroup | None] | None = None
-        self._finite = torch.zeros(())
+        self._finite = torch.zeros((), device="cpu")   # replaced on the tensors' device per round
 
     @abc.abstractmethod
     def _make_averager(self, group: Group) -> ModelAverager:
