@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
 
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
@@ -163,7 +164,8 @@ class _Bucket:
     def fresh_buffer(self) -> None:
         """A new zeroed buffer (the old one now belongs to the ``.grad`` that view it)."""
         self.buffer = torch.zeros_like(self.buffer)
-        self.views = flat_views(self.buffer, self.params)
+        # The views made in C++: no Python work per parameter beyond the list.
+        self.views = list(_unflatten_dense_tensors(self.buffer, self.params))
         self.handed_off = False
 
     def grad_bucket(self) -> GradBucket:
@@ -244,28 +246,36 @@ class Reducer:
         self._armed = False
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        used = self._used
+        # The hot path, once per parameter per backward: plain Python bookkeeping in one
+        # call (autograd has already added the gradient into the bucket view).
+        used, bucket = self._used, self._where[i][0]
 
         def hook(_param: torch.Tensor) -> None:
             used[i] = 1
-            if self._armed:
-                self._on_grad_ready(i)
+            if not self._armed:
+                return
+            if not self._started:
+                self._start_backward()
+            ready = self._ready
+            if ready[i]:
+                raise ShoalError(
+                    f"parameter {self.names[i]!r} received a gradient twice in one backward; "
+                    "shoal's DDP supports one backward per forward (use no_sync() to accumulate)"
+                )
+            ready[i] = True
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready_buckets()
 
         return hook
 
-    def _on_grad_ready(self, i: int) -> None:
-        if not self._started:
-            self._started = True
-            self._attach_views()
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            for j in self._unused:  # they will get no hook: do not let them block
-                self._mark_ready(j)
-        if self._ready[i]:
-            raise ShoalError(
-                f"parameter {self.names[i]!r} received a gradient twice in one backward; "
-                "shoal's DDP supports one backward per forward (use no_sync() to accumulate)"
-            )
-        self._mark_ready(i)
+    def _start_backward(self) -> None:
+        """The first gradient hook of a synchronised backward."""
+        self._started = True
+        self._attach_views()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        for j in self._unused:  # they will get no hook: do not let them block
+            self._mark_ready(j)
 
     def _attach_views(self) -> None:
         """At the start of a synchronised backward: every parameter whose ``.grad`` is None gets
@@ -477,11 +487,20 @@ class Reducer:
                 for k in stray:
                     b.params[k].grad = b.views[k]
             else:
+                dst, src = [], []
                 with torch.no_grad():
-                    torch._foreach_copy_([b.params[k].grad for k in stray], [b.views[k] for k in stray])
+                    for k in stray:
+                        grad = b.params[k].grad
+                        if grad is None:  # cleared since its bucket launched
+                            b.params[k].grad = b.views[k].clone()
+                        else:
+                            dst.append(grad)
+                            src.append(b.views[k])
+                    if dst:
+                        torch._foreach_copy_(dst, src)
         if not self.as_view:
             # Hand the buffer to the .grad that view it; the next backward takes a fresh one.
-            b.handed_off = any(b.params[k].grad is b.views[k] for k in b.attached)
+            b.handed_off = bool(b.attached)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
