@@ -81,7 +81,7 @@ def test_gradients_accumulate_in_bucket_views_without_per_parameter_copies() -> 
 
 def _grad_not_aliased(rank: int, world: int) -> bool:
     """gradient_as_bucket_view=False (torch's semantics): a .grad kept from one step is not
-    overwritten by the next step's reduction."""
+    overwritten by the next step's reduction; a forward alone does not create .grad."""
     model = shoal.DistributedDataParallel(_deep(2))
     g = torch.Generator().manual_seed(rank)
     model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
@@ -92,7 +92,11 @@ def _grad_not_aliased(rank: int, world: int) -> bool:
     fresh = [p.grad for p in model.module.parameters()]
     unchanged = all(torch.equal(a, b) for a, b in zip(kept, values))  # type: ignore[arg-type]
     moved = all(not torch.equal(a, b) for a, b in zip(fresh, values))  # type: ignore[arg-type]
-    return unchanged and moved
+    # A forward that no backward follows (evaluation with grad enabled) leaves .grad alone.
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(4, 8, generator=g))
+    untouched = all(p.grad is None for p in model.module.parameters())
+    return unchanged and moved and untouched
 
 
 @pytest.mark.timeout(60)
