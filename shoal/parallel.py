@@ -95,8 +95,18 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: walk the forward's graph to find parameters it
             did not use, so they do not block their bucket; costs a graph
             traversal per step, so leave it off when every parameter is used.
-        gradient_as_bucket_view: leave ``.grad`` as views into the bucket
-            buffers (saves a copy and memory; ``.grad`` then aliases them).
+        gradient_as_bucket_view: in both modes, a parameter whose ``.grad``
+            is None when a synchronised backward starts gets a view of its
+            gradient bucket as ``.grad``, and autograd accumulates into it
+            (no copy; the usual case after ``zero_grad()``). ``True``: the
+            buckets are reused at every backward and ``.grad`` aliases them
+            (no allocation; a ``.grad`` kept across steps is overwritten).
+            ``False`` (torch's semantics): after backward the bucket hands
+            its buffer over to those ``.grad`` and takes a fresh one at the
+            next backward, so a kept ``.grad`` never changes; they are views
+            of one flat tensor per bucket, which stays allocated while any
+            of them lives. A ``.grad`` that is some other tensor keeps its
+            identity and receives the average (one batched copy per bucket).
         codec: a :class:`shoal.codecs.Codec` that averages each bucket's
             gradients (e.g. ``shoal.codecs.PowerSGD(rank=4)``), run on a
             communication thread so it overlaps backward. ``None``: exact

@@ -2,13 +2,24 @@
 
 Parameters are grouped into buckets in reverse registration order (gradients
 of the last layers are produced first) with a size cap, one dtype and device
-per bucket. Each bucket owns a flat buffer reused across steps. A
-post-accumulate-grad hook copies a parameter's gradient into its slice; when a
-bucket's last gradient arrives its reduction is launched at once, while
-backward goes on. Buckets launch strictly in index order on every rank, so
-collectives pair up across ranks even if gradients arrive in another order.
-At the end of backward (an autograd engine callback) whatever is still in
-flight is waited for and the averaged gradients are written to ``.grad``.
+per bucket. Each bucket owns a flat buffer. When a synchronised backward
+starts (its first gradient hook), every parameter without a gradient gets
+``.grad`` = its view of the bucket buffer (zeroed once per bucket), so
+autograd accumulates gradients straight into the buckets: no copy per
+parameter, and the per-parameter hook only counts. When a bucket's last
+gradient arrives, a gradient that is some other tensor (kept from an earlier
+step, accumulated under ``no_sync()``, replaced by ``create_graph``) is copied
+into its slice in one batched copy, the bucket is divided by the world size
+once (exact all-reduce only: a codec or comm hook gets the raw local sum) and
+its reduction is launched at once, while backward goes on. Buckets launch
+strictly in index order on every rank, so collectives pair up across ranks
+even if gradients arrive in another order. At the end of backward (an
+autograd engine callback) whatever is still in flight is waited for and the
+averaged gradients are in ``.grad``. With ``gradient_as_bucket_view=False``
+the bucket then hands its buffer over to those ``.grad`` and takes a fresh one
+at the next backward, so ``.grad`` never aliases a buffer the reducer writes
+again (torch's semantics) without a copy; gradients that were other tensors
+get the average copied into them (one batched copy per bucket).
 
 Non-finite gradients (SPEC G5): once every bucket is reduced, one fused check
 of the flat bucket buffers (a few tensors) decides whether the averaged
@@ -35,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
 
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
@@ -147,6 +159,16 @@ class _Bucket:
         self.pending = len(members)
         self.work: Handle | torch.futures.Future | ThreadFuture | None = None
         self.comm_done: Any = None   # CUDA: the codec thread's event once its mean is written
+        self.attached: list[int] = []  # slots whose .grad was None and got their view this backward
+        self.stray: list[int] = []     # slots whose .grad was another tensor, copied in at launch
+        self.handed_off = False        # .grad owns the buffer: take a fresh one at the next backward
+
+    def fresh_buffer(self) -> None:
+        """A new zeroed buffer (the old one now belongs to the ``.grad`` that view it)."""
+        self.buffer = torch.zeros_like(self.buffer)
+        # The views made in C++: no Python work per parameter beyond the list.
+        self.views = list(_unflatten_dense_tensors(self.buffer, self.params))
+        self.handed_off = False
 
     def grad_bucket(self) -> GradBucket:
         return GradBucket(self.index, self.buffer, self.views, self.params, self.names, self.last)
@@ -203,8 +225,7 @@ class Reducer:
         self._started = False      # its first hook has fired
         self._unused: list[int] = []
         self._ready = [False] * len(self.params)
-        # Host bookkeeping, set by every gradient hook: on a GPU it would cost a kernel per parameter.
-        self._used = torch.zeros(len(self.params), dtype=torch.int32, device="cpu")
+        self._used = bytearray(len(self.params))  # plain Python: the hook does no tensor op
         self._next_bucket = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
@@ -222,6 +243,7 @@ class Reducer:
             b.pending = len(b.members)
             b.work = None
             b.comm_done = None
+            b.attached, b.stray = [], []
         self._unused = []
         if self.find_unused:
             reached = _params_in_graph(outputs)
@@ -232,50 +254,98 @@ class Reducer:
         self._armed = False
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        # The hot path, once per parameter per backward: plain Python bookkeeping in one
+        # call (autograd has already added the gradient into the bucket view).
+        used, bucket = self._used, self._where[i][0]
+
         def hook(_param: torch.Tensor) -> None:
-            self._used[i] = 1
-            if self._armed:
-                self._on_grad_ready(i)
+            used[i] = 1
+            if not self._armed:
+                return
+            if not self._started:
+                self._start_backward()
+            ready = self._ready
+            if ready[i]:
+                raise ShoalError(
+                    f"parameter {self.names[i]!r} received a gradient twice in one backward; "
+                    "shoal's DDP supports one backward per forward (use no_sync() to accumulate)"
+                )
+            ready[i] = True
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready_buckets()
 
         return hook
 
-    def _on_grad_ready(self, i: int) -> None:
-        if not self._started:
-            self._started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            for j in self._unused:  # they will get no hook: do not let them block
-                self._mark_ready(j)
-        if self._ready[i]:
-            raise ShoalError(
-                f"parameter {self.names[i]!r} received a gradient twice in one backward; "
-                "shoal's DDP supports one backward per forward (use no_sync() to accumulate)"
-            )
-        self._mark_ready(i)
+    def _start_backward(self) -> None:
+        """The first gradient hook of a synchronised backward."""
+        self._started = True
+        self._attach_views()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        for j in self._unused:  # they will get no hook: do not let them block
+            self._mark_ready(j)
+
+    def _attach_views(self) -> None:
+        """At the start of a synchronised backward: every parameter whose ``.grad`` is None gets
+        its bucket view as ``.grad`` (zeroed once per bucket), so autograd accumulates in place.
+
+        Done at the first gradient hook, not at the forward, so a forward that no backward
+        follows leaves ``.grad`` as it was. The parameter whose hook this is already has its
+        gradient: it is copied in when its bucket launches, like any other tensor."""
+        for b in self.buckets:
+            fresh = b.handed_off
+            if fresh:
+                b.fresh_buffer()
+            none = [k for k, p in enumerate(b.params) if p.grad is None]
+            b.attached = none
+            if not none:
+                continue
+            if not fresh:
+                if len(none) == len(b.params):
+                    b.buffer.zero_()
+                else:
+                    torch._foreach_zero_([b.views[k] for k in none])
+            for k in none:
+                b.params[k].grad = b.views[k]
 
     def _mark_ready(self, i: int) -> None:
         self._ready[i] = True
-        bucket, slot = self._where[i]
-        view, grad = bucket.views[slot], self.params[i].grad
-        if grad is None:
-            view.zero_()
-        elif grad.is_sparse:
-            raise ShoalError(f"parameter {self.names[i]!r} has a sparse gradient; shoal's DDP needs dense gradients")
-        elif self.comm_hook is not None or self.codec is not None:
-            if grad.data_ptr() != view.data_ptr():  # the hook or codec averages itself
-                view.copy_(grad)
-        elif grad.data_ptr() == view.data_ptr():
-            view.div_(self.group.size)
-        else:
-            # Divide while copying, as torch DDP does, so the sum is the mean.
-            torch.div(grad, self.group.size, out=view)
+        bucket = self._where[i][0]
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
+
+    def _gather(self, b: _Bucket) -> None:
+        """Bring ``b``'s gradients that are not its views into the buffer (one batched copy),
+        then divide by the world size once, as torch DDP does per gradient (the same
+        per-element division, so the same bits). A codec or comm hook averages itself."""
+        dst, src, zero, stray = [], [], [], []
+        for k, (p, view) in enumerate(zip(b.params, b.views)):
+            grad = p.grad
+            if grad is view:
+                continue
+            if grad is None:  # cleared during backward: contributes nothing
+                zero.append(view)
+            elif grad.is_sparse:
+                raise ShoalError(f"parameter {b.names[k]!r} has a sparse gradient; shoal's DDP needs dense gradients")
+            else:
+                stray.append(k)
+                dst.append(view)
+                src.append(grad)
+        b.stray = stray
+        with torch.no_grad():
+            if zero:
+                torch._foreach_zero_(zero)
+            if dst:
+                torch._foreach_copy_(dst, src)
+            if self.codec is None and self.comm_hook is None and self.group.size > 1:
+                b.buffer.div_(self.group.size)
 
     def _launch_ready_buckets(self) -> None:
         # In index order only: a collective must be issued in the same order on every rank.
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             b = self.buckets[self._next_bucket]
+            self._gather(b)
             if self.codec is not None:
                 b.work = self._run_codec(b, self.codec)
             elif self.comm_hook is None:
@@ -371,7 +441,7 @@ class Reducer:
             self._write_grads(b, globally_used)
         if self.skip_nonfinite:
             self.verdict.set(self.last_nonfinite)
-        self._used.zero_()
+        self._used[:] = bytes(len(self._used))  # in place: the hooks hold this bytearray
         if self.on_step_done is not None:
             self.on_step_done()
 
@@ -410,29 +480,41 @@ class Reducer:
             )
         return value
 
-    def _global_usage(self) -> torch.Tensor:
+    def _global_usage(self) -> list[int]:
         # A parameter unused on every rank keeps its .grad untouched, as in torch DDP.
-        used = self._used.to(self.group.device)
+        used = torch.tensor(list(self._used), dtype=torch.int32, device=self.group.device)
         self.group.all_reduce(used, op="max", tag="ddp/control").wait()
-        return used.cpu()
+        return used.tolist()  # after the step's collectives
 
-    def _write_grads(self, b: _Bucket, globally_used: torch.Tensor | None) -> None:
-        with torch.no_grad():
-            dst, src = [], []
-            for slot, i in enumerate(b.members):
-                p, view = self.params[i], b.views[slot]
-                if globally_used is not None and not globally_used[i]:
-                    continue
-                if self.as_view:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    dst.append(p.grad)
-                    src.append(view)
-            if dst:
-                torch._foreach_copy_(dst, src)
+    def _write_grads(self, b: _Bucket, globally_used: list[int] | None) -> None:
+        """The averaged gradients into ``.grad``: the views given at the start already hold them;
+        other gradients get the view (``gradient_as_bucket_view``) or a copy of it."""
+        stray = b.stray
+        if globally_used is not None:
+            # Unused on every rank: .grad stays what it was before this backward.
+            stray = [k for k in stray if globally_used[b.members[k]]]
+            for k in b.attached:
+                if not globally_used[b.members[k]]:
+                    b.params[k].grad = None
+        if stray:
+            if self.as_view:
+                for k in stray:
+                    b.params[k].grad = b.views[k]
+            else:
+                dst, src = [], []
+                with torch.no_grad():
+                    for k in stray:
+                        grad = b.params[k].grad
+                        if grad is None:  # cleared since its bucket launched
+                            b.params[k].grad = b.views[k].clone()
+                        else:
+                            dst.append(grad)
+                            src.append(b.views[k])
+                    if dst:
+                        torch._foreach_copy_(dst, src)
+        if not self.as_view:
+            # Hand the buffer to the .grad that view it; the next backward takes a fresh one.
+            b.handed_off = bool(b.attached)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
