@@ -209,8 +209,9 @@ def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 def finite_flags(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per tensor, on the tensors' device: is every element finite? (a bool vector, no host sync).
 
-    One fused inf-norm per call (``torch._foreach_norm``): a tensor's inf-norm
-    is NaN/Inf exactly when it holds a NaN/Inf. Codecs use it to keep their
+    One fused L2 norm per call, accumulated in fp32 (``torch._foreach_norm``;
+    see :func:`shoal.comm.finite.nonfinite_flag` for why L2 and its one
+    overflow case). Codecs use it to keep their
     state where a mean went non-finite with ``torch.where``, never reading
     the result on the host between collectives.
 
@@ -219,9 +220,9 @@ def finite_flags(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     if not tensors:
         return torch.ones(0, dtype=torch.bool, device="cpu")
-    empty = torch.zeros(1, device=tensors[0].device)   # an empty tensor is finite (and has no inf-norm)
-    norms = torch._foreach_norm([t.detach() if t.numel() else empty for t in tensors], float("inf"))
-    return torch.stack([n.float() for n in norms]).isfinite()
+    empty = torch.zeros(1, device=tensors[0].device)   # an empty tensor is finite
+    norms = torch._foreach_norm([t.detach() if t.numel() else empty for t in tensors], 2.0, dtype=torch.float32)
+    return torch.stack(norms).isfinite()
 
 
 class NonfiniteCounter:

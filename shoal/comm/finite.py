@@ -33,9 +33,14 @@ import torch
 def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """A 0-dim float32 tensor, ``> 0`` iff some element of ``tensors`` is NaN or +-Inf.
 
-    One fused infinity-norm per dtype and device (``torch._foreach_norm``):
-    the inf-norm of a tensor is NaN/Inf exactly when it holds a NaN/Inf, and
-    unlike a sum it cannot overflow on large finite values. The result lives
+    One fused L2 norm per dtype and device (``torch._foreach_norm``,
+    accumulated in fp32): a NaN/Inf element makes it NaN/Inf. The L2 norm is
+    memory-bound and vectorised on every device (the inf-norm was 18x slower
+    on CPU: 13.8 ms against 0.75 ms for 5.2M fp32 values, one thread); fp32
+    accumulation keeps fp16 tensors, whose own range ends at 65504, from
+    overflowing. Only a tensor whose L2 norm exceeds fp32's range (~3.4e38,
+    i.e. elements around 1e19) is reported non-finite although finite: far
+    beyond any gradient a run could still train on. The result lives
     on ``device`` (default: the first tensor's device; CPU for no tensors).
     Integer tensors are always finite and are ignored.
     """
@@ -49,8 +54,8 @@ def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device | None 
         groups.setdefault((t.device, t.dtype), []).append(t.detach())
     parts = []
     for (dev, _dtype), same in groups.items():
-        norms = torch._foreach_norm(same, float("inf"))
-        bad = torch.stack(norms).float().isfinite().logical_not().sum(dtype=torch.float32)
+        norms = torch._foreach_norm(same, 2.0, dtype=torch.float32)
+        bad = torch.stack(norms).isfinite().logical_not().sum(dtype=torch.float32)
         parts.append(bad if dev == device else bad.to(device, non_blocking=True))
     return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
