@@ -49,7 +49,7 @@ class StepVerdict:
         self.params = list(params)
         self._ids = frozenset(id(p) for p in self.params)
         self.value: bool | None = None
-        self._covers: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._covers: "weakref.WeakKeyDictionary[Any, tuple[int, bool]]" = weakref.WeakKeyDictionary()
         _install_hook()
         with _lock:
             _live.add(self)
@@ -60,17 +60,23 @@ class StepVerdict:
     def expire(self) -> None:
         self.value = None
 
-    def drop_grads(self) -> None:
+    def drop_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the gradients of these parameters that ``optimizer`` steps (only those: a
+        second optimizer, maybe behind its own GradScaler, must still see its own)."""
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for p in self.params:
-            p.grad = None
+            if id(p) in held:
+                p.grad = None
 
     def touches(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` steps any of these parameters (cached per optimizer)."""
+        """Whether ``optimizer`` steps any of these parameters (cached per optimizer and
+        number of parameters it holds, so ``add_param_group`` is seen)."""
+        size = sum(len(g["params"]) for g in optimizer.param_groups)
         known = self._covers.get(optimizer)
-        if known is None:
-            known = any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"])
+        if known is None or known[0] != size:
+            known = (size, any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"]))
             self._covers[optimizer] = known
-        return known
+        return known[1]
 
     def covers(self, params: Sequence[torch.Tensor]) -> bool:
         return all(id(p) in self._ids for p in params)
@@ -91,13 +97,20 @@ def verdict_for(params: Sequence[torch.Tensor]) -> bool | None:
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    """A non-finite verdict drops the stepping optimizer's gradients of those parameters and
+    stays until the next backward (another optimizer over the same model drops its own);
+    a finite one expires. An optimizer that reads the verdict itself
+    (``_reads_nonfinite_verdict``, ZeroRedundancyOptimizer) is left alone."""
+    if getattr(optimizer, "_reads_nonfinite_verdict", False):
+        return
     with _lock:
         live = [v for v in _live if v.value is not None]
     for v in live:
         if v.touches(optimizer):
             if v.value:
-                v.drop_grads()
-            v.expire()
+                v.drop_grads(optimizer)
+            else:
+                v.expire()
 
 
 def _install_hook() -> None:

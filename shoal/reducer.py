@@ -517,6 +517,7 @@ class Reducer:
             b.handed_off = bool(b.attached)
 
     def remove_hooks(self) -> None:
+        self.verdict.expire()   # a model unwrapped after a skipped step must not skip the next one
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -54,7 +54,7 @@ def to_bytes(obj: Any, device: torch.device | str | None = None) -> torch.Tensor
 
 
 def from_bytes(blob: torch.Tensor) -> Any:
-    """The object in a :func:`to_bytes` blob (any device), read with ``weights_only=True``.
+    """The object in a :func:`to_bytes` blob (any device), read with ``weights_only=True``, tensors on the CPU.
 
     Raises what ``torch.load`` raises for bytes that are not such a blob, or
     that would need code to load.
@@ -63,7 +63,9 @@ def from_bytes(blob: torch.Tensor) -> Any:
 
         from_bytes(to_bytes([1, "a"]))   # [1, 'a']
     """
-    return torch.load(io.BytesIO(blob.detach().cpu().numpy().tobytes()), weights_only=True)
+    # Tensors land on the CPU: the sender's device index may not exist here (fewer GPUs, a CPU peer);
+    # load_state_dict and copy_ move them to the receiver's own devices.
+    return torch.load(io.BytesIO(blob.detach().cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
 
 
 def failed(group: Any) -> bool:

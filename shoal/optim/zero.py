@@ -241,6 +241,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         loss.backward(); zero.step(); zero.zero_grad()
     """
 
+    # step() reads shoal DDP's non-finite verdict itself (shoal/nonfinite.py), before the
+    # global pre-hook could drop the gradients: a skipped step then broadcasts nothing.
+    _reads_nonfinite_verdict = True
+
     def __init__(self, params: Any, optimizer_class: type[torch.optim.Optimizer],
                  process_group: Any = None, replicate: bool = False, **defaults: Any) -> None:
         from shoal.optim.elastic_zero import ElasticShards, check_elastic_options
@@ -343,6 +347,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         Elastic and attached to DDP, backward did all but the vote: ``step()``
         waits for the parameter broadcasts, votes, and applies or undoes them.
         """
+        if verdict_for(self._all_params()):  # shoal's DDP found NaN/Inf (counted there): every rank steps nothing
+            self.zero_grad(set_to_none=True)
         if self._elastic is not None:
             if closure is not None or kwargs:
                 raise ConfigError("step(closure) is not supported on an elastic group: the closure's forward "
