@@ -17,13 +17,11 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import torch
-from torch import nn
+import torch  # noqa: F401 - the doctest uses it
 
-from shoal.bench.tasks import LMConfig, _Block
+from shoal.bench.tasks import ByteGPT, LMConfig
 from shoal.errors import ConfigError
 
 
@@ -60,34 +58,13 @@ GPT_SIZES: dict[str, GPTSize] = {
 }
 
 
-class GPT(nn.Module):
-    """Decoder-only transformer: ``(batch, t)`` token ids to ``(batch, t, vocab)`` logits, ``t <= context``."""
+class GPT(ByteGPT):
+    """Decoder-only transformer: ``(batch, t)`` token ids to ``(batch, t, vocab)`` logits, ``t <= context``.
+
+    :class:`~shoal.bench.tasks.ByteGPT` with ``size.vocab`` tokens and an untied head.
+    """
 
     def __init__(self, size: GPTSize) -> None:
-        super().__init__()
-        self.size = size
         cfg = LMConfig(d_model=size.d_model, n_layers=size.n_layers, n_heads=size.n_heads, context=size.context)
-        self.tok = nn.Embedding(size.vocab, size.d_model)
-        self.pos = nn.Parameter(torch.zeros(size.context, size.d_model))
-        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(size.n_layers))
-        self.norm = nn.LayerNorm(size.d_model)
-        self.head = nn.Linear(size.d_model, size.vocab, bias=False)
-        for mod in self.modules():
-            if isinstance(mod, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(mod.weight, std=0.02)
-            if isinstance(mod, nn.Linear) and mod.bias is not None:
-                nn.init.zeros_(mod.bias)
-        nn.init.normal_(self.pos, std=0.01)
-        for b in self.blocks:  # residual outputs scaled down with depth
-            if isinstance(b, _Block):
-                for out in (b.proj, b.fc_out):
-                    nn.init.normal_(out.weight, std=0.02 / math.sqrt(2 * size.n_layers))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.size.context:
-            raise ValueError(f"input of {t} tokens is longer than the model's context ({self.size.context})")
-        x = self.tok(idx) + self.pos[:t]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        super().__init__(cfg, vocab=size.vocab, tied=False)
+        self.size = size

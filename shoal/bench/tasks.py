@@ -82,20 +82,24 @@ class _Block(nn.Module):
 class ByteGPT(nn.Module):
     """A small GPT over bytes (vocabulary 256), output head tied to the embedding.
 
+    ``vocab`` and ``tied=False`` (an untied linear head) serve
+    :class:`shoal.bench.gpt.GPT`, the same model at benchmark sizes.
+
     Example:
         >>> m = ByteGPT(LMConfig(d_model=32, n_layers=1, n_heads=2, context=16))
         >>> m(torch.zeros(2, 16, dtype=torch.long)).shape
         torch.Size([2, 16, 256])
     """
 
-    def __init__(self, cfg: LMConfig) -> None:
+    def __init__(self, cfg: LMConfig, vocab: int = 256, tied: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(256, cfg.d_model)
+        self.tok = nn.Embedding(vocab, cfg.d_model)
         self.pos = nn.Parameter(torch.zeros(cfg.context, cfg.d_model))
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
         self._residual_outs = [lin for b in self.blocks if isinstance(b, _Block) for lin in (b.proj, b.fc_out)]
         self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = None if tied else nn.Linear(cfg.d_model, vocab, bias=False)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -112,11 +116,12 @@ class ByteGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.cfg.context:
-            raise ValueError(f"input of {t} bytes is longer than the model's context ({self.cfg.context})")
+            raise ValueError(f"input of {t} tokens is longer than the model's context ({self.cfg.context})")
         x = self.tok(idx) + self.pos[:t]
         for block in self.blocks:
             x = block(x)
-        return self.norm(x) @ self.tok.weight.t()
+        x = self.norm(x)
+        return x @ self.tok.weight.t() if self.head is None else self.head(x)
 
 
 class LMTask:
