@@ -27,7 +27,6 @@ Strategies other than DDP plug in through :func:`run_round` and a
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Callable
 
 import torch
@@ -35,6 +34,7 @@ import torch
 from shoal.comm.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
 from shoal.comm.membership import Coordinator, Quorum, Timeouts
 from shoal.errors import ConfigError
+from shoal.strategies.rounds import FailurePolicy, run_round
 
 __all__ = [
     "ElasticGroup", "ElasticOptimizer", "ElasticSampler", "ElasticStats", "Timeouts", "Quorum",
@@ -169,45 +169,3 @@ def shard(num_samples: int, group: ElasticGroup | Any) -> range:
     return range(group.rank, num_samples, group.size)
 
 
-class FailurePolicy(enum.Enum):
-    """What a strategy does with a synchronisation round that failed.
-
-    ``DISCARD``: drop the round on every member (DDP, compressed DDP: the
-    step's gradients are lost, parameters and optimizer stay as they were).
-    ``AVERAGE_SURVIVORS``: roll back and run the round again on the next
-    quorum, i.e. average with the survivors (model averaging, DiLoCo: the
-    local progress is worth keeping).
-    """
-
-    DISCARD = "discard"
-    AVERAGE_SURVIVORS = "average_survivors"
-
-
-def run_round(group: ElasticGroup, fn: Callable[[], None], policy: FailurePolicy = FailurePolicy.DISCARD,
-              max_attempts: int = 3) -> bool:
-    """Run one synchronisation round ``fn`` on ``group`` under ``policy``; True if it committed.
-
-    ``fn`` issues the round's collectives and writes their results in place;
-    state it changes must be registered with ``rollback=True`` so that a
-    failed attempt leaves no trace before the next one.
-
-    Example (periodic parameter averaging that survives a lost peer)::
-
-        group.register_state("params", lambda: [p.detach().clone() for p in params],
-                             lambda s: [p.data.copy_(v) for p, v in zip(params, s)], rollback=True)
-        def average() -> None:
-            for p in params:
-                group.all_reduce(p.data, op="avg", tag="avg/params").wait()
-        run_round(group, average, FailurePolicy.AVERAGE_SURVIVORS)
-    """
-    if not isinstance(policy, FailurePolicy):
-        raise ConfigError(f"policy must be a FailurePolicy, got {policy!r}")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
-    attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
-    for _ in range(attempts):
-        group.start_step()
-        fn()
-        if group.should_commit():
-            return True
-    return False

@@ -71,6 +71,7 @@ from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.objects import all_gather_object, from_bytes, to_bytes
 from shoal.comm.received import check_received
+from shoal.comm.rules import Partition
 from shoal.comm.topology import host_identity
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
@@ -207,6 +208,8 @@ class ElasticGroup(Group):
         model = shoal.DistributedDataParallel(net, process_group=group)
     """
 
+    elastic = True
+
     def __init__(self, run_id: str | None = None, *, coordinator: str | None = None,
                  timeouts: Timeouts | None = None, min_workers: int | None = None, meter: Meter | None = None,
                  backend_factory: BackendFactory | None = None, client: MemberClient | None = None,
@@ -334,6 +337,28 @@ class ElasticGroup(Group):
         self._snapshots = {k: (s.snapshot or s.get)() for k, s in self._states.items() if s.rollback}
         self.error = None
         self._in_step = True
+
+    def begin_step(self) -> None:
+        """The step interface's name for :meth:`start_step` (see :mod:`shoal.comm.stepping`)."""
+        self.start_step()
+
+    def commit(self) -> bool:
+        """The step interface's name for :meth:`should_commit` (see :mod:`shoal.comm.stepping`)."""
+        return self.should_commit()
+
+    def before_begin_step(self, fn: Callable[[], None]) -> None:
+        """The step interface's name for :meth:`before_start_step`."""
+        self.before_start_step(fn)
+
+    def subgroup(self, rule: Partition, name: str) -> Any:
+        """This worker's subgroup under ``rule``, re-applied to every quorum (an ElasticSubgroup)."""
+        from shoal.comm.elastic_sub import ElasticSubgroup  # the subgroup module builds on this one
+        return ElasticSubgroup(self, self.unique_name(name), rule)
+
+    def host_groups(self, name: str) -> Any:
+        """The two levels of a host-aware mean, recomputed for each quorum (an ElasticHostGroups)."""
+        from shoal.comm.elastic_sub import ElasticHostGroups  # the subgroup module builds on this one
+        return ElasticHostGroups(self, name)
 
     def should_commit(self) -> bool:
         """End the step: the same verdict on every member (True: apply it; False: drop it).

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from shoal.comm.flat import flat_views
 from shoal.comm.meter import Meter
 from shoal.comm.objects import all_gather_object
+from shoal.comm.stepping import Stepping
 from shoal.comm.streams import connect
 from shoal.errors import CommTimeoutError, ConfigError, ShoalError
 
@@ -213,7 +214,7 @@ def _watcher() -> _Watcher:
         return _WATCHER[1]
 
 
-class Group:
+class Group(Stepping):
     """Workers over one ProcessGroup, with metered asynchronous collectives.
 
     Args:

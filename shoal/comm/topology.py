@@ -25,9 +25,10 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from shoal.comm.group import Group
+if TYPE_CHECKING:  # the group imports this module (Group.host_groups); only annotations here
+    from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
 HOST_ID_ENV = "SHOAL_HOST_ID"

@@ -46,26 +46,14 @@ from shoal.comm.elastic import ElasticGroup
 from shoal.comm.elastic_sub import ElasticSubgroup, by_slot
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
+from shoal.strategies.rounds import ADOPT, FailurePolicy, Rounds
 
-ADOPT = "adopt"  # a round with no collective: adopt the latest quorum, heal newcomers
+__all__ = ["ADOPT", "ElasticRounds", "ElasticLevels", "check_slots"]
 
 
-class ElasticRounds:
-    """Runs one strategy's synchronisation rounds on an elastic group (see the module docstring).
 
-    Args:
-        group: the elastic group.
-        name: the strategy's name (prefix of the registered state keys).
-        module, optimizer: healed into newcomers.
-        codec: registered with rollback (a failed round may have half-updated
-            it) and healed as :meth:`Codec.newcomer_state`.
-        get_state, load_state: the strategy's own state (counters, outer
-            optimizers, global copies) for healing.
-        reduce: ``reduce(kind, contribute)`` issues a round's collectives into
-            scratch buffers (see :meth:`mean`).
-        apply: ``apply(kind)`` applies a committed round.
-        max_attempts: tries per round; past them the round is skipped on
-            every member alike (training goes on locally).
+class ElasticRounds(Rounds):
+    """:class:`~shoal.strategies.rounds.Rounds` with its heal state registered at once (the older form).
 
     Example::
 
@@ -74,91 +62,12 @@ class ElasticRounds:
         committed = rounds.run("frag:0")
     """
 
-    def __init__(self, group: ElasticGroup, name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, group: Group, name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
                  codec: Codec, get_state: Callable[[], Any], load_state: Callable[[Any], None],
                  reduce: Callable[[str, bool], None], apply: Callable[[str], None], max_attempts: int = 3) -> None:
-        if not isinstance(group, ElasticGroup):
-            raise ConfigError(f"ElasticRounds needs a shoal ElasticGroup, got {type(group).__name__}")
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
-        self.group, self.codec, self.max_attempts = group, codec, max_attempts
-        self._reduce, self._apply = reduce, apply
-        self.current = ADOPT      # the round in progress; healed, so a newcomer joins the same one
-        self.last_kind = ADOPT    # the round the last run() ran
-        self.commits = 0
-        self.contributed = 0      # committed rounds (other than adopt) that carried this worker's update
-        self.skipped = 0          # rounds given up after max_attempts
-        group.register_state(f"{name}/module", module.state_dict, module.load_state_dict)
-        group.register_state(f"{name}/optimizer", optimizer.state_dict, optimizer.load_state_dict)
-        group.register_state(f"{name}/strategy", get_state, load_state)
-        group.register_state(f"{name}/codec", codec.state_dict, codec.load_state_dict, rollback=True,
-                             heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)),
-                             snapshot=codec.rollback_state)
-        group.register_state(f"{name}/round", lambda: {"kind": self.current}, self._load_round)
-
-    def _load_round(self, state: dict[str, Any]) -> None:
-        self.current = str(state["kind"])
-
-    def join(self) -> str:
-        """The first round (collective, in the strategy's setup): returns the kind that ran.
-
-        For the first workers it is an empty round whose heal copies rank 0's
-        state everywhere (as a broadcast would). A newcomer waits here until
-        its peers reach a round, and runs that round with them.
-        """
-        self.run(ADOPT)
-        return self.last_kind
-
-    def run(self, kind: str) -> bool:
-        """Run round ``kind`` until it commits (True) or ``max_attempts`` failed (False)."""
-        for _ in range(self.max_attempts):
-            self.current = kind
-            self.group.start_step()
-            kind = self.last_kind = self.current   # a newcomer just healed runs its peers' round
-            contributes = self.contributes
-            self._reduce(kind, contributes)
-            if self.group.should_commit():
-                self._apply(kind)
-                self.commits += 1
-                self.contributed += int(contributes and kind != ADOPT)
-                self.current = ADOPT
-                if kind != ADOPT and self.group.quorum_pending:
-                    self.run(ADOPT)          # admit a waiting newcomer now, not a period later
-                    self.last_kind = kind
-                return True
-        self.current = ADOPT
-        self.skipped += 1
-        return False
-
-    @property
-    def contributes(self) -> bool:
-        """False for a member healed in this round: it holds a copy of a peer's progress, not its own."""
-        return self.group.rank not in self.group.newcomers
-
-    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], codec: Codec, tag: str,
-             group: ElasticGroup | None = None) -> None:
-        """Overwrite scratch ``tensors`` with their mean over this round's live contributors.
-
-        Non-contributors send zeros; the codec's mean over all members is then
-        scaled by ``size / contributors``. ``group`` (default: the round's
-        group) may be a per-quorum subgroup
-        (:class:`~shoal.comm.elastic_sub.ElasticSubgroup`): the mean is then
-        over its members, and when every one of them was healed in this round
-        (none brings progress of its own) it is skipped and the tensors keep
-        their values (a copy of a peer's state).
-        """
-        g = self.group if group is None else group
-        newcomers = g.newcomers
-        live = g.size - len(newcomers)
-        if live == 0:
-            return
-        if g.rank in newcomers:
-            for t in tensors:
-                t.zero_()
-        with torch.no_grad():
-            codec.mean(list(tensors), list(names), g, tag)
-            if 0 < live < g.size:
-                torch._foreach_mul_(list(tensors), g.size / live)
+        super().__init__(group, name, reduce, apply, FailurePolicy.AVERAGE_SURVIVORS, max_attempts)
+        self.codec = codec
+        self.register(module, optimizer, codec, get_state, load_state)
 
 
 def check_slots(hierarchy: Hierarchy, who: str) -> None:

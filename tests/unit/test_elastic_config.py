@@ -70,15 +70,15 @@ def test_shard_follows_rank_and_size() -> None:
 
 
 class _FakeGroup:
-    """Records the calls run_round makes; should_commit answers from a script."""
+    """Records the calls run_round makes (the step interface); commit answers from a script."""
 
     def __init__(self, verdicts: list[bool]) -> None:
         self.verdicts, self.calls = verdicts, []
 
-    def start_step(self) -> None:
+    def begin_step(self) -> None:
         self.calls.append("start")
 
-    def should_commit(self) -> bool:
+    def commit(self) -> bool:
         self.calls.append("vote")
         return self.verdicts.pop(0)
 

@@ -1,0 +1,198 @@
+"""What a training step needs from membership, on every group: the step interface.
+
+Every :class:`~shoal.comm.Group` has it. On a static group it is trivial (no
+member can join or leave, a failed collective raises), so strategies run the
+same code on static and elastic groups, and only
+:class:`~shoal.comm.elastic.ElasticGroup` gives it weight:
+
+``begin_step()``
+    Begin a step (elastic: adopt the latest quorum, heal newcomers, snapshot
+    rollback state). Idempotent within a step; hooks registered with
+    :meth:`before_begin_step` run first.
+``commit() -> bool``
+    End it: the same verdict on every member (static: always True). On True
+    the :meth:`on_commit` hooks run; on False (elastic only) rollback state is
+    restored.
+``newcomers``
+    Ranks healed in this step's ``begin_step``: they hold a copy of a peer's
+    progress, not their own (static: none).
+``register_state(name, get, load, rollback=...)``
+    State that newcomers receive when they heal and, with ``rollback=True``,
+    that a discarded step restores (static: kept, never used).
+``subgroup(rule, name)`` / ``host_groups(name)``
+    Subgroups by a partition rule (:mod:`shoal.comm.rules`), and the two
+    levels of a host-aware mean, recomputed with each quorum on an elastic
+    group.
+
+Example (a step that works on any group)::
+
+    group.register_state("optimizer", opt.state_dict, opt.load_state_dict)
+    group.begin_step()
+    group.all_reduce(flat_grad, op="avg", tag="grad").wait()
+    if group.commit():
+        opt.step()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from shoal.comm.rules import MemberInfo, Partition
+from shoal.comm.topology import HostGroups, discover
+from shoal.errors import ConfigError, ShoalError
+
+if TYPE_CHECKING:
+    from shoal.comm.group import Group
+
+
+@dataclass
+class StateEntry:
+    """One registered state: how to read it, load it, and (optionally) heal and snapshot it."""
+
+    get: Callable[[], Any]
+    load: Callable[[Any], Any]
+    rollback: bool = False
+    heal_load: Callable[[Any], Any] | None = None
+    snapshot: Callable[[], Any] | None = None
+
+
+@dataclass
+class _Hooks:
+    states: dict[str, StateEntry] = field(default_factory=dict)
+    on_commit: list[Callable[[], None]] = field(default_factory=list)
+    before_begin: list[Callable[[], None]] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)        # subgroup and level names taken
+    infos: list[MemberInfo] | None = None                # static members' slots and hosts (gathered once)
+
+
+class Outside:
+    """What :meth:`Stepping.subgroup` returns to a worker that the rule leaves out (``member`` is False).
+
+    Anything but ``member`` raises: a worker outside a subgroup must check
+    ``.member`` before using it.
+    """
+
+    member = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise ShoalError(f"this worker is not a member of subgroup {self.name!r}: check .member before "
+                         f"using it (asked for .{attr})")
+
+
+class StaticLevels:
+    """The two levels of a host-aware mean on a static group: built once, the same every step."""
+
+    def __init__(self, levels: HostGroups) -> None:
+        self.levels = levels
+
+    def current(self) -> HostGroups:
+        """This step's layout and subgroups (always the same on a static group)."""
+        return self.levels
+
+
+class Stepping:
+    """The step interface with its static implementation (see the module docstring).
+
+    :class:`~shoal.comm.Group` inherits it; :class:`~shoal.comm.elastic.ElasticGroup`
+    overrides what membership changes.
+    """
+
+    elastic = False       # True on groups whose members change between steps
+    newcomers: tuple[int, ...] = ()
+    rank: int
+    size: int
+
+    def _hooks(self) -> _Hooks:
+        hooks = self.__dict__.get("_step_hooks")
+        if hooks is None:
+            hooks = self.__dict__["_step_hooks"] = _Hooks()
+        return hooks
+
+    @property
+    def member(self) -> bool:
+        """Whether this worker belongs to this group (False only for a subgroup whose rule leaves it out)."""
+        return True
+
+    # --- the step -------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Begin a step (see the module docstring); on a static group only the hooks run."""
+        for fn in list(self._hooks().before_begin):
+            fn()
+
+    def commit(self) -> bool:
+        """End the step; True on every member of a static group (the hooks of :meth:`on_commit` run)."""
+        for fn in list(self._hooks().on_commit):
+            fn()
+        return True
+
+    @property
+    def quorum_pending(self) -> bool:
+        """Whether the next :meth:`begin_step` adopts a new membership (never, on a static group)."""
+        return False
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
+        self._hooks().on_commit.append(fn)
+
+    def before_begin_step(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` at the top of every :meth:`begin_step` (e.g. to end a lazily ended step)."""
+        self._hooks().before_begin.append(fn)
+
+    # --- state -------------------------------------------------------------------
+    def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
+                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None,
+                       snapshot: Callable[[], Any] | None = None) -> None:
+        """Add state that newcomers receive when they heal (and, with ``rollback``, that a discard restores).
+
+        See :meth:`shoal.comm.elastic.ElasticGroup.register_state` for the
+        meaning of each argument. On a static group nothing heals and nothing
+        is discarded: the registration is checked and kept, never used.
+        """
+        states = self._hooks().states
+        if key in states:
+            raise ConfigError(f"state {key!r} is already registered on this group")
+        states[key] = StateEntry(get, load, rollback, heal_load, snapshot)
+
+    # --- structure -----------------------------------------------------------------
+    def unique_name(self, name: str) -> str:
+        """``name``, or ``name-2``, ``name-3``... if taken on this group (every worker asks in the same order)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"subgroup name must be a non-empty string, got {name!r}")
+        taken, base, n = self._hooks().names, name, 1
+        while name in taken:
+            n += 1
+            name = f"{base}-{n}"
+        taken.add(name)
+        return name
+
+    def member_infos(self) -> list[MemberInfo]:
+        """Every member's slot (its rank here) and host identity, by rank (collective the first time)."""
+        hooks = self._hooks()
+        if hooks.infos is None:
+            topo = discover(self._as_group())
+            hosts = {r: i for i, h in enumerate(topo.hosts) for r in h}
+            hooks.infos = [MemberInfo(r, f"host-{hosts[r]}") for r in range(self.size)]
+        return hooks.infos
+
+    def subgroup(self, rule: Partition, name: str) -> "Group | Outside":
+        """This worker's subgroup under ``rule`` (collective: every member calls it, in the same order).
+
+        On a static group the rule is applied once; a worker that the rule
+        leaves out gets an :class:`Outside` (``member`` False).
+        """
+        name = self.unique_name(name)
+        parts = rule(self.member_infos())
+        mine = self._as_group().split(parts)
+        return mine if mine is not None else Outside(name)
+
+    def host_groups(self, name: str) -> "StaticLevels":
+        """The subgroups of a two-level mean (``.current()`` -> :class:`~shoal.comm.topology.HostGroups`)."""
+        self.unique_name(name)
+        return StaticLevels(HostGroups.build(self._as_group()))
+
+    def _as_group(self) -> "Group":
+        return self  # type: ignore[return-value]

@@ -1,0 +1,218 @@
+"""The round runner: "issue these collectives, vote, apply or roll back", for every strategy.
+
+A strategy is a schedule of *rounds*: a DDP step's gradient mean, a
+parameter average, a DiLoCo pseudo-gradient mean, DASO's host and leader
+exchanges. Every round runs the same way on any group (see
+:mod:`shoal.comm.stepping`)::
+
+    group.begin_step()          # elastic: adopt the latest quorum, heal newcomers
+    reduce(kind, contributes)   # collectives into scratch buffers
+    if group.commit():          # the same verdict on every member
+        apply(kind)
+
+On a static group ``begin_step`` does nothing and ``commit`` is True, so the
+static and elastic paths are one path. On an elastic group a round fails as
+a whole: its collectives wrote only scratch buffers, state registered with
+``rollback=True`` (codec error feedback) is restored by the group, and the
+:class:`FailurePolicy` says what comes next:
+
+- ``DISCARD``: the round is dropped on every member (a DDP step: the step's
+  gradients are lost, parameters and optimizer stay as they were);
+- ``AVERAGE_SURVIVORS``: it runs again on the next quorum, i.e. with the
+  survivors, up to ``max_attempts`` times, then is skipped on every member
+  alike (model averaging, DiLoCo: local progress is worth keeping).
+
+A member healed in this round's ``begin_step`` (a newcomer, a restarted
+worker) holds a copy of a peer's progress, not its own: :attr:`Rounds.contributes`
+is False for it and :meth:`Rounds.mean` gives it zeros and rescales, so a mean
+divides by the number of live contributors. The kind of round in progress
+travels with the healed state, so a newcomer runs the same collectives as its
+peers even when it lands in the retry of a failed round. After a committed
+round, if a newer quorum is waiting, an empty round (``ADOPT``) admits it at
+once instead of a period later.
+
+Example (periodic parameter averaging that survives a lost peer)::
+
+    rounds = Rounds(group, "avg", reduce=lambda kind, live: rounds.mean(scratch, names, codec, "avg"),
+                    apply=lambda kind: copy_into_params(scratch))
+    rounds.register(model, opt, codec)
+    rounds.join()
+    rounds.run("params")
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from shoal.codecs.base import Codec
+from shoal.comm.group import Group
+from shoal.errors import ConfigError
+
+ADOPT = "adopt"  # a round with no collective: adopt the latest quorum, heal newcomers
+
+
+class FailurePolicy(enum.Enum):
+    """What the runner does with a round that failed (see the module docstring)."""
+
+    DISCARD = "discard"
+    AVERAGE_SURVIVORS = "average_survivors"
+
+
+class Rounds:
+    """Runs one strategy's rounds on any group (see the module docstring).
+
+    Args:
+        group: the group (static or elastic).
+        name: the strategy's name (prefix of the state keys it registers).
+        reduce: ``reduce(kind, contributes)`` issues a round's collectives into
+            scratch buffers (see :meth:`mean`).
+        apply: ``apply(kind)`` applies a committed round.
+        policy: :class:`FailurePolicy` of the rounds.
+        max_attempts: tries per round under ``AVERAGE_SURVIVORS``; past them the
+            round is skipped on every member alike (training goes on locally).
+
+    Example::
+
+        rounds = Rounds(group, "diloco", reduce, apply)
+        rounds.register(model, opt, codec, get_state, load_state)
+        rounds.join()
+        committed = rounds.run("frag:0")
+    """
+
+    def __init__(self, group: Group, name: str, reduce: Callable[[str, bool], None],
+                 apply: Callable[[str], None], policy: FailurePolicy = FailurePolicy.AVERAGE_SURVIVORS,
+                 max_attempts: int = 3) -> None:
+        if not isinstance(group, Group):
+            raise ConfigError(f"Rounds needs a shoal Group, got {type(group).__name__}")
+        if not isinstance(policy, FailurePolicy):
+            raise ConfigError(f"policy must be a FailurePolicy, got {policy!r}")
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        self.group, self.name = group, name
+        self.max_attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
+        self._reduce, self._apply = reduce, apply
+        self.current = ADOPT      # the round in progress; healed, so a newcomer joins the same one
+        self.last_kind = ADOPT    # the round the last run() ran
+        self.commits = 0
+        self.contributed = 0      # committed rounds (other than adopt) that carried this worker's update
+        self.skipped = 0          # rounds given up after max_attempts
+        group.register_state(f"{name}/round", lambda: {"kind": self.current}, self._load_round)
+
+    def register(self, module: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 codec: Codec | None = None, get_state: Callable[[], Any] | None = None,
+                 load_state: Callable[[Any], None] | None = None) -> None:
+        """Register what newcomers heal: module, optimizer, the strategy's own state, and the codec.
+
+        The codec is registered with rollback (a failed round may have
+        half-updated it) and heals as :meth:`Codec.newcomer_state` (a peer's
+        PowerSGD Qs, but zero error feedback of its own).
+        """
+        g, name = self.group, self.name
+        if module is not None:
+            g.register_state(f"{name}/module", module.state_dict, module.load_state_dict)
+        if optimizer is not None:
+            g.register_state(f"{name}/optimizer", optimizer.state_dict, optimizer.load_state_dict)
+        if get_state is not None and load_state is not None:
+            g.register_state(f"{name}/strategy", get_state, load_state)
+        if codec is not None:
+            g.register_state(f"{name}/codec", codec.state_dict, codec.load_state_dict, rollback=True,
+                             heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)),
+                             snapshot=codec.rollback_state)
+
+    def _load_round(self, state: dict[str, Any]) -> None:
+        self.current = str(state["kind"])
+
+    def join(self) -> str:
+        """The first round (collective, in the strategy's setup): returns the kind that ran.
+
+        For the first workers it is an empty round whose heal copies rank 0's
+        state everywhere (as a broadcast would). A newcomer waits here until
+        its peers reach a round, and runs that round with them.
+        """
+        self.run(ADOPT)
+        return self.last_kind
+
+    def run(self, kind: str) -> bool:
+        """Run round ``kind`` until it commits (True) or its attempts failed (False)."""
+        for _ in range(self.max_attempts):
+            self.current = kind
+            self.group.begin_step()
+            kind = self.last_kind = self.current   # a newcomer just healed runs its peers' round
+            contributes = self.contributes
+            self._reduce(kind, contributes)
+            if self.group.commit():
+                self._apply(kind)
+                self.commits += 1
+                self.contributed += int(contributes and kind != ADOPT)
+                self.current = ADOPT
+                if kind != ADOPT and self.group.quorum_pending:
+                    self.run(ADOPT)          # admit a waiting newcomer now, not a period later
+                    self.last_kind = kind
+                return True
+        self.current = ADOPT
+        self.skipped += 1
+        return False
+
+    @property
+    def contributes(self) -> bool:
+        """False for a member healed in this round: it holds a copy of a peer's progress, not its own."""
+        return self.group.rank not in self.group.newcomers
+
+    def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], codec: Codec, tag: str,
+             group: Any = None) -> None:
+        """Overwrite scratch ``tensors`` with their mean over this round's live contributors.
+
+        Non-contributors send zeros; the codec's mean over all members is then
+        scaled by ``size / contributors``. ``group`` (default: the round's
+        group) may be a subgroup (:meth:`Group.subgroup`): the mean is then
+        over its members, and when every one of them was healed in this round
+        (none brings progress of its own) it is skipped and the tensors keep
+        their values (a copy of a peer's state).
+        """
+        g = self.group if group is None else group
+        newcomers = g.newcomers
+        live = g.size - len(newcomers)
+        if live == 0:
+            return
+        if g.rank in newcomers:
+            for t in tensors:
+                t.zero_()
+        with torch.no_grad():
+            codec.mean(list(tensors), list(names), g, tag)
+            if 0 < live < g.size:
+                torch._foreach_mul_(list(tensors), g.size / live)
+
+
+def run_round(group: Group, fn: Callable[[], None], policy: FailurePolicy = FailurePolicy.DISCARD,
+              max_attempts: int = 3) -> bool:
+    """Run one round ``fn`` on ``group`` under ``policy``; True if it committed.
+
+    ``fn`` issues the round's collectives and writes their results in place;
+    state it changes must be registered with ``rollback=True`` so that a
+    failed attempt leaves no trace before the next one. The one-off form of
+    :class:`Rounds`, for code outside a strategy.
+
+    Example (periodic parameter averaging that survives a lost peer)::
+
+        group.register_state("params", lambda: [p.detach().clone() for p in params],
+                             lambda s: [p.data.copy_(v) for p, v in zip(params, s)], rollback=True)
+        def average() -> None:
+            for p in params:
+                group.all_reduce(p.data, op="avg", tag="avg/params").wait()
+        run_round(group, average, FailurePolicy.AVERAGE_SURVIVORS)
+    """
+    if not isinstance(policy, FailurePolicy):
+        raise ConfigError(f"policy must be a FailurePolicy, got {policy!r}")
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+    attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
+    for _ in range(attempts):
+        group.begin_step()
+        fn()
+        if group.commit():
+            return True
+    return False
