@@ -17,7 +17,7 @@ from torch import nn
 
 import shoal
 from shoal import codecs
-from shoal.bench.strategies import OptimizerFactory, Trainer, register
+from shoal.bench.registry import OptimizerFactory, Trainer, register
 from shoal.comm.group import Group
 from shoal.comm.meter import CommCounters
 from shoal.errors import ConfigError

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from shoal.cli.cluster import EmulatedCluster
-from shoal.cli.launcher import _Output, _Supervisor, _Worker
+from shoal.cli.supervise import _Output, _Supervisor, _Worker
 from shoal.comm.auth import check_token
 from shoal.errors import ConfigError, ShoalError
 
