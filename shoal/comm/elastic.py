@@ -289,7 +289,7 @@ class ElasticGroup(ElasticCollectives, metaclass=_ElasticGroupType):
         """This worker's subgroup under ``rule``, re-applied to every quorum (an ElasticSubgroup)."""
         return ElasticSubgroup(self, self.unique_name(name), rule)
 
-    def host_groups(self, name: str) -> ElasticHostGroups:  # type: ignore[override]
+    def host_groups(self, name: str) -> ElasticHostGroups:
         """The two levels of a host-aware mean, recomputed for each quorum (an ElasticHostGroups)."""
         return ElasticHostGroups(self, name)
 

@@ -229,7 +229,7 @@ class ElasticSubgroup(ElasticCollectives):
     def subgroup(self, rule: Partition, name: str) -> "Group":
         raise ConfigError(f"subgroup {self.name!r} cannot be split again: take subgroups of the ElasticGroup")
 
-    def host_groups(self, name: str) -> "ElasticHostGroups":  # type: ignore[override]
+    def host_groups(self, name: str) -> "ElasticHostGroups":
         return ElasticHostGroups(self, name)   # refuses: a two-level mean needs the whole group
 
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":

@@ -31,7 +31,6 @@ Example (what :meth:`ElasticGroup.commit` does with them)::
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -39,8 +38,6 @@ from typing import Any, Callable
 
 from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.errors import PeerLostError
-
-log = logging.getLogger("shoal.elastic")
 
 
 class Failures:

@@ -36,7 +36,7 @@ Example (a step that works on any group)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from shoal.comm.rules import MemberInfo, Partition
 from shoal.comm.topology import HostGroups, discover
@@ -81,6 +81,14 @@ class Outside:
     def __getattr__(self, attr: str) -> Any:
         raise ShoalError(f"this worker is not a member of subgroup {self.name!r}: check .member before "
                          f"using it (asked for .{attr})")
+
+
+class Levels(Protocol):
+    """What :meth:`Stepping.host_groups` returns: this step's two levels of a host-aware mean."""
+
+    def current(self) -> HostGroups:
+        """This step's layout and subgroups."""
+        ...
 
 
 class StaticLevels:
@@ -205,7 +213,7 @@ class Stepping:
         mine = self._as_group().split(parts)
         return mine if mine is not None else Outside(name)
 
-    def host_groups(self, name: str) -> "StaticLevels":
+    def host_groups(self, name: str) -> Levels:
         """The subgroups of a two-level mean (``.current()`` -> :class:`~shoal.comm.topology.HostGroups`)."""
         self.unique_name(name)
         return StaticLevels(HostGroups.build(self._as_group()))
