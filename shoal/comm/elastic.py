@@ -113,7 +113,9 @@ class _ElasticGroupType(type):
     An :class:`~shoal.comm.elastic_sub.ElasticSubgroup` is a view over an
     elastic group's quorums, no longer a subclass; code written against the
     old class tree (``isinstance(group, ElasticGroup)`` before using the step
-    interface) keeps working on subgroups. Ask ``group.elastic`` instead.
+    interface) keeps working on subgroups. Ask ``group.elastic`` instead;
+    this hook goes once no module of shoal asks ``isinstance(..., ElasticGroup)``
+    (issue #15). It answers for ElasticGroup itself only, not for subclasses.
     """
 
     def __instancecheck__(cls, obj: Any) -> bool:
