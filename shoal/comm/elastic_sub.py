@@ -2,9 +2,9 @@
 
 An elastic group cannot be :meth:`~shoal.comm.group.Group.split` once: its
 members change from one quorum to the next. An :class:`ElasticSubgroup` is a
-*rule* instead ("the members of my host", "one leader per host", "the
-members whose launch ``RANK`` divided by 4 equals mine"), applied to each
-quorum as it is adopted. It stays the same Python object (a DDP built over it
+*view* over the parent's quorums instead: a *rule* ("the members of my
+host", "one leader per host", "the members whose launch ``RANK`` divided by
+4 equals mine"), applied to each quorum as it is adopted. It stays the same Python object (a DDP built over it
 keeps working), while under it:
 
 - the layout is recomputed from the quorum's members and their join records
@@ -19,39 +19,66 @@ keeps working), while under it:
   on every member of the quorum, and the parent's vote discards it; the
   subgroup's process group is abandoned together with the parent's.
 
-``start_step``, ``should_commit``, ``register_state`` and ``on_commit`` are
-the parent's; :attr:`ElasticSubgroup.newcomers` lists the *subgroup* ranks
-healed in this step.
+The step interface (``begin_step``, ``commit``, ``register_state``,
+``on_commit``, ``quorum_pending``) is the parent's; :attr:`ElasticSubgroup.newcomers`
+lists the *subgroup* ranks healed in this step. The collectives and their
+failure handling are those of :mod:`shoal.comm.elastic_pg`, over the
+subgroup's own process group and the parent's :class:`~shoal.comm.elastic_pg.Link`
+(its failures, backend factory and abandoned groups), which the view shares.
 
 Example::
 
     group = ElasticGroup()
-    host = ElasticSubgroup(group, "host", by_host)        # this worker's host, in every quorum
-    leaders = ElasticSubgroup(group, "leaders", host_leaders)
-    group.start_step()
+    host = group.subgroup(by_host, "host")              # this worker's host, in every quorum
+    leaders = group.subgroup(host_leaders, "leaders")   # (or ElasticSubgroup(group, "leaders", host_leaders))
+    group.begin_step()
     host.all_reduce(grad, op="avg", tag="grad/intra").wait()
     if leaders.member:
         leaders.all_reduce(delta, op="avg", tag="delta/inter").wait()
-    group.should_commit()
+    group.commit()
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, cast
 
-import torch
-import torch.distributed as dist
-
-from shoal.comm.elastic import BackendSpec, ElasticGroup, ElasticStats
-from shoal.comm.group import Handle
-from shoal.comm.membership import MemberClient, Quorum
+from shoal.comm.elastic_pg import ElasticCollectives, ElasticStats, Link
+from shoal.comm.group import Group
+from shoal.comm.membership import MemberClient, Quorum, Timeouts
+from shoal.comm.meter import Meter
 from shoal.comm.rules import MemberInfo, Partition, by_host, by_slot, host_leaders, whole_quorum
 from shoal.comm.topology import HostGroups, Topology
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
+
+__all__ = ["ElasticSubgroup", "ElasticHostGroups", "member_infos", "MemberInfo", "Partition", "by_host",
+           "host_leaders", "whole_quorum", "by_slot"]
+
+
+class QuorumParent(Protocol):
+    """What a subgroup view reads from its parent, an :class:`~shoal.comm.elastic.ElasticGroup`."""
+
+    link: Link
+    meter: Meter
+    timeout: float | None
+    quorum: Quorum | None
+    rank: int
+    step: int
+    stats: ElasticStats
+    newcomers: tuple[int, ...]
+
+    @property
+    def quorum_pending(self) -> bool: ...
+    def begin_step(self) -> None: ...
+    def commit(self) -> bool: ...
+    def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any], rollback: bool = False,
+                       heal_load: Callable[[Any], Any] | None = None,
+                       snapshot: Callable[[], Any] | None = None) -> None: ...
+    def on_commit(self, fn: Callable[[], None]) -> None: ...
+    def before_begin_step(self, fn: Callable[[], None]) -> None: ...
+    def unique_name(self, name: str) -> str: ...
+    def leave(self) -> None: ...
 
 
 def member_infos(client: MemberClient, q: Quorum) -> list[MemberInfo]:
@@ -64,7 +91,7 @@ def member_infos(client: MemberClient, q: Quorum) -> list[MemberInfo]:
     return out
 
 
-class ElasticSubgroup(ElasticGroup):
+class ElasticSubgroup(ElasticCollectives):
     """One subgroup of an elastic group per quorum, by a :data:`Partition` rule (see the module docstring).
 
     Args:
@@ -76,15 +103,13 @@ class ElasticSubgroup(ElasticGroup):
     groups (e.g. a non-leader for :func:`host_leaders`); collectives then raise.
     """
 
-    def __init__(self, parent: ElasticGroup, name: str, partition: Partition) -> None:
-        # No ElasticGroup.__init__: membership, store, vote and failures are the parent's.
-        if not isinstance(parent, ElasticGroup) or isinstance(parent, ElasticSubgroup):
+    def __init__(self, parent: QuorumParent, name: str, partition: Partition) -> None:
+        if isinstance(parent, ElasticSubgroup) or not isinstance(parent, ElasticCollectives):
             raise ConfigError(f"parent must be a shoal ElasticGroup, got {type(parent).__name__}")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"subgroup name must be a non-empty string, got {name!r}")
         self.parent, self.name, self.partition = parent, name, partition
-        self.meter, self.timeouts, self.timeout = parent.meter, parent.timeouts, parent.timeout
-        self.backend = "gloo"
+        self.link, self.meter, self.timeout = parent.link, parent.meter, parent.timeout
         self.pg: Any = None
         self._qid = -1              # quorum whose layout is current
         self._pg_qid = -1           # quorum whose subgroup self.pg is
@@ -95,76 +120,48 @@ class ElasticSubgroup(ElasticGroup):
         self._member = True
         self._connect_lock = threading.Lock()
         self._on_adopt: list[Callable[[], None]] = []
-        parent._on_abandon.append(self._drop)
+        self.link.on_abandon.append(self._drop)
 
     # --- the parent's -------------------------------------------------------------
-    @property  # type: ignore[override]
-    def error(self) -> BaseException | None:
-        return self.parent.error
-
-    @error.setter
-    def error(self, value: BaseException | None) -> None:
-        self.parent.error = value
-
-    @property  # type: ignore[override]
-    def client(self) -> MemberClient:
-        return self.parent.client
-
-    @client.setter
-    def client(self, value: MemberClient) -> None:
-        raise ShoalError("a subgroup's client is its parent's")
-
-    @property  # type: ignore[override]
+    @property
     def quorum(self) -> Quorum | None:
+        """The parent's quorum."""
         return self.parent.quorum
 
-    @quorum.setter
-    def quorum(self, value: Quorum | None) -> None:
-        raise ShoalError("a subgroup's quorum is its parent's")
-
-    @property  # type: ignore[override]
+    @property
     def step(self) -> int:
+        """The parent's committed step."""
         return self.parent.step
 
-    @step.setter
-    def step(self, value: int) -> None:
-        raise ShoalError("a subgroup's step is its parent's")
-
-    @property  # type: ignore[override]
+    @property
     def stats(self) -> ElasticStats:
+        """The parent's counters."""
         return self.parent.stats
 
-    @stats.setter
-    def stats(self, value: ElasticStats) -> None:
-        raise ShoalError("a subgroup's stats are its parent's")
+    @property
+    def client(self) -> MemberClient:
+        return self.link.client
 
-    @property  # type: ignore[override]
-    def rank(self) -> int:
+    @property
+    def timeouts(self) -> Timeouts:
+        return self.link.timeouts
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]   # read-only: it follows the quorum
         self._layout()
-        return self._ranks.index(self.parent.rank) if self.member else 0
+        return self._ranks.index(self.parent.rank) if self._member else 0
 
-    @rank.setter
-    def rank(self, value: int) -> None:
-        raise ShoalError("a subgroup's rank follows the quorum")
-
-    @property  # type: ignore[override]
-    def size(self) -> int:
+    @property
+    def size(self) -> int:  # type: ignore[override]   # read-only: it follows the quorum
         self._layout()
-        return len(self._ranks) if self.member else 1
+        return len(self._ranks) if self._member else 1
 
-    @size.setter
-    def size(self, value: int) -> None:
-        raise ShoalError("a subgroup's size follows the quorum")
-
-    @property  # type: ignore[override]
-    def newcomers(self) -> tuple[int, ...]:
-        """Subgroup ranks healed in this step's ``start_step``."""
+    @property
+    def newcomers(self) -> tuple[int, ...]:  # type: ignore[override]   # read-only: the parent's, in subgroup ranks
+        """Subgroup ranks healed in this step's ``begin_step``."""
         self._layout()
-        return tuple(i for i, r in enumerate(self._ranks) if r in self.parent.newcomers) if self.member else ()
-
-    @newcomers.setter
-    def newcomers(self, value: tuple[int, ...]) -> None:
-        raise ShoalError("a subgroup's newcomers are its parent's")
+        healed = self.parent.newcomers
+        return tuple(i for i, r in enumerate(self._ranks) if r in healed) if self._member else ()
 
     @property
     def member(self) -> bool:
@@ -185,20 +182,28 @@ class ElasticSubgroup(ElasticGroup):
     def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
                        rollback: bool = False, heal_load: Callable[[Any], Any] | None = None,
                        snapshot: Callable[[], Any] | None = None) -> None:
+        """Register on the parent (state is the whole quorum's)."""
         self.parent.register_state(key, get, load, rollback, heal_load, snapshot)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.parent.on_commit(fn)
 
+    def before_begin_step(self, fn: Callable[[], None]) -> None:
+        self.parent.before_begin_step(fn)
+
+    def before_start_step(self, fn: Callable[[], None]) -> None:
+        """The older name of :meth:`before_begin_step`."""
+        self.parent.before_begin_step(fn)
+
     def on_adopt(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` in the first :meth:`start_step` through this subgroup after a quorum with
+        """Call ``fn()`` in the first :meth:`begin_step` through this subgroup after a quorum with
         newcomers was adopted (every member of the quorum calls it at the same point: use it for
         collectives that settle newcomers inside the subgroup)."""
         self._on_adopt.append(fn)
 
-    def start_step(self) -> None:
-        """The parent's ``start_step``; then the ``on_adopt`` hooks if a quorum with newcomers was adopted."""
-        self.parent.start_step()
+    def begin_step(self) -> None:
+        """The parent's ``begin_step``; then the ``on_adopt`` hooks if a quorum with newcomers was adopted."""
+        self.parent.begin_step()
         q = self.parent.quorum
         if q is not None and q.qid != self._seen:
             self._seen = q.qid
@@ -206,22 +211,38 @@ class ElasticSubgroup(ElasticGroup):
                 for fn in self._on_adopt:
                     fn()
 
+    def commit(self) -> bool:
+        """The parent's verdict."""
+        return self.parent.commit()
+
+    def start_step(self) -> None:
+        """The older name of :meth:`begin_step`."""
+        self.begin_step()
+
     def should_commit(self) -> bool:
-        return self.parent.should_commit()
-
-    def _record(self, err: BaseException) -> None:
-        self.parent._record(err)
-
-    def report_error(self, err: BaseException) -> None:
-        self.parent.report_error(err)
+        """The older name of :meth:`commit`."""
+        return self.commit()
 
     def leave(self) -> None:
         self.parent.leave()
 
-    def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "ElasticGroup | None":
+    def subgroup(self, rule: Partition, name: str) -> "Group":
+        raise ConfigError(f"subgroup {self.name!r} cannot be split again: take subgroups of the ElasticGroup")
+
+    def host_groups(self, name: str) -> "ElasticHostGroups":
+        return ElasticHostGroups(self, name)   # refuses: a two-level mean needs the whole group
+
+    def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
         raise ShoalError("an elastic subgroup cannot be split; build another ElasticSubgroup of the parent")
 
     # --- layout and connection ---------------------------------------------------------
+    def _started(self) -> bool:
+        return self.parent.quorum is not None
+
+    def _live_pg(self) -> Any:
+        self._connect()
+        return self.pg
+
     def _layout(self) -> None:
         q = self.parent.quorum
         if q is None:
@@ -229,7 +250,7 @@ class ElasticSubgroup(ElasticGroup):
             return
         if q.qid == self._qid:
             return
-        groups = self.partition(member_infos(self.parent.client, q))
+        groups = self.partition(member_infos(self.link.client, q))
         me = self.parent.rank
         mine = [(i, g) for i, g in enumerate(groups) if me in g]
         self._member = bool(mine)
@@ -239,7 +260,7 @@ class ElasticSubgroup(ElasticGroup):
 
     def _drop(self) -> None:
         if self.pg is not None:
-            self.parent._abandoned.append((time.monotonic(), self.pg))
+            self.link.retire(self.pg)
             self.pg = None
             self._dropped = self._pg_qid
 
@@ -251,7 +272,7 @@ class ElasticSubgroup(ElasticGroup):
             if not self._member:
                 raise ShoalError(f"this worker is in no group of subgroup {self.name!r} in quorum "
                                  f"{q.qid if q else None}: check .member before a collective")
-            if q is None or len(self._ranks) <= 1 or self.parent.error is not None:
+            if q is None or len(self._ranks) <= 1 or self.error is not None:
                 return
             if self.pg is not None:
                 if self._pg_qid == q.qid:
@@ -259,41 +280,36 @@ class ElasticSubgroup(ElasticGroup):
                 self._drop()    # an older quorum's
             if self._dropped == q.qid:
                 return      # abandoned after a failure: the step is lost, the next quorum rebuilds it
-            st = self.parent.client.store
             prefix = f"{q.prefix}sub/{self.name}/{self._index}/"
-            st.add(prefix + "arrive", 1)
-            deadline = time.monotonic() + self.timeouts.op
-            while st.add(prefix + "arrive", 0) < len(self._ranks):
-                if self.parent.error is not None:
-                    return
-                if self.parent.client.remote_abort.is_set():
-                    self._record(PeerLostError(f"subgroup {self.name!r} abandoned: another member reported a failure"))
-                    return
-                if time.monotonic() > deadline:
-                    self._record(CommTimeoutError(f"subgroup {self.name!r} of quorum {q.qid}: not every member "
-                                                  f"arrived within {self.timeouts.op} s (Timeouts.op)"))
-                    return
-                time.sleep(0.002)
+            if not self._arrive(prefix, q):
+                return
             try:
-                store = dist.PrefixStore(prefix + "pg/", st.clone())  # type: ignore[attr-defined]
-                spec = BackendSpec(store, self._ranks.index(self.parent.rank), len(self._ranks),
-                                   self.timeouts.op, lambda: self.parent.step)
-                self.pg = self.parent._factory(spec)
+                self.pg = self.link.build(prefix + "pg/", self._ranks.index(self.parent.rank), len(self._ranks))
                 self._pg_qid = q.qid
             except Exception as e:  # noqa: BLE001 - a peer did not connect: the step fails
                 self._record(PeerLostError(f"building subgroup {self.name!r} of quorum {q.qid} failed: {e}"))
 
-    def _issue(self, tag: str, result: Any, launch: Callable[[], Any],
-               post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
-        self._connect()
-        return super()._issue(tag, result, launch, post, whole)
+    def _arrive(self, prefix: str, q: Quorum) -> bool:
+        """A store barrier of the subgroup's members (``Timeouts.op``); False on a failure (recorded)."""
+        st = self.link.client.store
+        st.add(prefix + "arrive", 1)
+        deadline = time.monotonic() + self.link.timeouts.op
+        while st.add(prefix + "arrive", 0) < len(self._ranks):
+            if self.error is not None:
+                return False
+            if self.link.failures.aborted:
+                self._record(PeerLostError(f"subgroup {self.name!r} abandoned: another member reported a failure"))
+                return False
+            if time.monotonic() > deadline:
+                self._record(CommTimeoutError(f"subgroup {self.name!r} of quorum {q.qid}: not every member "
+                                              f"arrived within {self.link.timeouts.op} s (Timeouts.op)"))
+                return False
+            time.sleep(0.002)
+        return True
 
     def __repr__(self) -> str:
         return (f"ElasticSubgroup({self.name!r}, parent_ranks={self._ranks}, member={self._member}, "
                 f"quorum={self._qid})")
-
-
-_LEVEL_NAMES: "weakref.WeakKeyDictionary[ElasticGroup, set[str]]" = weakref.WeakKeyDictionary()
 
 
 class ElasticHostGroups:
@@ -306,30 +322,27 @@ class ElasticHostGroups:
     the topology is computed from the quorum's join records (no
     collective). Subgroup names are ``<name>/host`` and ``<name>/leaders``;
     a second instance on the same group gets ``<name>-2``, ... (every worker
-    builds them in the same order, so they agree).
+    builds them in the same order, so they agree; the names are the group's
+    :meth:`~shoal.comm.stepping.Stepping.unique_name`).
 
     Example::
 
-        levels = ElasticHostGroups(group, "ddp")
-        group.start_step()
+        levels = group.host_groups("ddp")      # or ElasticHostGroups(group, "ddp")
+        group.begin_step()
         now = levels.current()          # now.topology.num_hosts, now.local.size, now.leaders
     """
 
-    def __init__(self, group: ElasticGroup, name: str) -> None:
+    def __init__(self, group: Any, name: str) -> None:
         if isinstance(group, ElasticSubgroup):
             raise ConfigError(f"a two-level reduction needs a whole elastic group, got subgroup {group.name!r} "
                               "(an ElasticSubgroup cannot be split again); build it over the ElasticGroup")
-        if not isinstance(group, ElasticGroup):
+        if not isinstance(group, ElasticCollectives):
             raise ConfigError(f"group must be a shoal ElasticGroup, got {type(group).__name__}")
-        taken = _LEVEL_NAMES.setdefault(group, set())
-        base, n = name, 1
-        while name in taken:
-            n += 1
-            name = f"{base}-{n}"
-        taken.add(name)
-        self.group, self.name = group, name
-        self.local = ElasticSubgroup(group, f"{name}/host", by_host)
-        self.leaders = ElasticSubgroup(group, f"{name}/leaders", host_leaders)
+        parent = cast(QuorumParent, group)   # the one other ElasticCollectives is the ElasticGroup
+        name = parent.unique_name(name)
+        self.group, self.name = parent, name
+        self.local = ElasticSubgroup(parent, f"{name}/host", by_host)
+        self.leaders = ElasticSubgroup(parent, f"{name}/leaders", host_leaders)
         self._qid = -1
         self._levels: HostGroups | None = None
 
@@ -339,9 +352,9 @@ class ElasticHostGroups:
         if q is None:
             raise ShoalError("no quorum yet: start a step first (shoal's DistributedDataParallel does in forward)")
         if self._levels is None or self._qid != q.qid:
-            hosts = [m.host for m in member_infos(self.group.client, q)]
+            hosts = [m.host for m in member_infos(self.group.link.client, q)]
             topo = Topology.from_host_ids(hosts, self.group.rank)
-            self._levels = HostGroups(topology=topo, parent=self.group, local=self.local,
-                                      leaders=self.leaders if self.leaders.member else None)
+            self._levels = HostGroups(topology=topo, parent=self.group,  # type: ignore[arg-type]
+                                      local=self.local, leaders=self.leaders if self.leaders.member else None)
             self._qid = q.qid
         return self._levels

@@ -36,7 +36,7 @@ Example (a step that works on any group)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from shoal.comm.rules import MemberInfo, Partition
 from shoal.comm.topology import HostGroups, discover
@@ -81,6 +81,14 @@ class Outside:
     def __getattr__(self, attr: str) -> Any:
         raise ShoalError(f"this worker is not a member of subgroup {self.name!r}: check .member before "
                          f"using it (asked for .{attr})")
+
+
+class Levels(Protocol):
+    """What :meth:`Stepping.host_groups` returns: this step's two levels of a host-aware mean."""
+
+    def current(self) -> HostGroups:
+        """This step's layout and subgroups."""
+        ...
 
 
 class StaticLevels:
@@ -148,9 +156,25 @@ class Stepping:
                        snapshot: Callable[[], Any] | None = None) -> None:
         """Add state that newcomers receive when they heal (and, with ``rollback``, that a discard restores).
 
-        See :meth:`shoal.comm.elastic.ElasticGroup.register_state` for the
-        meaning of each argument. On a static group nothing heals and nothing
-        is discarded: the registration is checked and kept, never used.
+        ``get()`` returns something ``torch.save`` can write; ``load(x)``
+        restores it. With ``rollback=True`` it is also snapshotted at each
+        step start and restored when the step is discarded (e.g. a codec's
+        error feedback, which a failed step may have half-updated); then
+        ``get()`` must return a copy, not views of live tensors (codecs'
+        ``state_dict()`` do), because it is called every step and copying
+        it again would double the cost.
+        ``heal_load(x)``, if given, replaces ``load`` when the state comes
+        from a peer rather than from a rollback snapshot: state that is the
+        peer's own and must not be copied (an error-feedback residual, see
+        :meth:`shoal.codecs.Codec.newcomer_state`) is dropped there.
+        ``snapshot()``, if given, replaces ``get`` for the per-step rollback
+        snapshot: something cheaper that ``load`` accepts and that stays valid
+        through one step (a codec's :meth:`~shoal.codecs.Codec.rollback_state`
+        holds its tensors by reference and never overwrites them in place).
+        Every member must register the same keys (a key twice: ConfigError).
+        On a static group nothing heals and nothing is discarded: the
+        registration is checked and kept, never used. This is the group's one
+        registry: an elastic group heals and rolls back exactly these states.
         """
         states = self._hooks().states
         if key in states:
@@ -189,7 +213,7 @@ class Stepping:
         mine = self._as_group().split(parts)
         return mine if mine is not None else Outside(name)
 
-    def host_groups(self, name: str) -> "StaticLevels":
+    def host_groups(self, name: str) -> Levels:
         """The subgroups of a two-level mean (``.current()`` -> :class:`~shoal.comm.topology.HostGroups`)."""
         self.unique_name(name)
         return StaticLevels(HostGroups.build(self._as_group()))

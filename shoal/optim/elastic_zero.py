@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shoal.comm.elastic import ElasticGroup
+from shoal.comm.elastic_sub import ElasticSubgroup
 from shoal.comm.group import Handle
 from shoal.comm.objects import all_gather_bytes, from_bytes, to_bytes
 from shoal.errors import ConfigError, ShoalError
@@ -265,7 +266,7 @@ class ElasticShards:
             return {}
         return {self.index[p]: st for p, st in opt.state.items() if st}
 
-    def reshard(self, qid: int, via: ElasticGroup | None = None) -> tuple[_Shard, list[int], set[int], int] | None:
+    def reshard(self, qid: int, via: ElasticGroup | ElasticSubgroup | None = None) -> tuple[_Shard, list[int], set[int], int] | None:
         """Gather the held optimizer state over ``via`` (default: the group) and lay out quorum ``qid``.
 
         ``via`` must span the quorum in its rank order (the overlapped step uses a

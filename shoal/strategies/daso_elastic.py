@@ -48,7 +48,7 @@ from shoal.strategies.elastic import ADOPT
 TAG = "daso/global"
 
 
-def broadcast_state(group: ElasticGroup, state: Any, src: int, tag: str) -> Any:
+def broadcast_state(group: ElasticGroup | ElasticSubgroup, state: Any, src: int, tag: str) -> Any:
     """``state`` of subgroup rank ``src`` on every member (``torch.save``-able; the size first).
 
     After a failure (the step is lost) every member keeps its own ``state``.

@@ -102,7 +102,7 @@ class ElasticLevels(ModelAverager):
         super().__init__(group, codec)
         self.hierarchy = hierarchy
         last = len(hierarchy.levels) - 1
-        self.groups: list[ElasticGroup] = [
+        self.groups: list[ElasticGroup | ElasticSubgroup] = [
             group if i == last else ElasticSubgroup(group, f"levels/{i}", by_slot(size))
             for i, (_, size) in enumerate(hierarchy.levels)
         ]
@@ -118,7 +118,7 @@ class ElasticLevels(ModelAverager):
         level = self.hierarchy.level_at(step)
         return None if level is None else f"params@{level}"
 
-    def target(self, kind: str) -> tuple[ElasticGroup, str]:
+    def target(self, kind: str) -> tuple[ElasticGroup | ElasticSubgroup, str]:
         """The group and meter tag of a round of ``kind``."""
         level = int(kind.partition("@")[2])
         return self.groups[level], f"{self.tag}/g{self.hierarchy.levels[level][1]}"

@@ -60,7 +60,7 @@ class AveragingStrategy(Strategy):
         self.rounds: ElasticRounds | None = None
         self._grad_codec = Identity()  # post-local SGD's warm-up gradients travel exact, as in its DDP
         # (live, averaged scratch, a parameter round's group)
-        self._pending: tuple[list[torch.Tensor], list[torch.Tensor], ElasticGroup | None] | None = None
+        self._pending: tuple[list[torch.Tensor], list[torch.Tensor], Group | None] | None = None
         self._finite = torch.zeros((), device="cpu")   # replaced on the tensors' device per round
 
     @abc.abstractmethod
@@ -109,7 +109,7 @@ class AveragingStrategy(Strategy):
                                                          self.average_optimizer_state)
             live, names = live + extra, names + extra_names
         scratch = [t.detach().clone() for t in live]
-        finite: ElasticGroup | None = None  # a parameter round's group (its finite contributors are counted)
+        finite: Group | None = None  # a parameter round's group (its finite contributors are counted)
         if kind == "grad":  # non-finite means are caught by the optimizer step's gradient check
             self.rounds.mean(scratch, names, self._grad_codec, f"{self.name}/grad")
         else:
@@ -119,7 +119,7 @@ class AveragingStrategy(Strategy):
             handle.wait()
         self._pending = (live, scratch, finite)
 
-    def _finite_count(self, scratch: list[torch.Tensor], group: ElasticGroup, tag: str) -> Any:
+    def _finite_count(self, scratch: list[torch.Tensor], group: Group, tag: str) -> Any:
         """Start the count of the round's contributors whose parameters are finite (see :func:`finite_mean`).
 
         A worker whose parameters hold a NaN/Inf contributes zeros, as a
@@ -140,7 +140,7 @@ class AveragingStrategy(Strategy):
             return self.averager.kind_at(step)
         return "params" if self.averager is not None and self.averager._group_at(step) is not None else None
 
-    def _elastic_target(self, kind: str) -> tuple[ElasticGroup, str]:
+    def _elastic_target(self, kind: str) -> tuple[Group, str]:
         """The group a parameter round of ``kind`` averages over, and its meter tag."""
         if isinstance(self.averager, ElasticLevels):
             return self.averager.target(kind)
@@ -163,7 +163,7 @@ class AveragingStrategy(Strategy):
         for t, avg in zip(live, scratch):
             t.copy_(avg)
 
-    def _rescale_finite(self, group: ElasticGroup, scratch: list[torch.Tensor]) -> bool:
+    def _rescale_finite(self, group: Group, scratch: list[torch.Tensor]) -> bool:
         """Turn a committed mean into the finite contributors' mean; False: none was finite (keep ours)."""
         contributors = group.size - len(group.newcomers)
         finite = int(round(float(self._finite.item())))  # read once the round has committed

@@ -86,11 +86,11 @@ def test_the_discard_streak_travels_with_the_healed_state() -> None:
     coord = Coordinator(port=0, initial_workers=1, token=TOKEN).start()
     group = ElasticGroup("streak", coordinator=coord.address, min_workers=1, token=TOKEN)
     try:
-        group._discard_reasons = ["PeerLostError: lost (a)", "PeerLostError: lost (b)"]
+        group.discards.reasons = ["PeerLostError: lost (a)", "PeerLostError: lost (b)"]
         blob = group._blob()
-        group._discard_reasons = []
+        group.discards.reasons = []
         group._load_blob(blob, src=0)
-        assert group._discard_reasons == ["PeerLostError: lost (a)", "PeerLostError: lost (b)"]
+        assert group.discards.reasons == ["PeerLostError: lost (a)", "PeerLostError: lost (b)"]
     finally:
         group.leave()
         coord.stop()

@@ -37,3 +37,51 @@ def test_hosts_and_leaders_follow_the_quorum_order() -> None:
     assert host_leaders(members) == [[0, 1]]
     # The leader of host b is lost: the next quorum's leader of b is its other worker.
     assert host_leaders(members[1:]) == [[0, 1]] and by_host(members[1:]) == [[0, 2], [1]]
+
+
+def test_a_subgroup_is_a_view_whose_step_interface_is_the_parents() -> None:
+    # One worker, one quorum: the view registers on, votes with and fails together with its parent.
+    import torch
+
+    from shoal.comm import Group
+    from shoal.comm.elastic import ElasticGroup
+    from shoal.comm.elastic_sub import ElasticHostGroups, ElasticSubgroup
+    from shoal.elastic import Coordinator, Timeouts
+    from shoal.errors import PeerLostError
+
+    token = "view-test-token"
+    coord = Coordinator(port=0, initial_workers=1, token=token).start()
+    group = ElasticGroup("view", coordinator=coord.address, min_workers=1, token=token, host_id="h0",
+                         timeouts=Timeouts(op=5.0, quorum=10.0, join=20.0))
+    try:
+        host = group.subgroup(by_host, "host")
+        assert isinstance(host, ElasticSubgroup) and isinstance(host, Group) and host.elastic
+        assert not issubclass(ElasticSubgroup, ElasticGroup)
+        assert isinstance(host, ElasticGroup)   # kept while strategies still ask it (ElasticGroup's metaclass)
+        with pytest.raises(ConfigError, match="cannot be split again"):
+            host.subgroup(by_host, "again")
+        with pytest.raises(ConfigError, match="needs a whole elastic group"):
+            ElasticHostGroups(host, "levels")
+        # One registry: what the view registers is the parent's (a second key raises on either).
+        box = {"v": 1.0}
+        host.register_state("box", lambda: dict(box), lambda s: box.update(s), rollback=True)
+        with pytest.raises(ConfigError, match="already registered"):
+            group.register_state("box", dict, print)
+        committed: list[int] = []
+        host.on_commit(lambda: committed.append(group.step))
+
+        host.begin_step()                       # the parent's: adopts the first quorum
+        assert group.quorum is not None and host.quorum is group.quorum and host.newcomers == ()
+        assert (host.rank, host.size, host.member, host.parent_ranks) == (0, 1, True, (0,))
+        t = torch.ones(3)
+        host.all_reduce(t, op="sum", tag="view").wait()
+        assert host.commit() is True and committed == [1] and group.step == 1
+
+        group.begin_step()
+        box["v"] = 2.0                          # a step's change, rolled back by the discard
+        host.report_error(PeerLostError("lost"))
+        assert group.error is host.error and isinstance(group.error, PeerLostError)
+        assert group.commit() is False and box == {"v": 1.0} and committed == [1] and group.stats.discards == 1
+    finally:
+        group.leave()
+        coord.stop()

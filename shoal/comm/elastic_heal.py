@@ -1,0 +1,161 @@
+"""Healing: bringing newcomers of a quorum up to the run's state, and the per-step rollback snapshot.
+
+The registered state is the group's one registry of the step interface
+(:class:`~shoal.comm.stepping.StateEntry`, ``group.register_state``). Owned here:
+
+- :func:`plan_heal`: in each new quorum the members exchange (committed
+  step, fresh); everyone behind or new is *needy*, and the lowest-ranked
+  up-to-date member is the source.
+- :func:`send_state`: the source's state as one serialised blob
+  (:func:`state_blob`), point to point and in chunks, to the needy members
+  only (a broadcast would push it through every member's link); every chunk
+  is one operation bounded by ``Timeouts.op``, and :func:`healed_barrier`
+  (bounded by ``Timeouts.quorum``) holds the others, so a state that takes
+  longer than ``op`` to cross a slow link still heals.
+- :func:`load_blob`: a receiver checks the blob against its own state
+  before loading any of it (:mod:`shoal.comm.received`: shapes, dtypes,
+  NaN/Inf); state that fails is refused and never loaded: the receiver logs
+  why, leaves the run and raises :class:`~shoal.errors.ShoalError`.
+- :func:`snapshot` / :func:`restore`: the rollback states, taken at each
+  step's start and restored when the step is discarded.
+
+Example (what :meth:`ElasticGroup.begin_step` does in a new quorum)::
+
+    plan = plan_heal(group, group.step, fresh)
+    if plan is not None and plan.needy:
+        blob = send_state(group, plan, lambda: state_blob(states), chunk=4 << 20)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from shoal.comm.elastic_pg import ElasticCollectives
+from shoal.comm.objects import from_bytes, to_bytes
+from shoal.comm.received import check_received
+from shoal.comm.stepping import StateEntry
+from shoal.errors import CommTimeoutError, PeerLostError, ShoalError
+
+CONTROL_TAG = "elastic/control"
+HEAL_TAG = "elastic/heal"
+HEAL_CHUNK = 4 << 20  # bytes per point-to-point heal message (1.7 s at 20 mbit)
+log = logging.getLogger("shoal.elastic")
+
+
+@dataclass(frozen=True)
+class HealPlan:
+    """Who sends the run's state (``src``) to whom (``needy``), and the step they all hold after (``top``)."""
+
+    top: int
+    src: int
+    needy: tuple[int, ...]
+
+
+def snapshot(states: Mapping[str, StateEntry]) -> dict[str, Any]:
+    """The rollback states' snapshots (``snapshot()`` where given, else ``get()``)."""
+    return {k: (s.snapshot or s.get)() for k, s in states.items() if s.rollback}
+
+
+def restore(states: Mapping[str, StateEntry], snaps: Mapping[str, Any]) -> None:
+    """Load the snapshots of :func:`snapshot` back (a discarded step)."""
+    for k, snap in snaps.items():
+        states[k].load(snap)
+
+
+def state_blob(states: Mapping[str, StateEntry]) -> torch.Tensor:
+    """Every registered state, serialised into one ``uint8`` tensor."""
+    return to_bytes({k: s.get() for k, s in states.items()})
+
+
+def plan_heal(group: ElasticCollectives, step: int, fresh: bool) -> HealPlan | None:
+    """Exchange every member's (committed step, fresh) and plan the heal; None if the exchange failed."""
+    mine = torch.tensor([step, int(fresh)], dtype=torch.int64, device=group.device)
+    table = torch.empty(2 * group.size, dtype=torch.int64, device=group.device)
+    group.all_gather_into(table, mine, tag=CONTROL_TAG).wait()
+    if group.error is not None:
+        return None
+    steps, news = table[0::2].tolist(), table[1::2].tolist()
+    top = max(steps)
+    ready = [r for r in range(group.size) if steps[r] == top and not news[r]]
+    src = min(ready or [r for r in range(group.size) if steps[r] == top])
+    needy = tuple(r for r in range(group.size) if r != src and (steps[r] < top or news[r]))
+    return HealPlan(top, src, needy)
+
+
+def send_state(group: ElasticCollectives, plan: HealPlan, make_blob: Callable[[], torch.Tensor],
+               chunk: int) -> torch.Tensor:
+    """The source's blob on the source and the needy members (unfilled if a failure was recorded)."""
+    src, rank = plan.src, group.rank
+    empty = torch.empty(0, dtype=torch.uint8, device=group.device)
+    blob = make_blob() if rank == src else empty
+    n = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
+    group.broadcast(n, src=src, tag=HEAL_TAG).wait()
+    if rank != src:
+        blob = torch.empty(int(n.item()), dtype=torch.uint8, device=group.device)
+    if rank != src and rank not in plan.needy:
+        return blob
+    for i, start in enumerate(range(0, blob.numel(), chunk)):
+        part = blob[start:start + chunk]
+        if rank == src:
+            handles = [group.p2p("send", part, dst, i, HEAL_TAG) for dst in plan.needy]
+        else:
+            handles = [group.p2p("recv", part, src, i, HEAL_TAG)]
+        for h in handles:
+            h.wait()
+        if group.error is not None:
+            break
+    return blob
+
+
+def healed_barrier(group: ElasticCollectives, prefix: str) -> None:
+    """Wait in the store until every member is past the heal (``Timeouts.quorum``), or a failure.
+
+    Members not involved in the heal would otherwise wait for the others
+    in their next collective, i.e. only ``Timeouts.op``.
+    """
+    st, key = group.link.client.store, prefix + "healed"
+    st.add(key, 1)
+    deadline = time.monotonic() + group.link.timeouts.quorum
+    while st.add(key, 0) < group.size:
+        if group.error is not None:
+            return
+        if group.link.failures.aborted:
+            group._record(PeerLostError("a member failed while the run's state was healed"))
+            return
+        if time.monotonic() > deadline:
+            group._record(CommTimeoutError(f"healing did not finish within {group.link.timeouts.quorum} s "
+                                           "(Timeouts.quorum)"))
+            return
+        time.sleep(0.002)
+
+
+def load_blob(states: Mapping[str, StateEntry], blob: torch.Tensor, src: int, member: Any,
+              leave: Callable[[], None]) -> None:
+    """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it.
+
+    ``member``: the source's member id (for the messages); ``leave``: called
+    before raising, so that the others drop this worker at once.
+    """
+    why: str | None = None
+    try:
+        got = from_bytes(blob)
+    except Exception as e:  # noqa: BLE001 - whatever a malformed blob makes torch.load raise
+        got, why = None, f"it is not a state blob ({type(e).__name__}: {e})"
+    if why is None and (not isinstance(got, dict) or set(got) != set(states)):
+        why = (f"it holds state {sorted(map(str, got)) if isinstance(got, dict) else '?'} but this "
+               f"worker registered {sorted(states)}: every worker must run the same program")
+    if why is None and isinstance(got, dict):
+        why = check_received(got, {k: s.get() for k, s in states.items()})
+    if why is not None or not isinstance(got, dict):
+        log.error("refusing the state healed from rank %d (member %s): %s; nothing of it was loaded, "
+                  "this worker leaves the run", src, member, why)
+        leave()   # the others drop it at once (the coordinator aborts their quorum)
+        raise ShoalError(f"refused the run's state healed from rank {src} (member {member}): {why}; "
+                         "nothing of it was loaded")
+    for k, s in states.items():
+        (s.heal_load or s.load)(got[k])

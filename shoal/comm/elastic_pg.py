@@ -1,0 +1,340 @@
+"""The process group of one quorum, and the collectives over it that record failures instead of raising.
+
+Owned here:
+
+:class:`Link`
+    What a quorum group shares with its subgroups: the member's client, the
+    backend factory that builds a quorum's gloo group (:class:`BackendSpec`,
+    :func:`gloo_backend`), the step's :class:`~shoal.comm.elastic_vote.Failures`,
+    and the groups abandoned after a failure. A failed gloo group is never
+    waited on and never destroyed in the training thread (its destructor would
+    wait for its stuck operations): it is kept until ``Timeouts.op`` has
+    passed, when gloo has failed those operations. :meth:`Link.await_work`
+    waits for one operation without raising.
+:class:`ElasticCollectives`
+    The collectives of a :class:`~shoal.comm.Group` whose members follow the
+    run's quorums, for both :class:`~shoal.comm.elastic.ElasticGroup` and
+    :class:`~shoal.comm.elastic_sub.ElasticSubgroup`. A failure (a peer's
+    socket closed, the op timeout passed, another member reporting a failure)
+    is recorded in the link's failures; from then on this step's collectives
+    return at once with unreduced data, so the step finishes quickly and the
+    vote discards it.
+
+Example (a backend factory that wraps gloo, as fault plans do)::
+
+    def factory(spec: BackendSpec):
+        return gloo_backend(spec)
+    group = ElasticGroup(backend_factory=factory)
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op
+from shoal.comm.membership import MemberClient, Timeouts
+from shoal.comm.meter import Meter
+from shoal.comm.elastic_vote import Failures
+from shoal.comm.objects import all_gather_object
+from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
+
+_SLICE = datetime.timedelta(milliseconds=10)   # await_work checks the abort flag and deadline this often
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend factory gets to build one quorum's process group.
+
+    ``step`` returns the group's committed step when called (fault plans use it).
+    """
+
+    store: dist.Store
+    rank: int
+    size: int
+    timeout: float
+    step: Callable[[], int]
+
+
+BackendFactory = Callable[[BackendSpec], Any]
+
+
+def gloo_backend(spec: BackendSpec) -> Any:
+    """The default factory: a gloo group on the quorum's own store prefix."""
+    return dist.ProcessGroupGloo(spec.store, spec.rank, spec.size, datetime.timedelta(seconds=spec.timeout))
+
+
+@dataclass
+class ElasticStats:
+    """Counters of one worker's elastic life (all since construction)."""
+
+    commits: int = 0
+    discards: int = 0
+    quorums: int = 0             # groups built (the first one included)
+    heals_received: int = 0
+    heal_bytes: int = 0          # size of the last state blob sent or received
+    heal_s: float = 0.0          # seconds the last heal took (exchange + broadcast + load)
+    reconfigure_s: float = 0.0   # seconds the last start_step spent adopting a quorum
+
+
+class Link:
+    """What a quorum group shares with its subgroups (see the module docstring).
+
+    Args:
+        client: the member's connection to the coordinator.
+        timeouts: the run's timeouts (``op`` bounds every operation).
+        factory: builds a quorum's process group.
+        failures: this step's failures (shared).
+        step: returns the group's committed step (handed to the factory).
+    """
+
+    def __init__(self, client: MemberClient, timeouts: Timeouts, factory: BackendFactory, failures: Failures,
+                 step: Callable[[], int]) -> None:
+        self.client, self.timeouts, self.factory, self.failures = client, timeouts, factory, failures
+        self._step = step
+        self.abandoned: list[tuple[float, Any]] = []
+        self.on_abandon: list[Callable[[], None]] = []   # subgroups drop their groups with the quorum's
+
+    def build(self, prefix: str, rank: int, size: int) -> Any:
+        """A process group of ``size`` members on the store prefix ``prefix`` (raises if a peer does not connect)."""
+        store = dist.PrefixStore(prefix, self.client.store.clone())  # type: ignore[attr-defined]
+        return self.factory(BackendSpec(store, rank, size, self.timeouts.op, self._step))
+
+    def retire(self, pg: Any) -> None:
+        """Keep ``pg`` (failed or superseded) until its stuck operations have failed; never destroy it now."""
+        if pg is not None:
+            self.abandoned.append((time.monotonic(), pg))
+
+    def release(self) -> None:
+        """Drop the groups retired more than ``Timeouts.op`` ago (gloo has failed their operations: quick)."""
+        horizon = time.monotonic() - self.timeouts.op - 1.0
+        self.abandoned = [(t, pg) for t, pg in self.abandoned if t > horizon]
+
+    def await_work(self, work: Any, limit: float | None, tag: str, whole: bool = False) -> bool:
+        """Wait for ``work``; on any failure record it and return False, never raise.
+
+        Waits in slices of ``work.wait(timeout)`` in this thread: no Python
+        callback is attached to the work's future, because gloo runs those in
+        its own threads, where a garbage collection could destroy a process
+        group whose peer just closed its sockets, and an exception there
+        aborts the process (an uncaught gloo::IoException).
+        ``whole``: one wait for the whole limit instead (point-to-point work:
+        a timed wait on a gloo send or recv that runs out closes every
+        connection of the group, so it must not be sliced).
+        """
+        failures = self.failures
+        if failures.error is not None:
+            return False
+        deadline = time.monotonic() + (limit if limit is not None else self.timeouts.op)
+        if whole:
+            try:
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                return True
+            except RuntimeError as e:
+                late = time.monotonic() >= deadline
+                failures.record(CommTimeoutError(f"{tag!r} did not finish within {limit} s (Timeouts.op)") if late
+                                else PeerLostError(f"{tag!r} failed: {e}"))
+                return False
+        while True:
+            try:
+                work.wait(_SLICE)
+                return True
+            except RuntimeError as e:
+                if work.is_completed():      # a failure, not the end of a slice
+                    return self._finish(work, tag, e)
+            if failures.error is not None:
+                return False
+            if failures.aborted:
+                failures.record(PeerLostError(f"collective {tag!r} abandoned: another member reported a failure"))
+                return False
+            if time.monotonic() > deadline:
+                failures.record(CommTimeoutError(f"collective {tag!r} did not finish within {limit} s "
+                                                 "(Timeouts.op); a peer is slow, hung or gone"))
+                return False
+
+    def _finish(self, work: Any, tag: str, e: RuntimeError) -> bool:
+        try:
+            work.wait()                      # completed: returns at once, or raises its own error
+        except RuntimeError as err:
+            e = err
+        else:
+            return True                      # it completed just after the slice ran out
+        self.failures.record(PeerLostError(f"collective {tag!r} failed: {e}"))
+        return False
+
+
+class _ElasticHandle(Handle):
+    """A collective on an elastic group: its wait records failures instead of raising."""
+
+    def __init__(self, link: Link, work: Any, result: Any, meter: Meter, tag: str, timeout: float | None,
+                 post: Callable[[Any], Any] | None, whole: bool = False) -> None:
+        super().__init__(work, result, meter, tag, timeout, post)
+        self._link = link
+        self._whole = whole
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._done:
+            return self._result
+        t0 = time.perf_counter()
+        ok = self._link.await_work(self._work, self._timeout if timeout is None else timeout, self._tag, self._whole)
+        self._meter.add_wait(self._tag, time.perf_counter() - t0)
+        self._done = True
+        if ok and self._post is not None:
+            self._result = self._post(self._result)
+        return self._result
+
+    def future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.wait())
+        return fut
+
+    def is_completed(self) -> bool:
+        return self._done or self._link.failures.error is not None or bool(self._work.is_completed())
+
+
+class ElasticCollectives(Group):
+    """Collectives over a quorum's process group that record failures (see the module docstring).
+
+    Not built directly: the base of :class:`~shoal.comm.elastic.ElasticGroup`
+    and :class:`~shoal.comm.elastic_sub.ElasticSubgroup`, which say where
+    their process group comes from (:meth:`_live_pg`) and whether a quorum
+    was adopted yet (:meth:`_started`).
+    """
+
+    elastic = True
+    link: Link
+    meter: Meter
+    timeout: float | None
+    backend = "gloo"
+
+    def _live_pg(self) -> Any:
+        """The process group this step's collectives go to (``None``: none, the step is lost)."""
+        raise NotImplementedError
+
+    def _started(self) -> bool:
+        """Whether a quorum was adopted (a collective before that is a usage error)."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # --- failures --------------------------------------------------------------
+    @property
+    def error(self) -> BaseException | None:
+        """This step's first failure (shared by a quorum group and its subgroups), or None."""
+        return self.link.failures.error
+
+    @error.setter
+    def error(self, value: BaseException | None) -> None:
+        self.link.failures.error = value
+
+    def _record(self, err: BaseException) -> None:
+        self.link.failures.record(err)
+
+    def report_error(self, err: BaseException) -> None:
+        """Make this step fail on every member (e.g. a NaN found outside shoal)."""
+        self._record(err)
+
+    # --- collectives ---------------------------------------------------------------
+    def _issue(self, tag: str, result: Any, launch: Callable[[Any], Any],
+               post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
+        pg = self._live_pg()
+        if not self._started():
+            raise ShoalError("collective on an elastic group before its first step: call start_step() "
+                             "first (shoal's DistributedDataParallel does so in forward)")
+        if self.size == 1:
+            return Handle(None, result, self.meter, tag, self.timeout, post)
+        if self.error is not None or pg is None:
+            return Handle(None, result, self.meter, tag, self.timeout)   # the step is lost anyway
+        try:
+            work = launch(pg)
+        except Exception as e:  # noqa: BLE001 - e.g. the connection died before the op started
+            self._record(PeerLostError(f"collective {tag!r} could not start: {e}"))
+            return Handle(None, result, self.meter, tag, self.timeout)
+        return _ElasticHandle(self.link, work, result, self.meter, tag, self.timeout, post, whole)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
+        check_reduce_op(op)
+        self.meter.record(tag, "all_reduce", _nbytes(tensor), self.size, self.rank)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _REDUCE_OPS["sum" if op == "avg" else op]  # type: ignore[assignment]
+        size = self.size  # averages divide by the live contributors of this quorum
+        post = (lambda t: t.div_(size)) if op == "avg" else None  # noqa: E731
+        return self._issue(tag, tensor, lambda pg: pg.allreduce([tensor], opts), post)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "misc") -> Handle:
+        self._check_rank(src, "src")
+        self.meter.record(tag, "broadcast", _nbytes(tensor), self.size, self.rank, src)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return self._issue(tag, tensor, lambda pg: pg.broadcast([tensor], opts))
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", tag: str = "misc") -> Handle:
+        """Reduce into rank ``dst``'s ``tensor`` (e.g. the intra-host stage of a two-level mean)."""
+        self._check_rank(dst, "dst")
+        if op not in _REDUCE_OPS:
+            raise ConfigError(f"reduce supports {sorted(_REDUCE_OPS)}, got {op!r}")
+        self.meter.record(tag, "reduce", _nbytes(tensor), self.size, self.rank, dst)
+        opts = dist.ReduceOptions()
+        opts.reduceOp, opts.rootRank, opts.rootTensor = _REDUCE_OPS[op], dst, 0  # type: ignore[assignment]
+        return self._issue(tag, tensor, lambda pg: pg.reduce([tensor], opts))
+
+    def all_gather(self, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
+        out = [tensor] if self.size == 1 else [torch.empty_like(tensor) for _ in range(self.size)]
+        return self._issue(tag, out, lambda pg: pg.allgather([out], [tensor.contiguous()]))
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        if output.numel() != self.size * tensor.numel():
+            raise ValueError(f"output has {output.numel()} elements, expected {self.size} x {tensor.numel()}")
+        self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
+        if self.size == 1:
+            output.view(-1).copy_(tensor.view(-1))
+        return self._issue(tag, output, lambda pg: pg._allgather_base(output, tensor.contiguous()))
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
+        check_all_to_all(output, tensor, self.size)
+        self.meter.record(tag, "all_to_all", _nbytes(tensor), self.size, self.rank)
+        if self.size == 1:
+            output.view(-1).copy_(tensor.view(-1))
+        src = tensor.contiguous()
+        return self._issue(tag, output, lambda pg: pg.alltoall_base(output, src, [], [], dist.AllToAllOptions()))
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", tag: str = "misc") -> Handle:
+        if tensor.numel() != self.size * output.numel():
+            raise ValueError(f"input has {tensor.numel()} elements, expected {self.size} x {output.numel()}")
+        if op not in ("sum", "avg"):
+            raise ConfigError(f"reduce_scatter supports sum and avg, got {op!r}")
+        buf = tensor.clone()
+        chunk = buf.view(-1).narrow(0, self.rank * output.numel(), output.numel())
+        inner = self.all_reduce(buf, op=op, tag=tag)   # gloo has no reduce_scatter
+
+        def take(_: Any) -> torch.Tensor:
+            inner.wait()
+            return output.view(-1).copy_(chunk).view_as(output)
+
+        return Handle(None, output, self.meter, tag, self.timeout, take)
+
+    def p2p(self, op: str, tensor: torch.Tensor, peer: int, slot: int, tag: str) -> Handle:
+        """Send ``tensor`` to rank ``peer`` (``op="send"``) or receive it from there (``"recv"``).
+
+        One wait for the whole op timeout (see :meth:`Link.await_work`); ``slot``
+        tells apart the messages between the same two ranks.
+        """
+        self.meter.record(tag, op, _nbytes(tensor), self.size, self.rank)
+        if op == "send":
+            return self._issue(tag, tensor, lambda pg: pg.send([tensor], peer, slot), whole=True)
+        return self._issue(tag, tensor, lambda pg: pg.recv([tensor], peer, slot), whole=True)
+
+    def barrier(self, tag: str = "control") -> None:
+        self.all_reduce(torch.zeros(1, device=self.device), tag=tag).wait()
+
+    def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
+        """Gather objects (see :func:`shoal.comm.objects.all_gather_object`); after a failure, ``[obj] * size``."""
+        return all_gather_object(self, obj, tag)

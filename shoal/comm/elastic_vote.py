@@ -1,0 +1,178 @@
+"""The end of an elastic step: the first failure, the run's abort flag, the commit vote, the discard limit.
+
+Owned here, used by :class:`~shoal.comm.elastic.ElasticGroup` (and, through
+it, by its subgroups, which share its :class:`Failures`):
+
+:class:`Failures`
+    This step's first failure (a :class:`~shoal.errors.PeerLostError` or
+    :class:`~shoal.errors.CommTimeoutError`). Recording one also raises the
+    quorum's abort flag (``<prefix>abort`` in the coordinator's store), which
+    every member's heartbeat thread watches, so that the others give up this
+    step's collectives at once instead of waiting out ``Timeouts.op``.
+:class:`Ballot`
+    The commit vote through the store: each member that saw no failure adds
+    one to ``<prefix>ok/<step>``; the member whose add completes the count
+    writes ``commit`` to ``<prefix>d/<step>`` with compare-and-set; a member
+    that failed, sees the abort flag, or waits past ``Timeouts.quorum``, writes
+    ``discard`` the same way. The first write wins, so every member reads one
+    decision. Decisions are signed by their writer (:mod:`shoal.comm.records`);
+    one that does not verify reads as ``discard`` everywhere.
+:class:`DiscardStreak`
+    Why each step since the last commit was discarded; once
+    ``Timeouts.max_consecutive_discards`` steps in a row were, every member
+    raises (the streak travels with the healed state, so newcomers agree).
+
+Example (what :meth:`ElasticGroup.commit` does with them)::
+
+    verdict = ballot.vote(quorum, step, size)     # "commit:<latest qid>" or "discard"
+    if not verdict.startswith("commit"):
+        streak.count(failures.error, aborted, limit)   # raises PeerLostError at the limit
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
+from shoal.errors import PeerLostError
+
+
+class Failures:
+    """This step's first failure, shared by a quorum group and its subgroups (see the module docstring).
+
+    Args:
+        client: the member's connection to the coordinator (its store holds the abort flag).
+        prefix: returns the current quorum's store prefix (``None`` between quorums: no flag to raise).
+        trace: where the first failure is logged for post-mortems.
+    """
+
+    def __init__(self, client: MemberClient, prefix: Callable[[], str | None], trace: Trace) -> None:
+        self.error: BaseException | None = None
+        self.client = client
+        self._prefix = prefix
+        self._trace = trace
+        self._lock = threading.Lock()
+        self._abort_store = client.store.clone()  # type: ignore[attr-defined]
+
+    @property
+    def aborted(self) -> bool:
+        """Whether another member raised this quorum's abort flag."""
+        return self.client.remote_abort.is_set()
+
+    def record(self, err: BaseException) -> None:
+        """Keep ``err`` if it is this step's first failure, and raise the quorum's abort flag."""
+        with self._lock:
+            first = self.error is None
+            if first:
+                self.error = err
+        if not first:
+            return
+        self._trace("error", what=str(err)[:200])
+        prefix = self._prefix()
+        if prefix is None:
+            return
+        try:
+            with self._lock:
+                self._abort_store.set(prefix + "abort", type(err).__name__)
+        except Exception:  # noqa: BLE001 - coordinator unreachable: peers time out instead
+            pass
+
+
+class Ballot:
+    """The commit vote of one member (see the module docstring)."""
+
+    def __init__(self, client: MemberClient, timeouts: Timeouts, failures: Failures) -> None:
+        self.client, self.timeouts, self.failures = client, timeouts, failures
+
+    def vote(self, q: Quorum, step: int, size: int) -> str:
+        """``"commit:<latest quorum id>"`` or ``"discard"``: the same string on every member of ``q``."""
+        st, key = self.client.store, f"{q.prefix}d/{step}"
+        failures = self.failures
+        if failures.error is None and size == 1:
+            return f"commit:{self.client.latest()}"
+        if failures.error is not None:
+            return self.decide(key, "discard")
+        if st.add(f"{q.prefix}ok/{step}", 1) == size:
+            return self.decide(key, f"commit:{self.client.latest()}")
+        start = time.monotonic()
+        deadline, pause, beats = start + self.timeouts.quorum, 5e-5, self._beats(q)
+        next_probe = start + self.timeouts.probe
+        while not st.check([key]):
+            now = time.monotonic()
+            if now > next_probe:
+                # A peer that died after its last collective never votes; its
+                # heartbeat stops too. Judge it here rather than wait for the
+                # coordinator's heartbeat_timeout.
+                latest, next_probe = self._beats(q), now + self.timeouts.probe
+                if any(a == b for a, b in zip(beats, latest)):
+                    failures.record(PeerLostError("a member stopped heartbeating before voting"))
+                beats = latest
+            if failures.error is not None or failures.aborted or now > deadline:
+                return self.decide(key, "discard")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.001)   # the decision is read at most ~1 ms late (a store RTT is ~15 us)
+        return self.decision(st.get(key))
+
+    def decide(self, key: str, verdict: str) -> str:
+        """Write ``verdict`` as the step's decision unless one is there; return the one that stands.
+
+        Signed by this member (:mod:`shoal.comm.records`): a decision written by someone without the
+        run token (say a forged ``commit`` for a step that failed) reads as ``discard`` on every member.
+        """
+        return self.decision(self.client.store.compare_set(key, "", self.client.book.seal({"d": verdict})))
+
+    def decision(self, raw: Any) -> str:
+        """The verdict a signed decision record holds (``discard`` if it does not verify)."""
+        rec = self.client.book.open(raw, kind="vote")
+        d = rec.get("d") if rec is not None else None
+        return d if isinstance(d, str) and (d == "discard" or d.startswith("commit:")) else "discard"
+
+    def _beats(self, q: Quorum) -> list[bytes]:
+        return list(self.client.store.multi_get([self.client.key(f"hb/{m}") for m in q.members]))
+
+
+class DiscardStreak:
+    """Why each step since the last commit was discarded, and the limit on how many in a row.
+
+    Retrying cannot cure a failure that repeats at every step (a deterministic
+    error, a NaN reported every step): without a limit the run would loop
+    forever without training. Every member of a quorum reads the same
+    verdicts, and the streak is healed into newcomers (register :meth:`state`
+    and :meth:`load`), so all members raise at the same step.
+    """
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def state(self) -> list[str]:
+        """The streak, as healed into newcomers."""
+        return list(self.reasons)
+
+    def load(self, reasons: list[str]) -> None:
+        """Take a peer's streak (from a heal)."""
+        self.reasons = [str(r) for r in reasons]
+
+    def reset(self) -> None:
+        """A step committed: the streak ends."""
+        self.reasons = []
+
+    def count(self, error: BaseException | None, aborted: bool, limit: int) -> None:
+        """Add a discarded step; raise PeerLostError once ``limit`` steps in a row were discarded."""
+        if error is not None:
+            why = f"{type(error).__name__}: {error}"
+        elif aborted:
+            why = "another member reported a failure"
+        else:
+            why = "another member voted to discard (or the vote outlasted Timeouts.quorum)"
+        self.reasons.append(why[:300])
+        if len(self.reasons) < limit:
+            return
+        seen = Counter(self.reasons).most_common(3)
+        raise PeerLostError(
+            f"{len(self.reasons)} steps in a row were discarded (Timeouts.max_consecutive_discards="
+            f"{limit}): the failure repeats at every step, so retrying cannot help; fix its cause (or raise the "
+            "limit if peers are lost that often). Reasons seen by this member: "
+            + "; ".join(f"{why} (x{n})" for why, n in seen))

@@ -1,0 +1,114 @@
+"""The step interface on a static group (2 real gloo ranks): trivial steps, one state registry, subgroups by rule."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.comm import Group, HostGroups
+from shoal.comm.rules import by_host, host_leaders
+from shoal.errors import ConfigError, ShoalError
+from shoal.testing import run_workers
+
+
+def _error(fn: Any) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the type and message
+        return type(e).__name__, str(e)
+    return None
+
+
+def _steps(group: Group) -> dict[str, Any]:
+    calls: list[str] = []
+    group.before_begin_step(lambda: calls.append("begin"))
+    group.on_commit(lambda: calls.append("commit"))
+    verdicts, sums = [], []
+    for step in range(2):
+        group.begin_step()
+        t = torch.tensor([float(group.rank + 1 + step)])
+        group.all_reduce(t, op="sum", tag="step").wait()
+        sums.append(t.item())
+        verdicts.append(group.commit())
+    group.register_state("counter", lambda: 1, lambda _: None)
+    return {"calls": calls, "verdicts": verdicts, "sums": sums, "newcomers": group.newcomers,
+            "pending": group.quorum_pending, "elastic": group.elastic, "member": group.member,
+            "duplicate": _error(lambda: group.register_state("counter", lambda: 2, lambda _: None))}
+
+
+def _rules(group: Group) -> dict[str, Any]:
+    """This rank's subgroups by host and of host leaders, and a sum over each it belongs to."""
+    host = group.subgroup(by_host, "host")
+    leaders = group.subgroup(host_leaders, "leaders")
+    out: dict[str, Any] = {"host": (host.size, host.rank), "leader": leaders.member}
+    t = torch.tensor([float(group.rank + 1)])
+    host.all_reduce(t, op="sum", tag="host").wait()
+    out["host_sum"] = t.item()
+    if leaders.member:
+        out["leaders"] = (leaders.size, leaders.rank)
+        u = torch.tensor([float(group.rank + 1)])
+        leaders.all_reduce(u, op="sum", tag="leaders").wait()
+        out["leaders_sum"] = u.item()
+    else:
+        out["outside"] = _error(lambda: leaders.all_reduce(torch.ones(1), tag="leaders"))
+    return out
+
+
+def _summary(levels: HostGroups) -> tuple[Any, ...]:
+    leaders = levels.leaders
+    return (levels.topology, levels.local.size, levels.local.rank,
+            None if leaders is None else (leaders.size, leaders.rank))
+
+
+def _work(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"steps": _steps(Group())}
+    os.environ["SHOAL_HOST_ID"] = f"host-{rank}"        # one host per rank
+    out["apart"] = _rules(Group())
+    os.environ["SHOAL_HOST_ID"] = "host-shared"         # both ranks on one host
+    shared = Group()
+    out["together"] = _rules(shared)
+    out["taken"] = shared.unique_name("host")           # subgroup names are unique per group
+    levels = shared.host_groups("levels")
+    built = HostGroups.build(shared)
+    out["levels"] = (_summary(levels.current()), _summary(built))
+    out["levels_parent"] = levels.current().parent is shared and levels.current() is levels.current()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_static_step_interface_on_two_gloo_ranks() -> None:
+    out = run_workers(_work, 2, timeout=75)
+    for rank, r in enumerate(out):
+        s = r["steps"]
+        # begin_step runs the before-begin hooks, commit is True and runs the on-commit hooks.
+        assert s["calls"] == ["begin", "commit", "begin", "commit"], s
+        assert s["verdicts"] == [True, True] and s["sums"] == [3.0, 5.0], s
+        assert s["newcomers"] == () and s["pending"] is False and s["elastic"] is False and s["member"] is True
+        assert s["duplicate"] is not None and s["duplicate"][0] == ConfigError.__name__, s
+        assert "'counter' is already registered" in s["duplicate"][1], s
+
+        # One host per rank: each rank is its own host and its host's leader.
+        a = r["apart"]
+        assert a["host"] == (1, 0) and a["host_sum"] == rank + 1, a
+        assert a["leader"] is True and a["leaders"] == (2, rank) and a["leaders_sum"] == 3.0, a
+
+        # Both on one host: the host is the whole group, rank 0 leads it alone.
+        b = r["together"]
+        assert b["host"] == (2, rank) and b["host_sum"] == 3.0, b
+        assert b["leader"] is (rank == 0), b
+        if rank == 0:
+            assert b["leaders"] == (1, 0) and b["leaders_sum"] == 1.0, b
+        else:
+            kind, text = b["outside"]
+            assert kind == ShoalError.__name__ and "not a member of subgroup 'leaders'" in text, text
+            assert "check .member" in text, text
+        assert r["taken"] == "host-2", r["taken"]
+
+        # host_groups(...).current() is what HostGroups.build makes of the same group.
+        mine, built = r["levels"]
+        assert mine == built, (mine, built)
+        assert mine[0].hosts == ((0, 1),) and mine[1:] == (2, rank, (1, 0) if rank == 0 else None), mine
+        assert r["levels_parent"] is True
