@@ -169,15 +169,14 @@ class Shards:
 
     def attach(self, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
         """Lay the shards out by gradient bucket (overlapped with DDP); no state is held yet."""
-        managed = set(self.params)
-        self.slots = [[(k, p) for k, p in enumerate(members) if p in managed] for members in buckets]
-        self._subsets()
+        self._set_buckets(buckets)
         s = self.shard
         self.shard = self.layout(s.qid, s.rank, s.size, {})
 
-    def _subsets(self) -> None:
-        if self.slots is None:
-            return
+    def _set_buckets(self, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Per gradient bucket: the slots of the parameters managed here, per-group subsets, indices."""
+        managed = set(self.params)
+        self.slots = [[(k, p) for k, p in enumerate(members) if p in managed] for members in buckets]
         self.subsets, self.bucket_ids = [], []
         for slots in self.slots:
             mine = {p for _, p in slots}
@@ -189,9 +188,7 @@ class Shards:
         self._reindex()
         s = self.shard
         if buckets is not None:
-            managed = set(self.params)
-            self.slots = [[(k, p) for k, p in enumerate(members) if p in managed] for members in buckets]
-            self._subsets()
+            self._set_buckets(buckets)
         s.owner, s.units, s.buckets, s.bucket_owner = self._assign(s.size, s.bucket_owner)
         last = self.param_groups[-1]
         s.optim.add_param_group(dict(last, params=[p for p in last["params"] if s.owner[p] == s.rank]))
