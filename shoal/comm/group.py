@@ -431,10 +431,8 @@ class Group(Stepping):
                     raise ConfigError(f"rank {r} appears in more than one subgroup")
                 seen.add(r)
         mine: Group | None = None
-        # A group smaller than the world: the world's other ranks never get here.
-        local = self.size < dist.get_world_size()
         for ranks in ranks_per_subgroup:
-            pg = dist.new_group([self.global_rank(r) for r in ranks], use_local_synchronization=local)
+            pg = dist.new_group([self.global_rank(r) for r in ranks])
             if self.rank in ranks:
                 mine = Group(pg, timeout=self.timeout, meter=self.meter)
         connect(mine)  # NCCL: build the communicator now, in program order, not lazily on some thread

@@ -107,3 +107,33 @@ def test_zero_ends_every_step_with_commit_on_a_static_group_and_copies_nothing_i
     for mode in ("plain", "overlap", "overlap-skip-nonfinite"):   # every rank holds the same parameters
         for a, b in zip(results[0][mode]["params"], results[1][mode]["params"]):
             assert torch.equal(a, b), mode
+
+
+def _subgroup_worker(rank: int, world: int) -> list[torch.Tensor] | None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pg = dist.new_group([0, 1])    # every rank of the world takes part in this one
+    if rank == 2:
+        return None                # and in nothing else: the overlapped ZeRO's broadcast group must not need it
+    group = shoal.Group(pg)
+    net = _net()
+    zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+    model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=CAP_MB, optimizer=zero)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x = torch.randn(8, 16, generator=gen)
+        F.mse_loss(model(x), torch.tanh(x[:, :4])).backward()
+        zero.step()
+        zero.zero_grad()
+    zero.wait_for_params()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.timeout(90)
+def test_overlapped_zero_on_a_subgroup_of_the_world_needs_no_other_rank() -> None:
+    results = run_workers(_subgroup_worker, 3, timeout=60)
+    assert results[2] is None
+    assert any(not torch.equal(a, b) for a, b in zip(results[0], _net().parameters()))
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(a, b)
