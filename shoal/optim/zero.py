@@ -52,7 +52,7 @@ from shoal.comm.group import Group
 from shoal.comm.objects import all_gather_bytes, failed, from_bytes, to_bytes
 from shoal.errors import ConfigError, ShoalError
 from shoal.nonfinite import verdict_for
-from shoal.optim.zero_layout import (GRAD_TAG, PARAM_TAG, STATE_TAG, ZeroStats, assign_bucket_owners, nbytes,
+from shoal.optim.zero_layout import (GRAD_TAG, PARAM_TAG, STATE_TAG, ZeroStats, assign_bucket_owners,
                                      partition_by_size, sync_groups)
 from shoal.optim.zero_overlap import Overlap
 from shoal.optim.zero_shards import Shards
@@ -175,7 +175,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consolidated: dict[str, Any] | None = None
         self._buckets: list[list[torch.Tensor]] | None = None   # DDP buckets once attached
         self._overlap: Overlap | None = None
-        # The local optimizer starts from the group's hyper-parameters, as torch's optimizers do.
+        # The layout of the group's current membership (elastic: re-sharded at its first step); this
+        # optimizer's groups then show the defaults the local optimizer filled in (betas, eps...).
         self._shards = Shards(self.param_groups, optimizer_class, dict(self.defaults), group, replicate)
         sync_groups(self.optim.param_groups, self.param_groups)
         self._initialized = True
