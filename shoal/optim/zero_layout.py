@@ -229,6 +229,3 @@ class ZeroStats:
     lost: list[tuple[int, list[int]]] = field(default_factory=list)  # (committed step, global indices)
     replica_bytes: int = 0       # optimizer state held for the ring neighbour, after the last commit
     replica_drift: int = 0       # commits where the recomputed neighbour parameters differed from the owner's
-
-
-ElasticZeroStats = ZeroStats   # its name before static and elastic groups shared one step
