@@ -28,8 +28,7 @@ from shoal.codecs.hierarchical import Hierarchical, reduction_codec
 from shoal.comm.topology import Topology
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
-from shoal.optim.zero import ZeroRedundancyOptimizer
-from shoal.reducer import CommHook, Reducer
+from shoal.reducer import BucketStepper, CommHook, Reducer
 
 
 def _as_group(process_group: Any) -> Group:
@@ -120,7 +119,8 @@ class DistributedDataParallel(nn.Module):
             backward's bucket steps form one elastic step that
             ``zero.step()`` votes (or, if the loop skips it, the next step
             start): a failure anywhere discards it on every member; see
-            :mod:`shoal.optim.elastic_overlap`.
+            :mod:`shoal.optim.zero_overlap`. Any object implementing
+            :class:`shoal.reducer.BucketStepper` is accepted.
         hierarchical: reduce inside each host, all-reduce among one leader
             per host (through ``codec``), broadcast inside each host (SPEC
             A7). ``None`` (default): on when the ranks span several hosts and
@@ -169,7 +169,7 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         codec: Codec | None = None,
-        optimizer: ZeroRedundancyOptimizer | None = None,
+        optimizer: BucketStepper | None = None,
         hierarchical: bool | None = None,
         skip_nonfinite: bool = True,
     ) -> None:
@@ -180,9 +180,10 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
         if codec is not None and not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
-        if optimizer is not None and not isinstance(optimizer, ZeroRedundancyOptimizer):
+        if optimizer is not None and not isinstance(optimizer, BucketStepper):
             raise ConfigError(f"optimizer must be a shoal.ZeroRedundancyOptimizer (its step is overlapped with "
-                              f"backward), got {type(optimizer).__name__}; other optimizers step after backward")
+                              f"backward; any shoal.reducer.BucketStepper), got {type(optimizer).__name__}; "
+                              "other optimizers step after backward")
         if optimizer is not None and find_unused_parameters:
             raise ConfigError("optimizer= cannot be combined with find_unused_parameters=True: which parameters "
                               "were unused is known only after backward, too late to step buckets during it")
@@ -222,7 +223,7 @@ class DistributedDataParallel(nn.Module):
         self.reducer.on_step_done = self._steps.mark_step
         self.optimizer = optimizer
         if optimizer is not None:
-            optimizer._attach(self.reducer, self.module)
+            optimizer.attach_to_reducer(self.reducer, self.module)
 
     def _reduction_codec(self, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
         """The codec buckets go through: ``codec``, or it inside a two-level reduction."""

@@ -42,7 +42,7 @@ import time
 import warnings
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -172,6 +172,26 @@ class _Bucket:
 
     def grad_bucket(self) -> GradBucket:
         return GradBucket(self.index, self.buffer, self.views, self.params, self.names, self.last)
+
+
+@runtime_checkable
+class BucketStepper(Protocol):
+    """What ``DistributedDataParallel(..., optimizer=...)`` accepts: an optimizer that steps during backward.
+
+    ``attach_to_reducer(reducer, module)`` is called once, when the DDP is
+    built; the optimizer hooks itself in through the reducer's extension
+    points (``on_bucket_reduced``, ``on_nonfinite``) and the module's hooks.
+    :class:`shoal.ZeroRedundancyOptimizer` is one; the reducer knows no
+    optimizer.
+
+    Example::
+
+        class Printer:
+            def attach_to_reducer(self, reducer, module):
+                reducer.on_bucket_reduced = lambda bucket: print(bucket.index())
+    """
+
+    def attach_to_reducer(self, reducer: "Reducer", module: nn.Module) -> None: ...
 
 
 class Reducer:

@@ -13,12 +13,13 @@ as PowerSGD) its owner steps those parameters at once and starts their
 broadcast, on a process group of its own. The broadcasts are waited for just
 before the next forward (a forward pre-hook on the module).
 
-On an :class:`~shoal.elastic.ElasticGroup` (with DDP on the same group)
-``step()`` is the elastic step's vote and shards follow the quorum; see
-:mod:`shoal.optim.elastic_zero` and docs/zero.md. Overlapped with that DDP,
-each owner steps its buckets in place during backward, keeping a snapshot
-until the vote in ``step()`` (which restores it on a discard), and broadcasts
-them over a per-quorum subgroup; see :mod:`shoal.optim.elastic_overlap`.
+The step is the same on every group (:mod:`shoal.optim.zero_shards`): it
+begins with ``group.begin_step()`` and ends with ``group.commit()``, and what
+a step changes is registered rollback state on the group. On a static group
+those are trivial (commit is always True, nothing is copied); on an
+:class:`~shoal.elastic.ElasticGroup` (with DDP on the same group) ``step()``
+returns the step's verdict and shards follow the quorum; see docs/zero.md.
+Overlapped with DDP, see :mod:`shoal.optim.zero_overlap`.
 
 The consolidated state dict has torch's optimizer format, keyed by the global
 index of each parameter over the parameter groups, so it loads into a
@@ -39,123 +40,26 @@ from __future__ import annotations
 
 import copy
 import inspect
-import threading
 import warnings
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shoal.comm.finite import nonfinite_flag, read_flag
-from shoal.comm.group import Group, Handle
-from shoal.comm.objects import all_gather_bytes, from_bytes, to_bytes
-from shoal.comm.streams import connect
+from shoal.comm.group import Group
+from shoal.comm.objects import all_gather_bytes, failed, from_bytes, to_bytes
 from shoal.errors import ConfigError, ShoalError
 from shoal.nonfinite import verdict_for
+from shoal.optim.zero_layout import (GRAD_TAG, PARAM_TAG, STATE_TAG, ZeroStats, assign_bucket_owners,
+                                     partition_by_size, sync_groups)
+from shoal.optim.zero_overlap import Overlap
+from shoal.optim.zero_shards import Shards
+from shoal.reducer import Reducer
 
-if TYPE_CHECKING:
-    from shoal.optim.elastic_zero import ElasticShards, Snapshot
-    from shoal.reducer import GradBucket, Reducer
-
-PARAM_TAG = "zero/params"
-GRAD_TAG = "zero/grad"   # where a skipped non-finite step is counted (meter.add_nonfinite_skip)
-STATE_TAG = "zero/state"
-# Broadcast buckets in plain mode: large enough to amortise per-call cost,
-# small enough that several are in flight at once.
-BROADCAST_CAP_BYTES = 16 * 1024 * 1024
-
-
-def _nbytes(p: torch.Tensor) -> int:
-    return p.numel() * p.element_size()
-
-
-def partition_by_size(group_sizes: Sequence[Sequence[int]], world: int) -> list[list[int]]:
-    """Owner rank of each parameter, per group: greedy, largest first, to the least loaded rank.
-
-    Groups are taken in order and loads carry over, so appending a group
-    never moves an earlier parameter (``add_param_group`` keeps state where
-    it is). Ties go to the lower rank, so every rank computes the same map.
-
-    >>> partition_by_size([[10, 30, 20]], 2)
-    [[1, 0, 1]]
-    >>> partition_by_size([[10, 30, 20], [5]], 2)
-    [[1, 0, 1], [0]]
-    """
-    load = [0] * world
-    owners: list[list[int]] = []
-    for sizes in group_sizes:
-        ranks = [0] * len(sizes)
-        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-            r = min(range(world), key=lambda r: load[r])
-            ranks[i] = r
-            load[r] += sizes[i]
-        owners.append(ranks)
-    return owners
-
-
-def assign_bucket_owners(bucket_bytes: Sequence[int], world: int) -> list[int]:
-    """Owner rank of each gradient bucket: largest first, to the least loaded rank.
-
-    >>> assign_bucket_owners([100, 10, 60, 50], 2)
-    [0, 0, 1, 1]
-    """
-    load = [0] * world
-    owners = [0] * len(bucket_bytes)
-    for b in sorted(range(len(bucket_bytes)), key=lambda b: -bucket_bytes[b]):
-        r = min(range(world), key=lambda r: load[r])
-        owners[b] = r
-        load[r] += bucket_bytes[b]
-    return owners
-
-
-class _Unit:
-    """Parameters that one rank broadcasts together through one reused flat buffer."""
-
-    def __init__(self, src: int, params: list[torch.Tensor]) -> None:
-        self.src = src
-        self.params = params
-        first = params[0]
-        self.flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-        self.views = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat.narrow(0, offset, p.numel()).view(p.shape))
-            offset += p.numel()
-
-    def pack(self) -> None:
-        with torch.no_grad():
-            torch.cat([p.detach().reshape(-1) for p in self.params], out=self.flat)
-
-    def unpack(self) -> None:
-        with torch.no_grad():
-            torch._foreach_copy_([p.detach() for p in self.params], self.views)
-
-
-def _plain_units(params: Sequence[torch.Tensor], owner: dict[torch.Tensor, int], world: int) -> list[_Unit]:
-    """Per rank, in parameter order: one unit per (dtype, device), split at the cap."""
-    units: list[_Unit] = []
-    for r in range(world):
-        open_: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in params:
-            if owner[p] != r:
-                continue
-            members = open_.setdefault((p.dtype, p.device), [])
-            members.append(p)
-            if sum(_nbytes(q) for q in members) >= BROADCAST_CAP_BYTES:
-                units.append(_Unit(r, members))
-                open_.pop((p.dtype, p.device))
-        units.extend(_Unit(r, members) for members in open_.values())
-    return units
-
-
-def _sync_groups(src: Sequence[dict[str, Any]], dst: Sequence[dict[str, Any]]) -> None:
-    """Copy hyper-parameters (everything but ``params``) group by group."""
-    for s, d in zip(src, dst):
-        for key, value in s.items():
-            if key != "params":
-                d[key] = value
+__all__ = ["ZeroRedundancyOptimizer", "partition_by_size", "assign_bucket_owners",
+           "PARAM_TAG", "GRAD_TAG", "STATE_TAG"]
 
 
 def _normalise_params(params: Any) -> list[dict[str, Any]]:
@@ -218,9 +122,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             Its state must be per parameter (true of torch's optimizers except LBFGS).
         process_group: a ``torch.distributed`` ProcessGroup or a :class:`shoal.Group`;
             default: the world. An :class:`~shoal.elastic.ElasticGroup` makes the
-            shards follow the quorum: ``step()`` is then the elastic step's vote
-            and returns whether it committed; see :mod:`shoal.optim.elastic_zero`
-            and docs/zero.md.
+            shards follow the quorum: ``step()`` then returns whether the step
+            committed; see docs/zero.md.
         replicate: elastic groups only: each member also keeps (by stepping it
             itself) the optimizer state of its ring neighbour's shard, so that a
             lost member's state survives; costs that much more optimizer memory.
@@ -228,10 +131,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     Attributes:
         optim: the local optimizer over this rank's shard (same groups, some may be empty).
+        stats: :class:`~shoal.optim.zero_layout.ZeroStats`: commits, discards, re-shards,
+            lost and replicated state (the last ones move on elastic groups only).
 
     Plain use steps after backward, like torch's class; pass it to
     ``shoal.DistributedDataParallel(..., optimizer=zero)`` to step each
-    gradient bucket during backward instead.
+    gradient bucket during backward instead (it implements
+    :class:`shoal.reducer.BucketStepper`).
 
     Example::
 
@@ -247,10 +153,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, optimizer_class: type[torch.optim.Optimizer],
                  process_group: Any = None, replicate: bool = False, **defaults: Any) -> None:
-        from shoal.optim.elastic_zero import ElasticShards, check_elastic_options
-
         _check_optimizer_class(optimizer_class)
-        elastic = check_elastic_options(process_group, replicate)
+        if not isinstance(replicate, bool):
+            raise ConfigError(f"replicate must be True or False, got {replicate!r}")
         if defaults.get("overlap_with_ddp"):
             raise ConfigError("overlap_with_ddp is torch's switch; in shoal pass the optimizer to "
                               "shoal.DistributedDataParallel(model, optimizer=zero) instead")
@@ -259,60 +164,56 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                               "parameters through flat buffers of its own")
         defaults.pop("overlap_with_ddp", None)
         defaults.pop("parameters_as_bucket_view", None)
+        if replicate and not (isinstance(process_group, Group) and process_group.elastic):
+            raise ConfigError("replicate=True keeps a copy of a ring neighbour's optimizer state so that an elastic "
+                              "run loses none when a member dies; it needs an ElasticGroup (process_group=group)")
         groups = _normalise_params(params)
+        group = _as_group(process_group)
         self._initialized = False
         super().__init__(groups, defaults)
-        self.group = _as_group(process_group)
-        self.rank, self.world_size = self.group.rank, self.group.size
-        self._optimizer_class = optimizer_class
-        self._bcast_group = self.group
-        self._lock = threading.Lock()
-        self._pending: list[tuple[_Unit, Handle]] = []
+        self.group = group
         self._consolidated: dict[str, Any] | None = None
         self._buckets: list[list[torch.Tensor]] | None = None   # DDP buckets once attached
-        self._bucket_owner: list[int] = []
-        self._stepped_in_backward = False
-        self._snap: Snapshot = []   # overlapped: what this backward's bucket steps changed, until its verdict
-        self._undoable = False      # overlapped under DDP(skip_nonfinite=True): keep self._snap
-        self._layout()
-        self.optim = optimizer_class(self._local_groups(), **defaults)
-        self.state = self.optim.state  # type: ignore[assignment]  # this rank's shard
-        _sync_groups(self.optim.param_groups, self.param_groups)
-        self._elastic: ElasticShards | None = None
-        if elastic:
-            self._elastic = ElasticShards(self, self.group, replicate)  # type: ignore[arg-type]
+        self._overlap: Overlap | None = None
+        # The layout of the group's current membership (elastic: re-sharded at its first step); this
+        # optimizer's groups then show the defaults the local optimizer filled in (betas, eps...).
+        self._shards = Shards(self.param_groups, optimizer_class, dict(self.defaults), group, replicate)
+        sync_groups(self.optim.param_groups, self.param_groups)
         self._initialized = True
 
-    # --- partition -----------------------------------------------------------
+    # --- the current layout ----------------------------------------------------
+    @property
+    def optim(self) -> torch.optim.Optimizer:
+        return self._shards.shard.optim
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the current layout."""
+        return self._shards.shard.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of shards in the current layout."""
+        return self._shards.shard.size
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """This rank's shard of the optimizer state (the local optimizer's)."""
+        if not self.__dict__.get("_initialized"):
+            return self.__dict__.get("_base_state")
+        return self._shards.shard.optim.state
+
+    @state.setter
+    def state(self, value: Any) -> None:   # torch.optim.Optimizer.__init__ sets it
+        self.__dict__["_base_state"] = value
+
+    @property
+    def stats(self) -> ZeroStats:
+        """Commits, discards, re-shards, lost and replicated state since construction."""
+        return self._shards.stats
+
     def _all_params(self) -> list[torch.Tensor]:
         return list(chain.from_iterable(g["params"] for g in self.param_groups))
-
-    def _layout(self) -> None:
-        """Owner of every parameter, broadcast units, per-bucket subsets (overlap)."""
-        params = self._all_params()
-        if self._buckets is None:
-            owners = partition_by_size([[_nbytes(p) for p in g["params"]] for g in self.param_groups],
-                                       self.world_size)
-            self._owner = {p: r for g, rs in zip(self.param_groups, owners) for p, r in zip(g["params"], rs)}
-            self._units = _plain_units(params, self._owner, self.world_size)
-            return
-        managed = set(params)
-        self._owner = {}
-        self._bucket_units: list[_Unit | None] = []
-        self._bucket_slots: list[list[tuple[int, torch.Tensor]]] = []
-        self._bucket_subsets: list[list[list[torch.Tensor]]] = []
-        for b, members in enumerate(self._buckets):
-            slots = [(k, p) for k, p in enumerate(members) if p in managed]
-            for _, p in slots:
-                self._owner[p] = self._bucket_owner[b]
-            self._bucket_slots.append(slots)
-            self._bucket_units.append(_Unit(self._bucket_owner[b], [p for _, p in slots]) if slots else None)
-            in_bucket = {p for _, p in slots}
-            self._bucket_subsets.append([[p for p in g["params"] if p in in_bucket] for g in self.param_groups])
-        self._units = [u for u in self._bucket_units if u is not None]
-
-    def _local_groups(self) -> list[dict[str, Any]]:
-        return [dict(g, params=[p for p in g["params"] if self._owner[p] == self.rank]) for g in self.param_groups]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group on every rank (collective order must match); earlier parameters keep their owner.
@@ -324,19 +225,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
-        if self._elastic is not None:
+        if self.group.elastic:
             raise ShoalError("add_param_group is not supported on an elastic group (shards are laid out per "
                              "quorum); build the optimizer with every parameter group")
-        self._finish_broadcasts()
+        self.wait_for_params()
         super().add_param_group(param_group)
         if self._buckets is not None:
             _check_in_buckets(self.param_groups[-1]["params"], self._buckets)
-        self._layout()
-        self.optim.add_param_group(self._local_groups()[-1])
-        _sync_groups(self.optim.param_groups[-1:], self.param_groups[-1:])
+        self._shards.add_group(self._buckets)
 
     # --- stepping ------------------------------------------------------------
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then broadcast every shard's updated parameters.
 
         When attached to DDP and the last backward already stepped every
@@ -349,31 +248,34 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """
         if verdict_for(self._all_params()):  # shoal's DDP found NaN/Inf (counted there): every rank steps nothing
             self.zero_grad(set_to_none=True)
-        if self._elastic is not None:
-            if closure is not None or kwargs:
-                raise ConfigError("step(closure) is not supported on an elastic group: the closure's forward "
-                                  "would run outside the step's vote")
-            if self._elastic.overlap is not None:
-                verdict = self._elastic.overlap.claim()   # backward stepped the buckets: vote (or voted)
-                if verdict is not None:
-                    return verdict
-            return self._elastic.step()
-        if self._stepped_in_backward:
-            self._stepped_in_backward = False
-            if closure is not None:
-                raise ConfigError("a closure cannot be used when the step overlaps backward "
-                                  "(DistributedDataParallel(..., optimizer=zero)): backward already stepped")
-            return None
-        self._finish_broadcasts()
-        if closure is None and self._nonfinite_grads():
-            return None   # every rank skips: same averaged gradients, same verdict, no broadcast
-        _sync_groups(self.param_groups, self.optim.param_groups)
-        loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
-        _sync_groups(self.optim.param_groups, self.param_groups)
-        self._broadcast(self._units)
-        if self._buckets is None:
-            self._finish_broadcasts()  # standalone: parameters are in sync when step returns
-        return loss
+        elastic = self.group.elastic
+        if elastic and (closure is not None or kwargs):
+            raise ConfigError("step(closure) is not supported on an elastic group: the closure's forward "
+                              "would run outside the step's vote")
+        if self._overlap is not None:
+            # A static group's verdict is known (commit): its step ends lazily, at the next forward, so
+            # the broadcasts overlap the loop's work in between. An elastic one's is what step() returns.
+            verdict = self._overlap.claim(end=elastic)
+            if verdict is not None:
+                if closure is not None:
+                    raise ConfigError("a closure cannot be used when the step overlaps backward "
+                                      "(DistributedDataParallel(..., optimizer=zero)): backward already stepped")
+                return verdict if elastic else None
+            self._overlap.end_step()
+        return self._step(closure, kwargs)
+
+    def _step(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> Any:
+        """The whole step at once (not overlapped): open, step, broadcast, verdict."""
+        group, shards = self.group, self._shards
+        group.begin_step()   # a no-op after the DDP forward; a step with no collective still needs it
+        shard = shards.open(group)
+        loss, handles = None, []
+        nonfinite = shard is not None and closure is None and self._nonfinite_grads()
+        if shard is not None and not nonfinite and not failed(group):
+            loss = shards.step(shard, closure, kwargs)
+            handles = shards.broadcast(shard, group)
+        commit = shards.end(shard, handles, None, nonfinite)
+        return commit if group.elastic else loss
 
     def _nonfinite_grads(self) -> bool:
         """Whether the (averaged, hence identical on every rank) gradients hold a NaN/Inf; counts
@@ -388,32 +290,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return False
         self.group.meter.add_nonfinite_skip(GRAD_TAG)
         warnings.warn("ZeroRedundancyOptimizer: the gradients hold NaN/Inf; every rank skips this step "
-                      "(parameters and optimizer state unchanged)", RuntimeWarning, stacklevel=3)
+                      "(parameters and optimizer state unchanged)", RuntimeWarning, stacklevel=4)
         return True
-
-    def _broadcast(self, units: Sequence[_Unit]) -> None:
-        for u in units:
-            if u.src == self.rank:
-                u.pack()
-            handle = self._bcast_group.broadcast(u.flat, src=u.src, tag=PARAM_TAG)
-            with self._lock:
-                self._pending.append((u, handle))
-
-    def _finish_broadcasts(self) -> None:
-        """Wait for parameter broadcasts in flight and write received values into the parameters.
-
-        Elastic and overlapped: end the open step (wait, vote, apply or undo).
-        """
-        if self._elastic is not None and self._elastic.overlap is not None:
-            self._elastic.overlap.end_step()
-            return
-        with self._lock:
-            pending, self._pending = self._pending, []
-        self._snap = []   # the verdict on the overlapped step is in: its snapshots are not needed
-        for u, handle in pending:
-            handle.wait()
-            if u.src != self.rank:
-                u.unpack()
 
     def wait_for_params(self) -> None:
         """Block until every parameter holds its updated value on this rank.
@@ -428,21 +306,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             loss.backward(); zero.step(); zero.wait_for_params()
             print(model.module.fc.weight)
         """
-        self._finish_broadcasts()
+        if self._overlap is not None:
+            self._overlap.end_step()
 
-    # --- overlap with DDP -----------------------------------------------------
-    def _attach(self, reducer: Reducer, module: nn.Module) -> None:
+    # --- overlap with DDP (shoal.reducer.BucketStepper) ------------------------
+    def attach_to_reducer(self, reducer: Reducer, module: nn.Module) -> None:
         """Step bucket by bucket inside ``reducer``'s backward (called by DistributedDataParallel).
 
-        On an elastic group the steps of a backward's buckets form one elastic
-        step that the next ``zero.step()`` votes; see :mod:`shoal.optim.elastic_overlap`.
+        The steps of a backward's buckets form one step that ends as
+        :mod:`shoal.optim.zero_overlap` describes.
         """
         if self._buckets is not None:
             raise ConfigError("this ZeroRedundancyOptimizer is already attached to a DistributedDataParallel")
-        if self._elastic is not None:
-            self._elastic.check_attach(reducer)
-        elif reducer.group.pg is not self.group.pg:
-            raise ConfigError("the optimizer and DistributedDataParallel must use the same process group: "
+        group = self.group
+        if reducer.group is not group and (group.elastic or reducer.group.pg is not group.pg):
+            what = "ElasticGroup (process_group=group on both)" if group.elastic else "process group"
+            raise ConfigError(f"the optimizer and DistributedDataParallel must use the same {what}: "
                               "gradient buckets are assigned to the optimizer's ranks")
         if reducer.on_bucket_reduced is not None:
             raise ConfigError("the model's reducer already has an on_bucket_reduced callback")
@@ -451,94 +330,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                              "first step or load_state_dict: shards are re-assigned by gradient bucket")
         buckets: list[list[torch.Tensor]] = [list(b.params) for b in reducer.buckets]
         _check_in_buckets(self._all_params(), buckets)
-        self._finish_broadcasts()
+        self._shards.attach(buckets)
+        self._buckets = buckets
+        sync_groups(self.param_groups, self.optim.param_groups)
+        owners = self._shards.shard.bucket_owner or []
         managed = set(self._all_params())
-        sizes = [sum(_nbytes(p) for p in b if p in managed) for b in buckets]
-        self._bucket_owner = assign_bucket_owners(sizes, self.world_size)
-        idle = sorted(set(range(self.world_size)) - {r for r, s in zip(self._bucket_owner, sizes) if s})
-        if idle and self._elastic is None:   # elastic: the quorum's size is known only per quorum
-            warnings.warn(f"only {sum(1 for s in sizes if s)} gradient bucket(s) for {self.world_size} ranks: "
+        busy = {r for r, b in zip(owners, buckets) if any(p in managed for p in b)}
+        idle = sorted(set(range(self.world_size)) - busy)
+        if idle and not group.elastic:   # elastic: the quorum's size is known only per quorum
+            warnings.warn(f"only {len(busy)} rank(s) own a gradient bucket for {self.world_size} ranks: "
                           f"rank(s) {idle} hold no optimizer state; lower bucket_cap_mb for a finer split",
                           stacklevel=3)
-        self._buckets = buckets
-        self._layout()
-        self.optim = self._optimizer_class(self._local_groups(), **self.defaults)
-        self.state = self.optim.state  # type: ignore[assignment]
-        _sync_groups(self.param_groups, self.optim.param_groups)
-        if self._elastic is not None:
-            self._elastic.attach(reducer)
-        else:
-            self._bcast_group = self._new_broadcast_group()
-            reducer.on_bucket_reduced = self._on_bucket_reduced
-            reducer.on_nonfinite = self._undo_overlapped_step
-            self._undoable = reducer.skip_nonfinite
-        module.register_forward_pre_hook(lambda _m, _args: self._finish_broadcasts())
-        module.register_state_dict_pre_hook(lambda *_: self._finish_broadcasts())
-
-    def _new_broadcast_group(self) -> Group:
-        # Broadcasts are issued from the bucket-done thread while gradient
-        # reductions are issued from backward: on one group their order would
-        # differ between ranks. A group of their own keeps each stream ordered.
-        # Over the whole world, every rank enters new_group in the same order (NCCL splits
-        # communicators from the world's when a device is bound; that split needs all ranks).
-        # On NCCL the communicator is built here, on the training thread, not lazily at the
-        # first broadcast on the bucket-done thread, where ranks would reach it at different times.
-        ranks = [self.group.global_rank(r) for r in range(self.world_size)]
-        local = self.world_size < dist.get_world_size()   # a subgroup: other ranks never get here
-        pg = dist.new_group(ranks=ranks, backend=self.group.backend, use_local_synchronization=local)
-        bcast = Group(pg, timeout=self.group.timeout, meter=self.group.meter)
-        connect(bcast)
-        return bcast
-
-    def _on_bucket_reduced(self, bucket: GradBucket) -> None:
-        """The reducer's callback: the owner steps this bucket's parameters, then all broadcast them."""
-        from shoal.optim.elastic_zero import snapshot
-
-        b = bucket.index()
-        if b == 0:
-            _sync_groups(self.param_groups, self.optim.param_groups)
-            self._snap = []
-        unit = self._bucket_units[b]
-        if unit is not None:
-            if unit.src == self.rank:
-                grads = bucket.gradients()
-                with torch.no_grad():
-                    for k, p in self._bucket_slots[b]:
-                        if p.grad is None:
-                            p.grad = grads[k].clone()
-                        elif p.grad.data_ptr() != grads[k].data_ptr():
-                            p.grad.copy_(grads[k])
-                if self._undoable:  # a later bucket may turn out non-finite: keep what this changes
-                    self._snap += snapshot(self.optim, [p for _, p in self._bucket_slots[b]])
-                self._step_subset(self._bucket_subsets[b])
-            self._broadcast([unit])
-        if bucket.is_last():
-            _sync_groups(self.optim.param_groups, self.param_groups)
-            self._stepped_in_backward = True
-
-    def _undo_overlapped_step(self) -> None:
-        """The reducer found this backward's averaged gradients non-finite (the same verdict on every
-        rank, after every bucket callback ran): wait for the broadcasts but keep the received values
-        out, and restore what this rank's bucket steps changed. Nothing of the step remains."""
-        from shoal.optim.elastic_zero import ElasticShards
-
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for _, handle in pending:
-            handle.wait()
-        ElasticShards.restore(self._snap)
-        self._snap = []
-
-    def _step_subset(self, subsets: list[list[torch.Tensor]]) -> None:
-        groups = self.optim.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for g, subset in zip(groups, subsets):  # a bucket's parameters all belong to its owner
-                g["params"] = subset
-            self.optim.step()
-        finally:
-            for g, ps in zip(groups, saved):
-                g["params"] = ps
+        self._overlap = Overlap(self._shards, group, reducer, module)
 
     # --- state ---------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -554,11 +357,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if rank == 0:
                 torch.save(zero.state_dict(), "opt.pt")
         """
-        if self._elastic is not None:
-            self._elastic.check_quorum("consolidate_state_dict")
+        self._shards.check_current("consolidate_state_dict")
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ConfigError(f"to must be a rank in 0..{self.world_size - 1}, got {to!r}")
-        self._finish_broadcasts()
+        self.wait_for_params()
         mine = self._shard_state()
         blobs = all_gather_bytes(self.group, to_bytes(mine, self.group.device), STATE_TAG)
         state: dict[int, Any] = {}
@@ -592,26 +394,30 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole-optimizer state (any world size, or a plain optimizer's); keep this rank's shard.
 
+        On an elastic group the whole state is held until the next step's
+        re-shard (the quorum's layout is not known before).
+
         Example::
 
             zero.load_state_dict(torch.load("opt.pt"))   # saved at another world size
         """
         saved = _check_state_dict(state_dict, self.param_groups)
-        if self._elastic is not None:
-            self._elastic.load(state_dict)
+        if self.group.elastic:
+            self._shards.load_whole(state_dict)
             return
-        self._finish_broadcasts()
-        _sync_groups(saved, self.param_groups)
-        local_index = {p: i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.optim.param_groups))}
+        self.wait_for_params()
+        sync_groups(saved, self.param_groups)
+        owner, optim = self._shards.shard.owner, self.optim
+        local_index = {p: i for i, p in enumerate(chain.from_iterable(g["params"] for g in optim.param_groups))}
         state = {}
         for sid, p in zip(chain.from_iterable(g["params"] for g in saved), self._all_params()):
-            if self._owner[p] == self.rank and sid in state_dict["state"]:
+            if owner[p] == self.rank and sid in state_dict["state"]:
                 state[local_index[p]] = copy.deepcopy(state_dict["state"][sid])
         groups = [dict({k: v for k, v in s.items() if k != "params"},
                        params=[local_index[p] for p in g["params"]])
-                  for s, g in zip(saved, self.optim.param_groups)]
-        self.optim.load_state_dict({"state": state, "param_groups": groups})
-        _sync_groups(self.optim.param_groups, self.param_groups)
+                  for s, g in zip(saved, optim.param_groups)]
+        optim.load_state_dict({"state": state, "param_groups": groups})
+        sync_groups(optim.param_groups, self.param_groups)
 
 
 def _check_in_buckets(params: Sequence[torch.Tensor], buckets: Sequence[Sequence[torch.Tensor]]) -> None:

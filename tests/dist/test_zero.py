@@ -150,7 +150,7 @@ def _codecs_and_overlap(rank: int, world: int) -> dict[str, Any]:
     zero = ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=0.1)
     model = shoal.DistributedDataParallel(module, bucket_cap_mb=CAP_MB, optimizer=zero)
     first = model.reducer.buckets[0].params[0]
-    if zero._bucket_owner[0] == rank:
+    if zero._shards.shard.bucket_owner[0] == rank:
         module.watch = first
     train(model, zero, rank, steps=3)
     out["seen"] = module.seen

@@ -185,7 +185,7 @@ def main() -> None:
         exchange = model._exchange  # type: ignore[union-attr]
         result["exchange"] = {"commits": exchange.commits, "discards": exchange.discards}
     else:
-        el = zero._elastic
+        el = zero._shards
         assert el is not None
         result["state"] = state_tensors(el.held_state(replica=False))
         result["replica"] = state_tensors(el.held_state(replica=True))

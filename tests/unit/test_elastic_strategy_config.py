@@ -120,9 +120,9 @@ def test_zero_overlapped_with_ddp_on_an_elastic_group_attaches_without_a_collect
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
     model = shoal.DistributedDataParallel(net, process_group=group, optimizer=zero, bucket_cap_mb=0.0001)
-    assert zero._elastic is not None and zero._elastic.overlap is not None
-    assert model.reducer.on_bucket_reduced == zero._elastic.overlap.on_bucket
-    assert not zero._elastic.overlap.pending
+    assert zero._shards is not None and zero._overlap is not None
+    assert model.reducer.on_bucket_reduced == zero._overlap.on_bucket
+    assert not zero._overlap.pending
 
 
 @pytest.mark.timeout(30)
@@ -134,7 +134,7 @@ def test_zero_overlapped_with_ddp_on_another_group_is_refused(group: ElasticGrou
         zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
         with pytest.raises(ConfigError, match=r"must use the same ElasticGroup"):
             shoal.DistributedDataParallel(net, process_group=other, optimizer=zero)
-        assert zero._buckets is None and zero._elastic is not None and zero._elastic.overlap is None
+        assert zero._buckets is None and zero._shards is not None and zero._overlap is None
     finally:
         other.leave()
         coord.stop()

@@ -72,7 +72,7 @@ def test_discarded_step_undoes_the_buckets_stepped_in_backward(group: ElasticGro
         opt.zero_grad()
     for a, b in zip(net.parameters(), ref.parameters()):
         assert torch.equal(a, b)
-    el = zero._elastic
+    el = zero._shards
     assert el is not None and el.stats.commits == 5 and el.stats.discards == 1 and el.stats.reshards == 2
     held = el.held_state()
     for i, p in enumerate(ref.parameters()):   # the state too: the discarded step left no trace in it
@@ -88,18 +88,18 @@ def test_a_loop_without_zero_step_is_voted_at_the_next_step_start(group: Elastic
                                          momentum=0.9)
     model = shoal.DistributedDataParallel(net, process_group=group, optimizer=zero, bucket_cap_mb=CAP_MB)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    el = zero._elastic
-    assert el is not None and el.overlap is not None
+    el = zero._shards
+    assert el is not None and zero._overlap is not None
     for step in range(4):
         x, y = _batch(step)
         F.mse_loss(model(x), y).backward()     # the forward voted the previous step
-        assert el.overlap.pending and group.step == step
+        assert zero._overlap.pending and group.step == step
         F.mse_loss(ref(x), y).backward()
         opt.step()
         zero.zero_grad()
         opt.zero_grad()
     zero.wait_for_params()                     # votes the last one
-    assert not el.overlap.pending and group.step == 4 and el.stats.commits == 4
+    assert not zero._overlap.pending and group.step == 4 and el.stats.commits == 4
     for a, b in zip(net.parameters(), ref.parameters()):
         assert torch.equal(a, b)
 
@@ -128,7 +128,7 @@ def test_zero_step_after_another_caller_voted_returns_that_verdict_and_steps_not
         F.mse_loss(ref(x), y).backward()
         opt.step()
         opt.zero_grad()
-    el = zero._elastic
+    el = zero._shards
     assert el is not None and el.stats.commits == 3 and group.step == 3
     for a, b in zip(net.parameters(), ref.parameters()):
         assert torch.equal(a, b)
@@ -164,7 +164,7 @@ def test_nonfinite_gradients_skip_the_step_as_a_commit_not_a_discard(group: Elas
     zero.wait_for_params()
     for a, b in zip(net.parameters(), ref.parameters()):
         assert torch.equal(a, b)
-    el = zero._elastic
+    el = zero._shards
     assert el is not None and el.stats.commits == 6 and el.stats.discards == 0
     assert model.comm_stats().total.nonfinite_skips == 1
     held = el.held_state()
