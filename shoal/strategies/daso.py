@@ -69,6 +69,7 @@ from shoal.comm.objects import broadcast_bytes, from_bytes, to_bytes
 from shoal.comm.rules import by_host, host_leaders
 from shoal.comm.streams import SideStream
 from shoal.errors import ConfigError, ShoalError
+from shoal.parallel import DistributedDataParallel, check_same_model
 from shoal.strategies.base import Strategy, broadcast_module
 from shoal.strategies.rounds import ADOPT, Rounds
 
@@ -404,8 +405,6 @@ class DASO(Strategy):
         self._busy = False             # in one of DASO's own rounds
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
-        from shoal.parallel import DistributedDataParallel, check_same_model
-
         self._bind(model, optimizer, group)
         if not group.elastic:   # an elastic group has no members yet: its first round's heal does this
             check_same_model(group, list(zip(self.names, self.params)))

@@ -37,6 +37,7 @@ from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.comm.topology import Topology
 from shoal.errors import ConfigError, ShoalError
+from shoal.parallel import DistributedDataParallel, check_same_model
 from shoal.strategies.base import Strategy, broadcast_module
 from shoal.strategies.nonblocking_exchange import TAG, Exchange, find_layers
 
@@ -185,8 +186,6 @@ class NonBlocking(Strategy):
         if single is None:
             return self._fall_back(model, [optimizer], group, reason)
         self._bind(model, single, group)
-        from shoal.parallel import check_same_model
-
         if not group.elastic:  # an elastic group has no members yet: its first quorum's heal does this
             check_same_model(group, list(zip(self.names, self.params)))
             broadcast_module(model, group, tag="nonblocking/init")
@@ -203,8 +202,6 @@ class NonBlocking(Strategy):
 
     def _fall_back(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], group: Group,
                    reason: str) -> nn.Module:
-        from shoal.parallel import DistributedDataParallel
-
         warnings.warn(f"NonBlocking falls back to blocking gradient all-reduce (shoal.DistributedDataParallel): "
                       f"{reason}", UserWarning, stacklevel=3)
         self.blocking, self._bound, self.group, self.module = True, True, group, model
