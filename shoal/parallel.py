@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
 from shoal.codecs.base import Codec
 from shoal.codecs.hierarchical import Hierarchical, reduction_codec
@@ -85,8 +84,9 @@ class DistributedDataParallel(nn.Module):
         process_group: a ``torch.distributed`` ProcessGroup or a :class:`shoal.Group`;
             default: the world. An :class:`shoal.elastic.ElasticGroup` makes the
             model elastic: each forward starts a step, the step ends with
-            ``ElasticOptimizer.step()`` (or ``group.should_commit()``); see
-            docs/elastic.md.
+            ``ElasticOptimizer.step()`` (or ``group.commit()``); see
+            docs/elastic.md. Any :class:`shoal.Group` runs the same code: each
+            forward calls ``group.begin_step()``, trivial on a static group.
         broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from
             rank 0 before each forward.
         bucket_cap_mb: bucket size cap in MiB; smaller buckets start
@@ -132,8 +132,12 @@ class DistributedDataParallel(nn.Module):
             identities (``ElasticGroup(host_id=...)``); a failure at any
             level drops the step on every member (the vote in
             ``ElasticOptimizer.step()``); ``model.topology`` is the current
-            quorum's. ``None`` stays flat there: the layout is known only per
-            quorum, so pass ``True`` for a multi-host elastic run.
+            quorum's. ``None`` (with no codec) is automatic there too,
+            re-decided at each quorum: the exact two-level reduction when the
+            quorum spans several hosts and some host holds several workers,
+            else the flat one. With a codec, ``None`` stays flat on an elastic
+            group (the codec's state would have to move between leaders and
+            every worker whenever the choice flips): pass ``True``.
         skip_nonfinite: when the averaged gradients hold a NaN/Inf (some
             rank's gradients were not finite), every rank skips the step
             together (SPEC G5): the averaged gradients are written to
@@ -203,8 +207,8 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the module has no parameter that requires grad: nothing to synchronise")
-        self.elastic = isinstance(self.group, ElasticGroup)
-        if not self.elastic:
+        self.elastic = self.group.elastic
+        if not self.elastic:  # an elastic group has no members yet: its first quorum's heal does this
             check_same_model(self.group, named)
             self._broadcast_state()
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
@@ -214,9 +218,10 @@ class DistributedDataParallel(nn.Module):
         self._topology: Topology | None = None
         self._two_level: Hierarchical | None = None
         self._auto_hierarchical = False
+        self._per_quorum: Hierarchical | None = None   # elastic automatic choice, re-made at each quorum
         reducer_codec = self._reduction_codec(codec, hierarchical)
         if self.elastic:  # after every check, so that a refused model leaves nothing registered
-            self._register_elastic_state(codec)
+            self._register_heal_state(codec)
         if reducer_codec is not None:
             self.reducer.set_codec(reducer_codec)
         self._steps = StepMeter(self.group.meter, "ddp")
@@ -227,27 +232,32 @@ class DistributedDataParallel(nn.Module):
 
     def _reduction_codec(self, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
         """The codec buckets go through: ``codec``, or it inside a two-level reduction."""
-        chosen, self._topology = reduction_codec(self.group, codec, hierarchical)
+        chosen, self._topology = reduction_codec(self.group, codec, hierarchical, per_quorum=True)
         self._two_level = chosen if isinstance(chosen, Hierarchical) else None
         self._auto_hierarchical = hierarchical is None and codec is None and chosen is not None
+        if self._two_level is not None and self._two_level.automatic:
+            # Elastic and automatic: the layout is known per quorum, so forward picks the reduction.
+            self._per_quorum, chosen = self._two_level, None
         return chosen
+
+    def _choose_per_quorum(self, two_level: Hierarchical) -> None:
+        """This quorum's automatic choice (cached per quorum): two-level if it spans hosts, else flat."""
+        two = two_level.levels(self.group).topology.is_hierarchical()
+        self.reducer.codec = two_level if two else None
 
     @property
     def topology(self) -> Topology | None:
         """Where the ranks are (hosts, leaders), if it was discovered; on an elastic group with a
-        two-level reduction, the current quorum's (``None`` before the first forward)."""
-        if self.elastic and self._two_level is not None and isinstance(self.group, ElasticGroup):
-            if self.group.quorum is None:
-                return None
-            return self._two_level.levels(self.group).topology
+        two-level reduction (or the automatic choice), the current quorum's (``None`` before the
+        first forward)."""
+        if self._two_level is not None and self.elastic:
+            return self._two_level.current_topology(self.group)
         return self._topology
 
-    def _register_elastic_state(self, codec: Codec | None) -> None:
+    def _register_heal_state(self, codec: Codec | None) -> None:
         # No collective here: a newcomer's peers are mid-training, not constructing.
         # The first quorum's heal broadcasts everything from one member instead (A2).
         group = self.group
-        if not isinstance(group, ElasticGroup):  # pragma: no cover - the caller checked
-            return
         group.register_state("ddp/module", self.module.state_dict, self.module.load_state_dict)
         if codec is not None:  # a failed step may have half-updated it: roll back on discard
             group.register_state("ddp/codec", codec.state_dict, codec.load_state_dict, rollback=True,
@@ -275,8 +285,9 @@ class DistributedDataParallel(nn.Module):
 
     # --- training ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.elastic:  # adopt the latest quorum (rebuild, heal) before any collective
-            self.group.start_step()  # type: ignore[attr-defined]
+        self.group.begin_step()  # elastic: adopt the latest quorum (rebuild, heal) before any collective
+        if self._per_quorum is not None:
+            self._choose_per_quorum(self._per_quorum)
         if self._require_forward_param_sync and self.broadcast_buffers and self.group.size > 1:
             buffers = list(self.module.buffers())
             if buffers:

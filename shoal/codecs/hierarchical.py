@@ -8,12 +8,11 @@ import torch
 
 from shoal.codecs.base import BufferPool, Codec, LossyCodec, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
 from shoal.codecs.identity import Identity
-from shoal.comm.elastic import ElasticGroup
-from shoal.comm.elastic_sub import ElasticHostGroups
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
+from shoal.comm.stepping import StaticLevels
 from shoal.comm.topology import HostGroups, Topology, discover
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, ShoalError
 
 
 class Hierarchical(LossyCodec):
@@ -41,11 +40,12 @@ class Hierarchical(LossyCodec):
     (``SHOAL_HOST_ID``, else the hostname). Meter tags: ``<tag>/intra`` for
     the host stages, ``inner``'s own tags for the leaders' stage.
 
-    On an :class:`~shoal.comm.elastic.ElasticGroup` the layout and the
-    subgroups follow each quorum (:class:`~shoal.comm.elastic_sub.ElasticHostGroups`,
-    made by :meth:`setup_elastic`, no collective): hosts and their leaders
-    are recomputed from the quorum's members, and a failure at any level
-    fails the step on every member (the group's vote discards it).
+    The subgroups come from ``group.host_groups(...)`` (the step interface,
+    :mod:`shoal.comm.stepping`): built once on a static group; on an
+    :class:`~shoal.comm.elastic.ElasticGroup` they follow each quorum (no
+    collective): hosts and their leaders are recomputed from the quorum's
+    members, and a failure at any level fails the step on every member (the
+    group's vote discards it).
 
     Example::
 
@@ -67,35 +67,48 @@ class Hierarchical(LossyCodec):
         self.inner = inner
         self.lossy = inner.lossy
         self.error_feedback = bool(getattr(inner, "error_feedback", False))
+        self.automatic = False    # chosen by reduction_codec(hierarchical=None) on an elastic group
         self._pool = BufferPool()
         # keyed by id(group); the group is kept so its id cannot be reused
-        self._levels: dict[int, tuple[Group, HostGroups]] = {}
-        self._elastic: dict[int, ElasticHostGroups] = {}
+        self._levels: dict[int, tuple[Group, Any]] = {}
 
-    def setup_elastic(self, group: ElasticGroup) -> ElasticHostGroups:
-        """Make the per-quorum host and leader subgroups of ``group`` (no collective; every member
-        must call it in the same order, e.g. when building the model)."""
-        levels = self._elastic.get(id(group))
-        if levels is None:
-            levels = self._elastic[id(group)] = ElasticHostGroups(group, "hier")
-        return levels
+    def attach(self, group: Group) -> Any:
+        """The per-step levels of ``group`` (``group.host_groups``; ``.current()`` -> :class:`HostGroups`).
+
+        Made once per group: a collective on a static group (every rank must
+        call it, e.g. when building the model), none on an elastic group.
+        """
+        cached = self._levels.get(id(group))
+        if cached is None:
+            cached = self._levels[id(group)] = (group, group.host_groups("hier"))
+        return cached[1]
+
+    def setup_elastic(self, group: Group) -> Any:
+        """:meth:`attach` (the name it had when only elastic groups needed it)."""
+        return self.attach(group)
 
     def levels(self, group: Group) -> HostGroups:
         """The subgroups a mean over ``group`` uses now (an elastic group's: this quorum's)."""
-        if isinstance(group, ElasticGroup):
-            return self.setup_elastic(group).current()
-        return self.setup(group)
+        return self.attach(group).current()
+
+    def current_topology(self, group: Group) -> Topology | None:
+        """This step's layout over ``group``; ``None`` before an elastic group's first quorum."""
+        try:
+            return self.levels(group).topology
+        except ShoalError:   # no quorum yet: nothing is laid out
+            return None
 
     def setup(self, group: Group, topology: Topology | None = None) -> HostGroups:
-        """Discover the topology and make the subgroups for ``group`` now (collective)."""
-        if isinstance(group, ElasticGroup):
-            raise ConfigError("an elastic group's layout changes with each quorum: use setup_elastic(group)")
-        cached = self._levels.get(id(group))
-        if cached is not None:
-            return cached[1]
-        levels = HostGroups.build(group, topology)
-        self._levels[id(group)] = (group, levels)
-        return levels
+        """Discover the topology and make the subgroups for static ``group`` now (collective).
+
+        ``topology``: an already discovered layout (saves a collective).
+        """
+        if group.elastic:
+            raise ConfigError("an elastic group's layout changes with each quorum: use attach(group) (no "
+                              "collective) and levels(group) inside a step")
+        if topology is not None and id(group) not in self._levels:
+            self._levels[id(group)] = (group, StaticLevels(HostGroups.build(group, topology)))
+        return self.levels(group)
 
     @torch.no_grad()
     def mean_with_residual(
@@ -199,14 +212,19 @@ class Hierarchical(LossyCodec):
 
 
 
-def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None) -> tuple[Codec | None, Topology | None]:
+def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None,
+                    per_quorum: bool = False) -> tuple[Codec | None, Topology | None]:
     """The codec a gradient reduction over ``group`` should use, and the topology if it was discovered.
 
     ``hierarchical=None`` chooses a two-level reduction when the ranks span
     several hosts and some host holds several ranks; ``True`` forces it,
     ``False`` never. A :class:`Hierarchical` ``codec`` is used as given.
     ``None`` as the codec means the caller's own exact all-reduce.
-    Collective (it may all-gather host identities and make subgroups).
+    Collective on a static group (it may all-gather host identities and make
+    subgroups); none on an elastic group, whose layout is known only per
+    quorum: there ``None`` is flat, unless ``per_quorum`` (the caller then
+    makes the choice at each quorum, see :attr:`Hierarchical.automatic`:
+    the exact two-level codec is returned, marked automatic).
 
     Example::
 
@@ -214,34 +232,23 @@ def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None
     """
     if hierarchical is not None and not isinstance(hierarchical, bool):
         raise ConfigError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
-    if isinstance(group, ElasticGroup):
-        return _elastic_reduction_codec(group, codec, hierarchical), None
     if isinstance(codec, Hierarchical):
         if hierarchical is False:
             raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
-        return codec, codec.setup(group).topology
-    if hierarchical is False or group.size == 1:
+        codec.attach(group)
+        return codec, codec.current_topology(group)
+    if hierarchical is False or (group.size == 1 and not group.elastic):
         return codec, None
+    if group.elastic:    # no collective: the layout is the quorum's, known at each step
+        if hierarchical is None and (codec is not None or not per_quorum):
+            return codec, None
+        two_level = Hierarchical(codec)
+        two_level.automatic = hierarchical is None
+        two_level.attach(group)
+        return two_level, None
     topology = discover(group)
     if hierarchical is None and not topology.is_hierarchical():
         return codec, topology
     two_level = Hierarchical(codec)
     two_level.setup(group, topology)
     return two_level, topology
-
-
-def _elastic_reduction_codec(group: ElasticGroup, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
-    """On an elastic group: two-level with per-quorum subgroups when asked for (``True`` or a
-    :class:`Hierarchical` codec); ``None`` stays flat, because the layout is known only per quorum
-    and moving the codec's state between leaders and every worker at each quorum would change
-    what it means. No collective."""
-    if isinstance(codec, Hierarchical):
-        if hierarchical is False:
-            raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
-        codec.setup_elastic(group)
-        return codec
-    if not hierarchical:
-        return codec
-    two_level = Hierarchical(codec)
-    two_level.setup_elastic(group)
-    return two_level

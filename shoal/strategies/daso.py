@@ -4,44 +4,74 @@ Inside each host, gradients are averaged synchronously every step (shoal's
 DDP over the host's ranks). Between hosts, only the host leaders talk, and
 only every ``global_skips`` steps: each leader sends how far its parameters
 moved since the last global agreement, downcast to ``downcast_type`` (bf16 by
-default), the leaders average these deltas in the background, and the result
-lands ``global_skips // 4`` steps later. On landing a host keeps the progress
-it made meanwhile: ``params = agreed + (params_now - params_at_launch)``; then
-the leader broadcasts the parameters inside its host. During the warm-up and
-cool-down epochs the global sync happens every step and is blocking. In
-between, ``global_skips`` doubles (up to ``max_global_skips``) after every
-epoch whose world-mean loss stays within ``stability_level`` (relative) of the
-previous epoch's, and drops back to 1 when the loss moves by more.
+default), the leaders average these deltas, and the result lands
+``global_skips // 4`` steps later. On landing a host keeps the progress it
+made meanwhile: ``params = agreed + (params_now - params_at_launch)``.
+During the warm-up and cool-down epochs the global sync happens every step
+and is blocking. In between, ``global_skips`` doubles (up to
+``max_global_skips``) after every epoch whose world-mean loss stays within
+``stability_level`` (relative) of the previous epoch's, and drops back to 1
+when the loss moves by more.
 
 Sending deltas rather than parameters (Heat sends the parameters) keeps bf16
 rounding off the parameters themselves: a bf16 parameter would swallow
 updates smaller than 1/256 of its magnitude. See docs/daso.md.
+
+The schedule, on any group (the step interface, :mod:`shoal.comm.stepping`;
+one code path for static and elastic groups):
+
+- **every step** (``FailurePolicy.DISCARD``): DDP over the host subgroup
+  (``group.subgroup(by_host)``) averages gradients; ``optimizer.step()`` is
+  voted (``group.commit()``: always True on a static group; a failed step is
+  dropped on every worker);
+- **the epoch's loss** is a round of :class:`~shoal.strategies.rounds.Rounds`
+  (``AVERAGE_SURVIVORS``);
+- **a global sync** is a round too: every worker takes its host's delta, the
+  leaders (``group.subgroup(host_leaders)``) average them, each leader
+  broadcasts the mean inside its host; everyone keeps it until the landing
+  step, where every worker applies it itself (no collective). On a group
+  whose steps cannot fail (static) the leaders' mean runs in the background
+  and is waited at the landing, so it overlaps the steps between; an elastic
+  group cannot keep a reduction in flight across quorums, so there the round
+  waits for it before its vote (the delay then applies to when the result
+  lands, not to overlap). A failed round (a leader lost) runs again on the
+  next quorum, whose hosts have new leaders; past ``max_attempts`` it is
+  skipped;
+- **membership** changes only in a round: a quorum waiting to be adopted is
+  adopted in an empty round before the next gradient step begins, so a
+  newcomer always joins its peers in a round. Newcomers receive the run's
+  state (module, optimizer, schedule, agreed parameters, pending result),
+  then, in the same round, their *host's* state (parameters, buffers,
+  optimizer state, parameters at launch) from the lowest-ranked established
+  worker of their host. A host whose workers are all new restarts from the
+  last agreed parameters and contributes nothing to the round it joined in.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from shoal.averagers import finite_mean
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.codecs.identity import Identity
 from shoal.comm.finite import nonfinite_flag, read_flag
+from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
+from shoal.comm.objects import broadcast_bytes, from_bytes, to_bytes
+from shoal.comm.rules import by_host, host_leaders
 from shoal.comm.streams import SideStream
-from shoal.comm.topology import HostGroups
 from shoal.errors import ConfigError, ShoalError
+from shoal.parallel import DistributedDataParallel, check_same_model
 from shoal.strategies.base import Strategy, broadcast_module
-
-if TYPE_CHECKING:
-    from shoal.strategies.daso_elastic import ElasticDASO
+from shoal.strategies.rounds import ADOPT, Rounds
 
 TAG = "daso/global"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -164,72 +194,149 @@ class DASOSchedule:
         self.epoch_loss = list(state["epoch_loss"])
 
 
-class _GlobalSync:
-    """The leaders' background averaging of parameter deltas, and the landing."""
+def broadcast_state(group: Group, state: Any, src: int, tag: str) -> Any:
+    """``state`` of (sub)group rank ``src`` on every member (``torch.save``-able; the size first).
 
-    def __init__(self, params: list[nn.Parameter], levels: HostGroups, codec: Codec) -> None:
-        self.params, self.levels, self.codec = params, levels, codec
-        self.active = levels.topology.num_hosts > 1  # one host: DDP inside it is all there is
+    After a failure (an elastic round then fails) every member keeps its own ``state``.
+    """
+    blob = broadcast_bytes(group, to_bytes(state) if group.rank == src else None, src, tag)
+    if blob is None or group.rank == src:
+        return state
+    return from_bytes(blob)
+
+
+class _GlobalSync:
+    """The global sync's buffers: the agreed parameters, the leaders' mean of deltas, the landing.
+
+    Every worker holds three flat buffers (on the group's device, they
+    travel over it): ``ref`` (the last agreed parameters), ``at_launch`` and
+    ``delta`` (this host's delta since ``ref``, then the hosts' mean, kept
+    until it lands; at most one sync is in flight).
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: Group, host: Any, leaders: Any, codec: Codec) -> None:
+        self.params, self.group, self.host, self.leaders, self.codec = params, group, host, leaders, codec
         numel = sum(p.numel() for p in params)
-        device = params[0].device
-        self.ref = self._flat_params(torch.empty(numel, dtype=torch.float32, device=device))  # last agreed
-        self.at_launch = torch.empty_like(self.ref)
-        self.delta = torch.empty_like(self.ref)
+        self.ref = self.flat(torch.empty(numel, dtype=torch.float32, device=group.device))
+        self.at_launch = torch.zeros_like(self.ref)   # healed before any launch: never uninitialised memory
+        self.delta = torch.zeros_like(self.ref)
+        self.active = False     # this round's quorum spans several hosts
+        self.pending = False    # a committed mean waits to land
+        self.finished = True    # the mean is in ``delta`` on every worker (not in flight)
+        self.left_out = False   # the last mean left a host with non-finite progress out
+        self._flags = torch.zeros(2, dtype=torch.float32, device=group.device)
         self._thread: ThreadPoolExecutor | None = None
         self._work: ThreadFuture | None = None
-        self._side = SideStream(device)   # CUDA: the background mean's own stream, events both ways
+        self._side = SideStream(group.device)  # CUDA: the background mean's own stream, events both ways
 
-    def _flat_params(self, out: torch.Tensor) -> torch.Tensor:
-        torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params], out=out)
+    def flat(self, out: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():   # copies across devices and dtypes (torch.cat(out=) does neither)
+            torch._foreach_copy_(flat_views(out, self.params), [p.detach() for p in self.params])
         return out
 
-    def _write_params(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(flat[offset:offset + p.numel()].view(p.shape))
-                offset += p.numel()
+    @torch.no_grad()
+    def write(self, flat: torch.Tensor) -> None:
+        torch._foreach_copy_([p.detach() for p in self.params], flat_views(flat, self.params))
+
+    def state(self) -> dict[str, Any]:
+        return {"ref": self.ref, "at_launch": self.at_launch, "agreed": self.delta, "pending": self.pending}
+
+    def load(self, s: Mapping[str, Any]) -> None:
+        self.ref.copy_(s["ref"])
+        self.at_launch.copy_(s["at_launch"])
+        self.delta.copy_(s["agreed"])
+        self.pending = bool(s["pending"])
+
+    def host_heal(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Newcomers of this round take their host's state from an established host member."""
+        host = self.host
+        needy = set(host.newcomers)
+        if not needy:
+            return
+        established = [r for r in range(host.size) if r not in needy]
+        if not established:     # the whole host is new: restart it from the last agreed parameters
+            self.write(self.ref)
+            self.at_launch.copy_(self.ref)
+            return
+        state = {"module": module.state_dict(), "optimizer": optimizer.state_dict(), "at_launch": self.at_launch}
+        got = broadcast_state(host, state, established[0], "daso/host-heal")
+        if host.rank in needy and got is not state:
+            module.load_state_dict(got["module"])
+            optimizer.load_state_dict(got["optimizer"])
+            self.at_launch.copy_(got["at_launch"])
 
     def launch(self) -> None:
-        leaders = self.levels.leaders
-        if leaders is None or not self.active:
+        """Every worker: this host's delta since the last agreement; leaders: start their mean."""
+        self.active = self.host.size < self.group.size    # one host: DDP inside it is all there is
+        if not self.active:
             return
-        self._flat_params(self.at_launch)
+        self.flat(self.at_launch)
         torch.sub(self.at_launch, self.ref, out=self.delta)
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-daso")
-        codec, delta = self.codec, self.delta
-        # A host whose delta holds a NaN/Inf is left out of the mean (see finite_mean); lenient: when
-        # every host is, the mean is zero and every host restarts from the last agreed parameters.
-        self._work = self._thread.submit(self._side.run, self._side.ready(),
-                                         lambda: finite_mean(codec, [delta], ["params"], leaders, TAG, strict=False))
+        self.finished = False
+        if self.leaders.member:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-daso")
+            self._work = self._thread.submit(self._side.run, self._side.ready(), self._leaders_mean)
+
+    def _leaders_mean(self) -> None:
+        """Mean of the deltas of hosts that bring finite progress of their own.
+
+        A host whose delta holds a NaN/Inf, or whose workers were all healed
+        in this round, sends zeros and the mean is rescaled; how many hosts
+        contribute (and how many could) travels in an 8-byte all-reduce read
+        after the mean (as :func:`shoal.averagers.finite_mean`). A host left
+        out for non-finite progress restarts from the agreed parameters when
+        the result lands.
+        """
+        leaders, flags = self.leaders, self._flags
+        fresh = len(self.host.newcomers) == self.host.size
+        bad = read_flag(nonfinite_flag([self.delta]))    # this host's own delta, before the collectives
+        flags[0], flags[1] = float(not (fresh or bad)), float(not fresh)
+        count = leaders.all_reduce(flags, op="sum", tag=f"{TAG}/finite")
+        if fresh or bad:
+            self.delta.zero_()
+        with torch.no_grad():
+            self.codec.mean([self.delta], ["params"], leaders, TAG)
+            count.wait()
+            contributors, live = (int(round(v)) for v in flags.tolist())   # the one read after the collectives
+            if 0 < contributors < leaders.size:
+                self.delta.mul_(leaders.size / contributors)
+        self.left_out = contributors < live
+
+    def finish(self) -> None:
+        """Wait for the leaders' mean; each leader broadcasts it inside its host."""
+        if self._work is not None:
+            _, done = self._work.result()
+            self._work = None
+            self._side.join(done)     # CUDA: read the mean after it is written
+        if self.host.size > 1:
+            self.host.broadcast(self.delta, src=0, tag="daso/local-bcast").wait()   # the leader is host rank 0
+        self.finished = True
+
+    def commit(self) -> None:
+        """The round committed: its mean is agreed, to land later."""
+        self.pending = self.active
 
     @torch.no_grad()
     def land(self) -> None:
-        """Agreed params + this host's progress since launch; then every host rank gets the leader's."""
-        if not self.active:
+        """Agreed parameters + this host's progress since the launch (every worker)."""
+        if not self.pending:
             return
-        if self.levels.leaders is not None:
-            if self._work is None:
-                raise ShoalError("DASO: a global sync lands that was never launched")
-            _, done = self._work.result()
-            self._work = None
-            self._side.join(done)                           # CUDA: read the mean after it is written
-            self.ref.add_(self.delta)                       # the agreed parameters at launch
-            now = self._flat_params(self.delta)             # reuse the buffer: parameters now
-            now.sub_(self.at_launch).add_(self.ref)         # + progress since launch
-            if read_flag(nonfinite_flag([now])):            # this host's progress is not finite: drop it
-                now.copy_(self.ref)
-            self._write_params(now)
-        self._broadcast_in_host()
-
-    def _broadcast_in_host(self) -> None:
-        local = self.levels.local
-        if local.size == 1:
-            return
-        flat = self._flat_params(self.at_launch)
-        local.broadcast(flat, src=0, tag="daso/local-bcast").wait()
-        self._write_params(flat)  # only leaders keep a reference: theirs makes the next delta
+        self.pending = False
+        if not self.finished:     # static group: the mean ran in the background since the launch
+            self.finish()
+        if self.left_out:         # (on leaders only, which ran the mean)
+            self.left_out = False
+            self.group.meter.add_nonfinite_skip(f"{TAG}/nonfinite")
+            warnings.warn("DASO: a host's parameter delta held NaN/Inf: left out of the global mean; it "
+                          "restarts from the agreed parameters now; counted in nonfinite_skips",
+                          RuntimeWarning, stacklevel=3)
+        self.ref.add_(self.delta)
+        now = self.flat(self.delta)     # reuse the buffer: parameters now
+        now.sub_(self.at_launch).add_(self.ref)
+        if read_flag(nonfinite_flag([now])):    # this host's own progress is not finite: drop it
+            now.copy_(self.ref)
+        self.write(now)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -239,20 +346,24 @@ class _GlobalSync:
 class DASO(Strategy):
     """DASO as a strategy: host-synchronous, globally skipping and delayed, loss-adaptive.
 
-    Args: those of :class:`DASOConfig` (Heat's names).
+    Args: those of :class:`DASOConfig` (Heat's names), and ``max_attempts``:
+    tries of a global or loss round on an elastic group before it is skipped.
 
     With :func:`shoal.wrap` the module returned is
     :class:`shoal.DistributedDataParallel` over the ranks of this rank's host
     (exact gradient averaging every step); the global schedule runs after
     each ``optimizer.step()``. Give it each step's loss with
     :meth:`report_loss` so the skips can adapt (without losses they stay at
-    1). Hosts come from :mod:`shoal.comm.topology`.
+    1). Hosts come from each worker's host identity (``SHOAL_HOST_ID``, else
+    the hostname; see :mod:`shoal.comm.topology`).
 
-    On an :class:`~shoal.elastic.ElasticGroup` hosts and leaders follow each
-    quorum, every step is voted (a failed one is dropped), and each global
-    sync is a blocking elastic round re-run with the survivors (its result
-    still lands ``global_skips // 4`` steps later); newcomers heal from the
-    run and then from their host. See :mod:`shoal.strategies.daso_elastic`.
+    The same code runs on a static group and on an
+    :class:`~shoal.elastic.ElasticGroup` (see the module docstring): there
+    hosts and leaders follow each quorum, every step is voted (a failed one
+    is dropped), each global sync is a round re-run with the survivors (its
+    result still lands ``global_skips // 4`` steps later), and newcomers heal
+    from the run and then from their host. ``rounds.commits`` /
+    ``rounds.skipped`` count the rounds.
 
     NaN/Inf (SPEC G5): a host whose averaged gradients are non-finite skips
     that step on all its ranks; a host whose delta is non-finite is left out
@@ -275,45 +386,108 @@ class DASO(Strategy):
 
     def __init__(self, total_epochs: int, steps_per_epoch: int, warmup_epochs: int = 4, cooldown_epochs: int = 4,
                  max_global_skips: int = 8, stability_level: float = 0.05,
-                 downcast_type: torch.dtype = torch.bfloat16) -> None:
+                 downcast_type: torch.dtype = torch.bfloat16, max_attempts: int = 3) -> None:
         super().__init__()
         self.config = DASOConfig(total_epochs, steps_per_epoch, warmup_epochs, cooldown_epochs,
                                  max_global_skips, stability_level, downcast_type)
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        self.max_attempts = max_attempts
         self.schedule = DASOSchedule(self.config)
-        self.levels: HostGroups | None = None
+        self.host: Any = None
+        self.leaders: Any = None
+        self.rounds: Rounds | None = None
         self._sync: _GlobalSync | None = None
-        self.elastic: "ElasticDASO | None" = None
         self._loss_sum = 0.0
         self._loss_count = 0
+        self._losses = (0.0, 0)        # this epoch's, taken for the loss round
+        self._shared: torch.Tensor | None = None   # the loss round's world sums
+        self._busy = False             # in one of DASO's own rounds
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
-        from shoal.comm.elastic import ElasticGroup
-        from shoal.parallel import DistributedDataParallel, check_same_model
-
         self._bind(model, optimizer, group)
+        if not group.elastic:   # an elastic group has no members yet: its first round's heal does this
+            check_same_model(group, list(zip(self.names, self.params)))
+            broadcast_module(model, group, tag="daso/init")
         dtype = self.config.downcast_type
         codec: Codec = Identity() if dtype == torch.float32 else Cast(dtype)
-        if isinstance(group, ElasticGroup):
-            from shoal.strategies.daso_elastic import ElasticDASO
+        self.host = group.subgroup(by_host, "daso/host")
+        self.leaders = group.subgroup(host_leaders, "daso/leaders")
+        ddp = DistributedDataParallel(model, process_group=self.host, hierarchical=False)   # + ddp/module
+        self._sync = _GlobalSync(self.params, group, self.host, self.leaders, codec)
+        self.rounds = Rounds(group, "daso", self._reduce, self._apply, max_attempts=self.max_attempts)
+        self.rounds.register(optimizer=optimizer, get_state=self._state, load_state=self._load_state)
+        group.before_begin_step(self._admit)
+        self._busy = True
+        try:
+            joined = self.rounds.join()
+        finally:
+            self._busy = False
+        if joined != ADOPT:     # a newcomer that joined its peers' round: finish their after_step with them
+            self._after_step(resume=joined)
+        self._mark_step()
+        return ddp
 
-            self.elastic = ElasticDASO(group, model, optimizer, self.params, self.schedule, codec, self._take_losses)
-            self.elastic.join()
-            self._mark_step()
-            return self.elastic.ddp
-        check_same_model(group, list(zip(self.names, self.params)))
-        broadcast_module(model, group, tag="daso/init")
-        self.levels = HostGroups.build(group)
-        self._sync = _GlobalSync(self.params, self.levels, codec)
-        return DistributedDataParallel(model, process_group=self.levels.local, hierarchical=False)
+    # --- state ------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        assert self._sync is not None
+        return {"schedule": self.schedule.state_dict(), **self._sync.state()}
 
-    def _take_losses(self) -> tuple[float, int]:
-        total, count = self._loss_sum, self._loss_count
-        self._loss_sum, self._loss_count = 0.0, 0
-        return total, count
+    def _load_state(self, s: dict[str, Any]) -> None:
+        assert self._sync is not None
+        self.schedule.load_state_dict(s["schedule"])
+        self._sync.load(s)
 
+    # --- rounds -------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Before a step begins: adopt a waiting quorum in empty rounds, so newcomers join in a round."""
+        if self._busy or self.rounds is None:
+            return
+        self._busy = True
+        try:
+            while self.group is not None and self.group.quorum_pending:
+                self.rounds.run(ADOPT)
+        finally:
+            self._busy = False
+
+    def _run(self, kind: str) -> bool:
+        assert self.rounds is not None
+        self._busy = True
+        try:
+            return self.rounds.run(kind)
+        finally:
+            self._busy = False
+
+    def _reduce(self, kind: str, contributes: bool) -> None:
+        sync = self._sync
+        assert sync is not None and self.optimizer is not None and self.module is not None
+        sync.host_heal(self.module, self.optimizer)   # newcomers of this round take their host's state
+        if kind == "loss":
+            total, count = self._losses if contributes else (0.0, 0)
+            t = torch.tensor([total, float(count)], dtype=torch.float64, device=sync.group.device)
+            sync.group.all_reduce(t, op="sum", tag="daso/control").wait()
+            self._shared = t
+        elif kind.startswith("global"):
+            sync.launch()
+            if sync.group.elastic and sync.active:   # no reduction may outlive the round's vote
+                sync.finish()
+
+    def _apply(self, kind: str) -> None:
+        assert self._sync is not None
+        if kind == "loss" and self._shared is not None:
+            total, count = self._shared.tolist()   # the one host read, after the collective
+            if count > 0:
+                self.schedule.record_loss(total / count)
+        elif kind.startswith("global"):
+            self._sync.commit()
+
+    # --- the schedule ----------------------------------------------------------------
     def before_step(self) -> bool | None:
-        """On an elastic group: the step's vote (a failed step is dropped on every worker)."""
-        return self.elastic.before_step() if self.elastic is not None else None
+        """The gradient step's vote (a failed step is dropped on every worker; always True on a static group)."""
+        if self.group is None:
+            raise ShoalError("DASO is not set up: pass it to shoal.wrap(model, optimizer, strategy) first")
+        self.group.begin_step()
+        return self.group.commit()
 
     def report_loss(self, loss: float | torch.Tensor) -> None:
         """This step's training loss on this rank (the schedule adapts to the world's epoch mean)."""
@@ -321,30 +495,27 @@ class DASO(Strategy):
         self._loss_count += 1
 
     def after_step(self) -> None:
-        if self.elastic is not None:
-            self.elastic.after_step()
-            self._mark_step()
-            return
         if self._sync is None or self.group is None:
             raise ShoalError("DASO is not set up: pass it to shoal.wrap(model, optimizer, strategy) first")
-        if (self.schedule.step + 1) % self.config.steps_per_epoch == 0:
-            self._share_epoch_loss(self.group)
-        launch, land = self.schedule.after_step()
-        if launch:
-            self._sync.launch()
-        if land:
-            self._sync.land()
+        self._after_step()
         self._mark_step()
 
-    def _share_epoch_loss(self, group: Group) -> None:
-        """World mean of the epoch's reported losses (every rank decides the same schedule)."""
-        # On the group's device: an NCCL group cannot reduce a CPU tensor.
-        t = torch.tensor([self._loss_sum, float(self._loss_count)], dtype=torch.float64, device=group.device)
-        group.all_reduce(t, op="sum", tag="daso/control").wait()
-        self._loss_sum, self._loss_count = 0.0, 0
-        total, count = t.tolist()   # the one host read, after the collective
-        if count > 0:
-            self.schedule.record_loss(total / count)
+    def _after_step(self, resume: str | None = None) -> None:
+        """Loss round at an epoch's end, global round at a launch, landing (``resume``: a newcomer's round)."""
+        assert self._sync is not None
+        s = self.schedule
+        if resume is None or resume == "loss":
+            if resume is None and (s.step + 1) % s.config.steps_per_epoch == 0:
+                self._losses = (self._loss_sum, self._loss_count)
+                self._loss_sum, self._loss_count = 0.0, 0
+                self._run("loss")
+            launch, land = s.after_step()
+            if launch and not self._run("global+land" if land else "global"):
+                self._sync.pending = False   # given up on every worker alike: nothing lands
+        else:
+            land = resume == "global+land"
+        if land:
+            self._sync.land()
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule.state_dict()}

@@ -37,6 +37,7 @@ from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.comm.topology import Topology
 from shoal.errors import ConfigError, ShoalError
+from shoal.parallel import DistributedDataParallel, check_same_model
 from shoal.strategies.base import Strategy, broadcast_module
 from shoal.strategies.nonblocking_exchange import TAG, Exchange, find_layers
 
@@ -67,10 +68,10 @@ class NonBlockingModule(nn.Module):
         self._first_forward = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._exchange.elastic and torch.is_grad_enabled() and self.training:
-            # Votes last step's exchange (the group's before_start_step hook), then adopts the latest
-            # quorum (rebuild, heal) before this step's first collective.
-            self.group.start_step()  # type: ignore[attr-defined]
+        if torch.is_grad_enabled() and self.training:
+            # Votes last step's exchange (the group's before_begin_step hook) and applies it; on an
+            # elastic group then adopts the latest quorum (rebuild, heal) before this step's first collective.
+            self.group.begin_step()
         if self.broadcast_buffers and self.training and self.group.size > 1:  # eval may run on one rank
             buffers = list(self.module.buffers())
             if buffers:
@@ -135,17 +136,24 @@ class NonBlocking(Strategy):
     optimizers (through :meth:`wrap`), it warns and falls back to blocking:
     :class:`shoal.DistributedDataParallel` and ordinary steps.
 
-    On an :class:`~shoal.elastic.ElasticGroup` each step's exchange is one
-    elastic step: started by the forward (or ``ElasticSampler.next_batch``)
-    before the backward that launches it, voted when it is waited, at the
+    Each step's exchange is one step of the group's step interface
+    (:mod:`shoal.comm.stepping`), on static and elastic groups alike: begun
+    by the forward (or ``ElasticSampler.next_batch``) before the backward
+    that launches it, voted (``group.commit()``) when it is waited, at the
     start of the next step (or by ``finalize()``, ``eval()``,
-    ``state_dict()``). Commit: the update is applied as usual (or skipped if
-    non-finite); discard: it is dropped on every member alike
-    (``FailurePolicy.DISCARD``). The vote comes before the next step's
+    ``state_dict()``). On a static group the vote is always "commit". On an
+    :class:`~shoal.elastic.ElasticGroup`: commit, the update is applied as
+    usual (or skipped if non-finite); discard, it is dropped on every member
+    alike (``FailurePolicy.DISCARD``). The vote comes before the next step's
     forward, so the forward does not overlap the transfer. The module, the
     optimizer and the codec (``newcomer_state``) heal into newcomers; there
-    is never an exchange in flight when they do. ``hierarchical=True`` and
-    the blocking fall-back raise ``ConfigError``.
+    is never an exchange in flight when they do. ``hierarchical=True`` on an
+    elastic group rebuilds the host and leader subgroups at each quorum
+    (``group.host_groups``); ``None`` stays flat there. The blocking
+    fall-back votes each step too: the first optimizer ``step()`` after a
+    backward commits or discards it (a discarded step's gradients are
+    dropped, so every optimizer's step changes nothing), and the optimizers'
+    states heal into newcomers.
 
     Example::
 
@@ -174,53 +182,34 @@ class NonBlocking(Strategy):
         self._exchange: Exchange | None = None
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
-        from shoal.comm.elastic import ElasticGroup
-
         reason, single = _fallback_reason(model, optimizer)
         if single is None:
-            return self._fall_back(model, group, reason)
-        if isinstance(group, ElasticGroup):
-            return self._setup_elastic(model, single, group)
+            return self._fall_back(model, [optimizer], group, reason)
         self._bind(model, single, group)
-        from shoal.parallel import check_same_model
-
-        check_same_model(group, list(zip(self.names, self.params)))
-        broadcast_module(model, group, tag="nonblocking/init")
+        if not group.elastic:  # an elastic group has no members yet: its first quorum's heal does this
+            check_same_model(group, list(zip(self.names, self.params)))
+            broadcast_module(model, group, tag="nonblocking/init")
         codec, self.topology = reduction_codec(group, self.codec, self.hierarchical)
-        self._exchange = Exchange(find_layers(model), single, group, codec, model=model)
-        return NonBlockingModule(model, self._exchange, group, self.broadcast_buffers)
-
-    def _setup_elastic(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> nn.Module:
-        """No collective: the first quorum's heal copies one member's state everywhere (as DDP does)."""
-        if self.hierarchical:
-            raise ConfigError("hierarchical=True is not supported on an elastic group: host subgroups would "
-                              "have to be rebuilt at every quorum; leave it None (flat) or pass False")
-        self._bind(model, optimizer, group)
-        codec = self.codec
         group.register_state("nonblocking/module", model.state_dict, model.load_state_dict)
-        group.register_state("nonblocking/optimizer", optimizer.state_dict, optimizer.load_state_dict)
+        group.register_state("nonblocking/optimizer", single.state_dict, single.load_state_dict)
         if codec is not None:  # a discarded exchange may have half-updated it: roll back on discard
-            group.register_state("nonblocking/codec", codec.state_dict, codec.load_state_dict, rollback=True,
-                                 heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)))
-        self._exchange = Exchange(find_layers(model), optimizer, group, codec, elastic=True, model=model)
-        group.before_start_step(self._exchange.end_step)
+            keep = codec
+            group.register_state("nonblocking/codec", keep.state_dict, keep.load_state_dict, rollback=True,
+                                 heal_load=lambda s: keep.load_state_dict(keep.newcomer_state(s)))
+        self._exchange = Exchange(find_layers(model), single, group, codec, model=model)
+        group.before_begin_step(self._exchange.end_step)
         return NonBlockingModule(model, self._exchange, group, self.broadcast_buffers)
 
-    def _fall_back(self, model: nn.Module, group: Group, reason: str) -> nn.Module:
-        from shoal.comm.elastic import ElasticGroup
-        from shoal.parallel import DistributedDataParallel
-
-        if isinstance(group, ElasticGroup):
-            raise ConfigError(f"NonBlocking cannot fall back to blocking on an elastic group ({reason}): the "
-                              "optimizers would step without a vote; use shoal.strategies.Sync (DDP) with one "
-                              "optimizer, or one optimizer over exactly the model's trainable parameters")
-
+    def _fall_back(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], group: Group,
+                   reason: str) -> nn.Module:
         warnings.warn(f"NonBlocking falls back to blocking gradient all-reduce (shoal.DistributedDataParallel): "
                       f"{reason}", UserWarning, stacklevel=3)
         self.blocking, self._bound, self.group, self.module = True, True, group, model
         self._meter = StepMeter(group.meter, "")
-        return DistributedDataParallel(model, process_group=group, codec=self.codec,
-                                       hierarchical=self.hierarchical, broadcast_buffers=self.broadcast_buffers)
+        ddp = DistributedDataParallel(model, process_group=group, codec=self.codec,
+                                      hierarchical=self.hierarchical, broadcast_buffers=self.broadcast_buffers)
+        _VotedSteps(group, optimizers)
+        return ddp
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
              process_group: Any = None) -> tuple[nn.Module, Any]:
@@ -237,7 +226,7 @@ class NonBlocking(Strategy):
             return wrap(model, optimizer, self, process_group)
         reason, single = _fallback_reason(model, optimizer)
         if single is None:
-            return self._fall_back(model, as_group(process_group), reason), optimizer
+            return self._fall_back(model, list(optimizer), as_group(process_group), reason), optimizer
         return wrap(model, single, self, process_group)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None) -> Any:
@@ -280,3 +269,27 @@ def _fallback_reason(model: nn.Module, optimizer: Any) -> tuple[str, torch.optim
         return (f"the optimizer holds {len(opt_ids - model_ids)} parameter(s) outside the model's trainable ones "
                 f"and misses {len(model_ids - opt_ids)} of them; per-layer updates need exactly the model's"), None
     return "", optimizers[0]
+
+
+class _VotedSteps:
+    """The blocking fall-back's vote: the first ``step()`` of any of ``optimizers`` after a step began
+    ends it (``group.commit()``, always True on a static group); a discarded step's gradients are dropped
+    before each optimizer steps, so that none of them changes anything. The optimizers' states heal into
+    newcomers (registered on the group)."""
+
+    def __init__(self, group: Group, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.group = group
+        self.verdict: bool | None = None   # this step's, once voted
+        group.before_begin_step(self._begin)
+        for i, opt in enumerate(optimizers):
+            group.register_state(f"nonblocking/optimizer/{i}", opt.state_dict, opt.load_state_dict)
+            opt.register_step_pre_hook(self._pre_step)
+
+    def _begin(self) -> None:
+        self.verdict = None
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if self.verdict is None:
+            self.verdict = self.group.commit()
+        if not self.verdict:   # discarded on every member: this optimizer's step changes nothing
+            optimizer.zero_grad(set_to_none=True)

@@ -169,11 +169,10 @@ class Exchange:
     """
 
     def __init__(self, layers: list[_Layer], optimizer: torch.optim.Optimizer, group: Group,
-                 codec: Codec | None, elastic: bool = False, model: nn.Module | None = None) -> None:
+                 codec: Codec | None, model: nn.Module | None = None) -> None:
         self.layers, self.optimizer, self.group, self.codec = layers, optimizer, group, codec
-        self.elastic = elastic               # one vote per exchange, when it is waited (see end_step)
-        self.commits = 0                     # elastic: exchanges applied
-        self.discards = 0                    # elastic: exchanges dropped on every member
+        self.commits = 0                     # exchanges voted and applied (one vote each, see end_step)
+        self.discards = 0                    # exchanges dropped on every member (elastic groups only)
         self.nonfinite_skips = 0             # steps every rank skipped because a mean held NaN/Inf
         self._where = {id(p): (layer, slot) for layer in layers for slot, p in enumerate(layer.params)}
         self._group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -278,20 +277,15 @@ class Exchange:
         collectives), so every rank reaches the same verdict with no extra
         message. Non-finite: parameters and optimizer state stay as they
         were on every rank, and the group's meter counts one skip under
-        ``nonblocking/grad``. Elastic: the vote comes first (:meth:`end_step`).
+        ``nonblocking/grad``. The group's vote comes first (:meth:`end_step`;
+        always "commit" on a static group).
         """
         if self._step_hparams is None:
             return
-        todo = self.pending()
-        if not todo:
+        if not self.pending():
             self._step_hparams = None
             return
-        if self.elastic:   # one vote for the whole exchange
-            self.end_step()
-            return
-        for layer in todo:
-            self._wait(layer)
-        self._apply_finite(todo)
+        self._vote()
 
     def _apply_finite(self, todo: list[_Layer]) -> None:
         """All reductions of ``todo`` are waited: apply the requested step unless some mean is non-finite."""
@@ -314,28 +308,24 @@ class Exchange:
         self._step_hparams = None
 
     def end_step(self) -> None:
-        """Elastic: ``start_step``'s hook; ends the elastic step of a requested exchange.
+        """The group's ``before_begin_step`` hook: ends the step of a requested exchange.
 
-        The exchange launched in a backward is that backward's elastic step:
-        wait for every layer's reduction, vote, then apply it (commit) or drop
-        it (discard: the means and the step request are forgotten, parameters
-        and optimizer state stay as they were, on every member alike). Called
-        before the next step starts, so a quorum change or heal never finds an
-        exchange in flight. A committed exchange whose means hold NaN/Inf is
-        skipped like on a static group.
+        The exchange launched in a backward is that backward's step: wait for
+        every layer's reduction, vote (``group.commit()``), then apply it
+        (commit) or drop it (discard, elastic groups only: the means and the
+        step request are forgotten, parameters and optimizer state stay as
+        they were, on every member alike). Called before the next step
+        starts, so a quorum change or heal never finds an exchange in flight.
+        A committed exchange whose means hold NaN/Inf is skipped on every rank.
         """
         if self._step_hparams is not None and self.pending():
             self._vote()
 
     def _vote(self) -> None:
-        from shoal.comm.elastic import ElasticGroup
-
         todo = self.pending()
         for layer in todo:
             self._wait(layer)
-        if not isinstance(self.group, ElasticGroup):  # pragma: no cover - elastic is set with it
-            raise ShoalError("an elastic exchange needs an ElasticGroup")
-        if self.group.should_commit():
+        if self.group.commit():
             self.commits += 1
             if self._step_hparams is not None:
                 self._apply_finite(todo)
@@ -399,15 +389,8 @@ class Exchange:
         """Settle a requested step, or (none requested) wait and leave the means in ``.grad``."""
         if self._armed and self._started:
             raise ShoalError("cannot finalise during backward")
-        todo = self.pending()
-        if not todo:
-            return
-        if self.elastic:
+        if self.pending():
             self._vote()
-        elif self._step_hparams is not None:
-            self.settle()
-        else:
-            self.apply(todo)
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--distinct-init", action="store_true", help="each (rank, life) starts from its own weights")
     ap.add_argument("--pace", type=float, default=0.0)
     ap.add_argument("--codec", choices=["none", "powersgd"], default="none", help="the leaders' inner codec")
+    ap.add_argument("--auto", action="store_true", help="hierarchical=None: DDP chooses at each quorum")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -105,7 +106,8 @@ def main() -> None:
     group.register_state("test/full", lambda: dict(full), full.update)
     group.on_commit(lambda: full.update(n=full["n"] + 1 if group.size == 4 else 0))
     net = make_net(100 + 10 * rank + life if a.distinct_init else 0)
-    model = shoal.DistributedDataParallel(net, process_group=group, hierarchical=True, bucket_cap_mb=0.002,
+    model = shoal.DistributedDataParallel(net, process_group=group, hierarchical=None if a.auto else True,
+                                          bucket_cap_mb=0.002,
                                           codec=make_codec(a.codec))
     inner = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     opt = ElasticOptimizer(inner, group)

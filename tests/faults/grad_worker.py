@@ -109,6 +109,29 @@ def static_zero_overlap(rank: int, world: int, init: list[torch.Tensor],
     return [p.detach().clone() for p in net.parameters()]
 
 
+class _Both:
+    """Two optimizers stepped as one (NonBlocking's blocking fall-back); state keyed by global index."""
+
+    def __init__(self, opts: list[torch.optim.Optimizer]) -> None:
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        state, base = {}, 0
+        for o in self.opts:
+            sd = o.state_dict()
+            state.update({base + i: st for i, st in sd["state"].items()})
+            base += sum(len(g["params"]) for g in sd["param_groups"])
+        return {"state": state}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=["nonblocking", "zero", "ddp"], required=True)
@@ -117,6 +140,9 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true", help="ZeRO: DistributedDataParallel(..., optimizer=zero)")
     ap.add_argument("--consolidate", action="store_true", help="ZeRO: consolidate the state on rank 0 at the end")
     ap.add_argument("--codec", choices=["none", "powersgd"], default="none", help="NonBlocking's codec")
+    ap.add_argument("--nb", choices=["plain", "hier", "fallback"], default="plain",
+                    help="NonBlocking: hierarchical=True over pretend hosts h{RANK // 2}, or its blocking "
+                         "fall-back (two optimizers: the first layer's and the rest's)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
     ap.add_argument("--op", type=float, default=5.0)
@@ -131,7 +157,8 @@ def main() -> None:
     timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
                         quorum=a.op + 10, join=a.op + 60)
     group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers,
-                         backend_factory=FaultPlan.from_env().backend_factory())
+                         backend_factory=FaultPlan.from_env().backend_factory(),
+                         host_id=f"h{rank // 2}" if a.nb == "hier" else None)
     net = make_net(100 + 10 * rank + life, a.width)   # different on purpose: the first heal must equalise
     cls, kw = optim_args(a.optim)
     full = {"rounds": 0}
@@ -141,7 +168,15 @@ def main() -> None:
     zero = None
     if a.kind == "nonblocking":
         codec = shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if a.codec == "powersgd" else None
-        model, opt = shoal.wrap(net, cls(net.parameters(), **kw), shoal.NonBlocking(codec=codec), process_group=group)
+        if a.nb == "fallback":
+            params = list(net.parameters())
+            opts = [cls(params[:2], **kw), cls(params[2:], **kw)]
+            model, _ = shoal.NonBlocking(codec=codec).wrap(net, opts, process_group=group)
+            opt = _Both(opts)  # type: ignore[assignment]
+        else:
+            model, opt = shoal.wrap(net, cls(net.parameters(), **kw),
+                                    shoal.NonBlocking(codec=codec, hierarchical=a.nb == "hier" or None),
+                                    process_group=group)
     elif a.kind == "ddp":   # the baseline: DDP with the unsharded optimizer
         model = shoal.DistributedDataParallel(net, process_group=group)
         opt = ElasticOptimizer(cls(net.parameters(), **kw), group)  # type: ignore[assignment]
@@ -177,8 +212,9 @@ def main() -> None:
     result: dict[str, Any] = {"rank": rank, "life": life, "step": group.step, "batches": batches, "init": init,
                               "params": [p.detach().clone() for p in net.parameters()],
                               "stats": vars(group.stats),
+                              "tags": {t: c.bytes_sent for t, c in group.meter.by_tag().items()},
                               "s_per_step": (time.perf_counter() - t0) / max(group.step - first, 1)}
-    if a.kind == "ddp":
+    if a.kind == "ddp" or a.nb == "fallback":
         result["state"] = state_tensors(opt.state_dict()["state"])
     elif zero is None:
         result["state"] = state_tensors(opt.state_dict()["state"])

@@ -88,7 +88,8 @@ def train(rank: int, life: int, name: str, group: Any, epochs: int, spe: int, pa
             "momentum": [state[i]["momentum_buffer"].clone() for i in sorted(state)],
             "events": list(getattr(getattr(strategy, "schedule", None), "events", [])),
             "stats": vars(group.stats) if hasattr(group, "stats") else {},
-            "skipped": strategy.elastic.skipped if getattr(strategy, "elastic", None) else 0}
+            "skipped": strategy.rounds.skipped if name == "daso" else
+                       strategy.elastic.skipped if getattr(strategy, "elastic", None) else 0}
 
 
 def static_worker(rank: int, world: int, name: str, epochs: int, spe: int, stop: int) -> dict[str, Any]:

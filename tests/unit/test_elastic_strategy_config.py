@@ -99,18 +99,23 @@ def test_streaming_diloco_with_overlap_is_refused(group: ElasticGroup, overlap: 
 
 
 @pytest.mark.timeout(30)
-def test_nonblocking_hierarchical_is_refused(group: ElasticGroup) -> None:
-    with pytest.raises(ConfigError, match=r"hierarchical=True is not supported on an elastic group"):
-        _setup(shoal.NonBlocking(hierarchical=True), group)
+def test_nonblocking_hierarchical_on_an_elastic_group_builds_without_a_collective(group: ElasticGroup) -> None:
+    # The host and leader subgroups follow each quorum (group.host_groups): nothing is awaited here.
+    from shoal.codecs.hierarchical import Hierarchical
+
+    strategy = shoal.NonBlocking(hierarchical=True)
+    model, _ = _setup(strategy, group)
+    assert isinstance(model._exchange.codec, Hierarchical)
 
 
 @pytest.mark.timeout(30)
-def test_nonblocking_fallback_to_blocking_is_refused(group: ElasticGroup) -> None:
+def test_nonblocking_fallback_to_blocking_on_an_elastic_group_builds_without_a_collective(group: ElasticGroup) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     opts = [torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[2].parameters(), lr=0.1)]
-    with pytest.raises(ConfigError, match=r"cannot fall back to blocking on an elastic group \(2 optimizers"):
-        shoal.NonBlocking().wrap(net, opts, process_group=group)
+    with pytest.warns(UserWarning, match=r"falls back to blocking.*2 optimizers"):
+        model, got = shoal.NonBlocking().wrap(net, opts, process_group=group)
+    assert isinstance(model, shoal.DistributedDataParallel) and got is opts
 
 
 @pytest.mark.timeout(30)
@@ -165,9 +170,10 @@ def test_ddp_hierarchical_on_an_elastic_group_builds_without_a_collective(group:
     assert isinstance(model.reducer.codec, Hierarchical) and model.topology is None
 
 
-def test_ddp_automatic_choice_stays_flat_on_an_elastic_group(group: ElasticGroup) -> None:
-    flat = shoal.DistributedDataParallel(nn.Linear(4, 2), process_group=group)   # hierarchical=None
-    assert flat.reducer.codec is None
+def test_ddp_automatic_choice_on_an_elastic_group_waits_for_the_quorum(group: ElasticGroup) -> None:
+    auto = shoal.DistributedDataParallel(nn.Linear(4, 2), process_group=group)   # hierarchical=None
+    assert auto.reducer.codec is None and auto.topology is None      # chosen in forward, per quorum
+    assert auto._per_quorum is not None and auto._per_quorum.automatic
 
 
 def test_ddp_hierarchical_refusals_on_elastic_groups_say_why(group: ElasticGroup) -> None:
