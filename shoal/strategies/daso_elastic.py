@@ -43,7 +43,7 @@ from shoal.comm.elastic_sub import ElasticSubgroup, by_host, host_leaders, membe
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.objects import broadcast_bytes, from_bytes, to_bytes
-from shoal.strategies.elastic import ADOPT
+from shoal.strategies.rounds import ADOPT
 
 TAG = "daso/global"
 

@@ -26,14 +26,14 @@ from torch import nn
 
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
-from shoal.comm.elastic import ElasticGroup
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.streams import SideStream
 from shoal.comm.group import Group
+from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy, broadcast_module
-from shoal.strategies.elastic import ADOPT, ElasticRounds
+from shoal.strategies.rounds import ADOPT, Rounds
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -185,13 +185,14 @@ class DiLoCo(Strategy):
     optimizer's, the codec's and the global copy's state are in
     :meth:`state_dict` (also inside the wrapped optimizer's ``state_dict()``).
 
-    On an :class:`~shoal.elastic.ElasticGroup` each round is an elastic
-    round (:class:`~shoal.strategies.elastic.ElasticRounds`): a failed one is
-    run again with the survivors of the next quorum, the pseudo-gradient mean
-    divides by the live contributors, and global copies, outer optimizer
-    state, counters and codec state heal into newcomers. The inner
-    optimizer's state stays each worker's own, as in the paper (a newcomer
-    starts from a peer's).
+    Each synchronisation is a round (:class:`~shoal.strategies.rounds.Rounds`).
+    On an :class:`~shoal.elastic.ElasticGroup` a failed one is run again with
+    the survivors of the next quorum, the pseudo-gradient mean divides by the
+    live contributors, and global copies, outer optimizer state, counters,
+    codec state and the module's buffers heal into newcomers, whose
+    parameters are rebuilt from the healed global copies (not sent twice).
+    The inner optimizer's state stays each worker's own, as in the paper (a
+    newcomer starts from a peer's).
 
     NaN/Inf (SPEC G5): an inner step with non-finite gradients is skipped by
     that rank alone; a non-finite averaged pseudo-gradient (the same on every
@@ -223,30 +224,27 @@ class DiLoCo(Strategy):
         self.fragments: list[_Fragment] = []
         self._thread: ThreadPoolExecutor | None = None
         self._side = SideStream(torch.device("cpu"))   # replaced by the parameters' device's with the thread
-        self._comm_group: Group | None = None
-        self.rounds: ElasticRounds | None = None
+        self._comm_group: Any = None
+        self.rounds: Rounds | None = None
 
     @property
     def tag(self) -> str:
         return f"{self.name}/pseudograd"
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
-        elastic = isinstance(group, ElasticGroup)
-        if elastic and self.config.overlap_steps > 0:
+        if group.elastic and self.config.overlap_steps > 0:
             raise ConfigError(
-                f"overlap_steps={self.config.overlap_steps} runs reductions on a background process group split "
-                "from the main one, which an elastic group cannot provide (its members change between rounds); "
-                "on an ElasticGroup use overlap_steps=0 (fragments still cut the peak bandwidth)"
+                f"overlap_steps={self.config.overlap_steps} runs reductions on a background process group across "
+                "inner steps, which on an elastic group would span several voted steps; on an ElasticGroup use "
+                "overlap_steps=0 (fragments still cut the peak bandwidth)"
             )
         self._bind(model, optimizer, group)
-        if not elastic:
-            broadcast_module(model, group, tag=f"{self.name}/init")
         cfg = self.config
         offload = cfg.offload if cfg.offload is not None else self.params[0].device.type == "cuda"
         # Background reductions get a process group of their own: a collective the training thread
         # issues meanwhile (a logged loss, an evaluation) must not interleave with them differently on
         # different ranks.
-        self._comm_group = group.split([list(range(group.size))]) if cfg.overlap_steps > 0 else group
+        self._comm_group = group.subgroup(whole_quorum, f"{self.name}/background") if cfg.overlap_steps > 0 else group
         modules = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.names]
         layout = split_fragments([p.numel() for p in self.params], cfg.fragments, cfg.layout, modules)
         self.fragments = [
@@ -254,25 +252,47 @@ class DiLoCo(Strategy):
                       offload, cfg.outer_optimizer)
             for k, idx in enumerate(layout)
         ]
-        if isinstance(group, ElasticGroup):
-            # No broadcast above: the first round's heal copies rank 0's model, global copies and outer
-            # state everywhere (a newcomer's, a peer's).
-            self.rounds = ElasticRounds(group, self.name, model, optimizer, self.codec, self._core_state,
-                                        self._load_core_state, self._elastic_reduce, self._elastic_apply)
-            self.rounds.join()
+        # Every synchronisation is a round. A newcomer heals the global copies, outer state, inner
+        # optimizer, codec and the module's buffers; its parameters are rebuilt from the global copies
+        # (they are a peer's local drift otherwise, which it would count twice): not sent.
+        self.rounds = Rounds(group, self.name, self._round_reduce, self._round_apply)
+        self.rounds.register(None, optimizer, self.codec, self._core_state, self._heal_core_state)
+        group.register_state(f"{self.rounds.key}/buffers", self._buffers, self._load_buffers)
+        self.rounds.join(self._first_state)
         self._mark_step()  # the set-up traffic is not the first step's
         return model
 
+    def _first_state(self) -> None:
+        """A static group's start: rank 0's module everywhere, and the global copies made from it."""
+        if self.module is None or self.group is None:  # pragma: no cover - bound in setup
+            raise ShoalError("not set up")
+        broadcast_module(self.module, self.group, tag=f"{self.name}/init")
+        with torch.no_grad():
+            for f in self.fragments:
+                torch.cat([p.detach().reshape(-1).float() for p in f.params], out=f.delta)
+                f.snapshot.copy_(f.delta)
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The module's state that no global copy holds (buffers, frozen parameters)."""
+        if self.module is None:  # pragma: no cover - bound in setup
+            return {}
+        trained = {id(p) for p in self.params}
+        return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items() if id(v) not in trained}
+
+    def _load_buffers(self, state: Mapping[str, torch.Tensor]) -> None:
+        if self.module is not None:
+            self.module.load_state_dict(dict(state), strict=False)
+
     def after_step(self) -> None:
-        if not self.fragments:
+        if not self.fragments or self.rounds is None:
             raise ShoalError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
         self.step += 1
         for f in self.fragments:
             if self.step % self.config.inner_steps == f.offset:
-                if self.rounds is not None:
+                if self.config.overlap_steps == 0:
                     self.rounds.run(f"fragment:{f.index}")
-                    continue
-                self._launch(f)
+                else:
+                    self._launch(f)
         for f in self.fragments:
             if f.merge_at == self.step:
                 self._merge(f)
@@ -280,16 +300,17 @@ class DiLoCo(Strategy):
 
     # --- one fragment's round ----------------------------------------------
     @torch.no_grad()
-    def _launch(self, f: _Fragment) -> None:
-        """Pseudo-gradient ``global - local`` into ``f.delta``; start its reduction."""
-        if f.merge_at is not None:  # pragma: no cover - overlap_steps < inner_steps prevents it
-            raise ShoalError(f"fragment {f.index} launched while its previous reduction is pending")
+    def _pseudo_gradient(self, f: _Fragment) -> None:
+        """``global - local`` into ``f.delta``."""
         f.delta.copy_(f.snapshot, non_blocking=True)
         torch._foreach_sub_(f.delta_views, [p.detach() for p in f.params])
+
+    def _launch(self, f: _Fragment) -> None:
+        """Pseudo-gradient into ``f.delta``; start its reduction on the communication thread."""
+        if f.merge_at is not None:  # pragma: no cover - overlap_steps < inner_steps prevents it
+            raise ShoalError(f"fragment {f.index} launched while its previous reduction is pending")
+        self._pseudo_gradient(f)
         f.merge_at = self.step + self.config.overlap_steps
-        if self.config.overlap_steps == 0:
-            self._reduce(f)
-            return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-diloco")
             self._side = SideStream(f.delta.device)   # CUDA: the thread's own stream, events both ways
@@ -297,7 +318,6 @@ class DiLoCo(Strategy):
         f.future = self._thread.submit(side.run, side.ready(), lambda: self._reduce(f))
 
     def _reduce(self, f: _Fragment) -> None:
-        assert self._comm_group is not None  # set up (checked in after_step)
         with torch.no_grad():
             self.codec.mean(f.delta_views, f.names, self._comm_group, self.tag)
 
@@ -338,18 +358,16 @@ class DiLoCo(Strategy):
             target = f.delta_views
         torch._foreach_copy_([p.detach() for p in f.params], target)
 
-    # --- elastic rounds (overlap_steps == 0) -------------------------------------
-    def _elastic_reduce(self, kind: str, contribute: bool) -> None:
+    # --- rounds (overlap_steps == 0) ----------------------------------------------
+    def _round_reduce(self, kind: str, contribute: bool) -> None:
         """The pseudo-gradient of ``fragment:<k>`` into its delta buffer, averaged over live contributors."""
         if kind == ADOPT or self.rounds is None:
             return
         f = self.fragments[int(kind.partition(":")[2])]
-        with torch.no_grad():
-            f.delta.copy_(f.snapshot, non_blocking=True)
-            torch._foreach_sub_(f.delta_views, [p.detach() for p in f.params])
+        self._pseudo_gradient(f)
         self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
 
-    def _elastic_apply(self, kind: str) -> None:
+    def _round_apply(self, kind: str) -> None:
         if kind != ADOPT:
             self._merge(self.fragments[int(kind.partition(":")[2])])
 
@@ -386,6 +404,12 @@ class DiLoCo(Strategy):
         state = self.state_dict()
         del state["codec"]
         return state
+
+    def _heal_core_state(self, state: Mapping[str, Any]) -> None:
+        """A newcomer's heal: the peers' global copies, and its parameters rebuilt from them."""
+        self._load_core_state(state)
+        for f in self.fragments:
+            self._reset_to_global(f)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._load_core_state(state)

@@ -74,9 +74,10 @@ def test_hierarchical_map_is_checked_against_the_launched_world(group: ElasticGr
 
 
 @pytest.mark.timeout(30)
-def test_post_local_sgd_with_local_groups_is_refused(group: ElasticGroup) -> None:
-    with pytest.raises(ConfigError, match=r"local_group_size averages gradients inside fixed groups.*leave "
-                                          r"local_group_size None"):
+def test_post_local_sgd_local_groups_need_the_launch_rank(group: ElasticGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Supported on an elastic group (tests/faults/test_strategy_faults.py); its groups are launch slots.
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"PostLocalSGD with local_group_size on an ElasticGroup .* launch RANK"):
         _setup(shoal.PostLocalSGD(period=4, warmup_steps=2, local_group_size=1), group)
 
 
