@@ -166,6 +166,7 @@ class _Fragment:
             raise ConfigError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer).__name__}")
         self.future: ThreadFuture | None = None
         self.merge_at: int | None = None
+        self.redo = False   # a failed landing: the next attempt reduces in the foreground
 
 
 class DiLoCo(Strategy):
@@ -232,12 +233,6 @@ class DiLoCo(Strategy):
         return f"{self.name}/pseudograd"
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
-        if group.elastic and self.config.overlap_steps > 0:
-            raise ConfigError(
-                f"overlap_steps={self.config.overlap_steps} runs reductions on a background process group across "
-                "inner steps, which on an elastic group would span several voted steps; on an ElasticGroup use "
-                "overlap_steps=0 (fragments still cut the peak bandwidth)"
-            )
         self._bind(model, optimizer, group)
         cfg = self.config
         offload = cfg.offload if cfg.offload is not None else self.params[0].device.type == "cuda"
@@ -258,6 +253,7 @@ class DiLoCo(Strategy):
         self.rounds = Rounds(group, self.name, self._round_reduce, self._round_apply)
         self.rounds.register(None, optimizer, self.codec, self._core_state, self._heal_core_state)
         group.register_state(f"{self.rounds.key}/buffers", self._buffers, self._load_buffers)
+        group.before_begin_step(self._settle)
         self.rounds.join(self._first_state)
         self._mark_step()  # the set-up traffic is not the first step's
         return model
@@ -295,8 +291,29 @@ class DiLoCo(Strategy):
                     self._launch(f)
         for f in self.fragments:
             if f.merge_at == self.step:
-                self._merge(f)
+                self._merge_round(f)
         self._mark_step()
+
+    def _merge_round(self, f: _Fragment) -> None:
+        """The round in which a background reduction lands: voted, then merged (or dropped, given up)."""
+        if self.rounds is not None and not self.rounds.run(f"merge:{f.index}"):
+            f.merge_at, f.redo = None, False   # given up on every member alike: local parameters kept
+
+    def _settle(self) -> None:
+        """Before a step that adopts a new quorum: let the background reductions in flight land.
+
+        They run over the quorum they were launched in; adopting another
+        would cut them. (Never on a static group: its quorum does not change.)
+        """
+        if self.group is not None and self.group.quorum_pending:
+            for f in self.fragments:
+                self._land(f)
+
+    def _land(self, f: _Fragment) -> None:
+        if f.future is not None:
+            _, done = f.future.result()
+            f.future = None
+            self._side.join(done)   # CUDA: this stream reads the mean only once it is written
 
     # --- one fragment's round ----------------------------------------------
     @torch.no_grad()
@@ -324,11 +341,8 @@ class DiLoCo(Strategy):
     @torch.no_grad()
     def _merge(self, f: _Fragment) -> None:
         """Outer step on the averaged pseudo-gradient; local parameters move to (or toward) the result."""
-        if f.future is not None:
-            _, done = f.future.result()
-            f.future = None
-            self._side.join(done)   # CUDA: this stream reads the mean only once it is written
-        f.merge_at = None
+        self._land(f)
+        f.merge_at, f.redo = None, False
         if read_flag(nonfinite_flag([f.delta])):
             # The mean is the same on every rank: all skip the outer step and restart from the
             # unchanged global copy, so no NaN reaches the global copy, the outer state or a model.
@@ -358,24 +372,51 @@ class DiLoCo(Strategy):
             target = f.delta_views
         torch._foreach_copy_([p.detach() for p in f.params], target)
 
-    # --- rounds (overlap_steps == 0) ----------------------------------------------
+    # --- rounds ----------------------------------------------------------------------
     def _round_reduce(self, kind: str, contribute: bool) -> None:
-        """The pseudo-gradient of ``fragment:<k>`` into its delta buffer, averaged over live contributors."""
+        """``fragment:<k>``: the pseudo-gradient averaged over the live contributors, now.
+        ``merge:<k>``: the background reduction lands (on an elastic group every member checks that all
+        hold the same mean); an attempt after a failed one reduces in the foreground instead."""
         if kind == ADOPT or self.rounds is None:
             return
-        f = self.fragments[int(kind.partition(":")[2])]
-        self._pseudo_gradient(f)
-        self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
+        op, _, index = kind.partition(":")
+        f = self.fragments[int(index)]
+        if op == "fragment" or f.redo:
+            self._pseudo_gradient(f)
+            self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
+            return
+        self._land(f)
+        f.redo = True   # until this round commits: a retry reduces in the foreground
+        if self.group is not None and self.group.elastic:
+            self._check_landed(f, self.group)
+
+    def _check_landed(self, f: _Fragment, group: Any) -> None:   # an elastic group (report_error)
+        """Fail the round unless every member holds the same mean (bit patterns of two fp64 sums).
+
+        An elastic collective that fails records the failure instead of
+        raising, and a background reduction's failure may be recorded in
+        another step than the one that lands it: this check makes it this
+        round's. A static group's collectives raise on failure: nothing to check.
+        """
+        if group.size == 1:
+            return
+        d = f.delta.double()
+        mine = torch.stack([d.sum(), (d * d).sum()]).view(torch.int64)
+        table = torch.empty(2 * group.size, dtype=torch.int64, device=mine.device)
+        group.all_gather_into(table, mine, tag=f"{self.tag}/landed").wait()
+        if not bool((table.view(-1, 2) == mine).all()):   # read after the collective
+            group.report_error(ShoalError(f"fragment {f.index}'s background reduction did not land alike on "
+                                          "every member"))
 
     def _round_apply(self, kind: str) -> None:
         if kind != ADOPT:
             self._merge(self.fragments[int(kind.partition(":")[2])])
 
     def close(self) -> None:
-        """Merge every reduction still in flight now and stop the communication thread."""
+        """Merge every reduction still in flight now (a round each) and stop the communication thread."""
         for f in self.fragments:
             if f.merge_at is not None:
-                self._merge(f)
+                self._merge_round(f)
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
@@ -394,7 +435,7 @@ class DiLoCo(Strategy):
                 if f.future is not None:
                     f.future.result()
                     f.future = None
-                pending = {"merge_at": f.merge_at, "delta": f.delta.detach().cpu().clone()}
+                pending = {"merge_at": f.merge_at, "delta": f.delta.detach().cpu().clone(), "redo": f.redo}
             frags.append({"global": f.snapshot.detach().cpu().clone(),
                           "outer": copy.deepcopy(f.outer.state_dict()), "pending": pending})
         return {"step": self.step, "fragments": frags, "codec": self.codec.state_dict()}
@@ -428,7 +469,8 @@ class DiLoCo(Strategy):
                     )
                 f.snapshot.copy_(s["global"])
                 f.outer.load_state_dict(s["outer"])
-                f.future, f.merge_at = None, None
+                f.future, f.merge_at, f.redo = None, None, False
                 if s["pending"] is not None:
                     f.delta.copy_(s["pending"]["delta"])
                     f.merge_at = int(s["pending"]["merge_at"])
+                    f.redo = bool(s["pending"].get("redo", False))

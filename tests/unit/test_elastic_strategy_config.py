@@ -89,17 +89,6 @@ def test_post_local_sgd_map_needs_the_launch_rank(group: ElasticGroup, monkeypat
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("overlap", [1, 3])
-def test_streaming_diloco_with_overlap_is_refused(group: ElasticGroup, overlap: int) -> None:
-    # (plain DiLoCo has no overlap_steps: its reductions always run in the foreground)
-    strategy = shoal.StreamingDiLoCo(inner_steps=8, fragments=2, overlap_steps=overlap)
-    with pytest.raises(ConfigError, match=rf"overlap_steps={overlap} runs reductions on a background process group"
-                                          r".*use overlap_steps=0"):
-        _setup(strategy, group)
-
-
-
-@pytest.mark.timeout(30)
 def test_nonblocking_hierarchical_is_refused(group: ElasticGroup) -> None:
     with pytest.raises(ConfigError, match=r"hierarchical=True is not supported on an elastic group"):
         _setup(shoal.NonBlocking(hierarchical=True), group)
