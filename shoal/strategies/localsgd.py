@@ -310,10 +310,11 @@ class PostLocalSGD(AveragingStrategy):
         """Without DDP (an elastic group) the step's gradient mean is a round here (skipped if it fails)."""
         if self._in_ddp or self.rounds is None:
             return None
+        # (a newcomer is admitted at the next round, not between the mean and the optimizer step)
         if self.step < self.warmup_steps:
-            return self.rounds.run("grad")
+            return self.rounds.run("grad", admit=False)
         if self.local_group is not None:
-            return self.rounds.run("local_grad", FailurePolicy.DISCARD)
+            return self.rounds.run("local_grad", FailurePolicy.DISCARD, admit=False)
         return None
 
     def _finish_joined(self, kind: str) -> None:

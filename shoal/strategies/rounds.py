@@ -152,11 +152,14 @@ class Rounds:
             ts = list(self.module.parameters()) + list(self.module.buffers())
             self.group.broadcast_coalesced(ts, src=0, tag=f"{self.name}/init")
 
-    def run(self, kind: str, policy: FailurePolicy | None = None) -> bool:
+    def run(self, kind: str, policy: FailurePolicy | None = None, admit: bool = True) -> bool:
         """Run round ``kind`` until it commits (True) or its attempts failed (False).
 
         ``policy`` (default: the runner's) applies to this round only: e.g.
         ``DISCARD`` for a gradient mean among rounds that otherwise retry.
+        ``admit=False``: no empty round admits a waiting newcomer right after
+        this one (more of the same optimizer step follows, which a newcomer
+        admitted now would miss); the next round admits it.
         """
         attempts = self.max_attempts if policy is None else (1 if policy is FailurePolicy.DISCARD else self._tries)
         for _ in range(attempts):
@@ -170,7 +173,7 @@ class Rounds:
                 self.commits += 1
                 self.contributed += int(contributes and kind != ADOPT)
                 self.current = ADOPT
-                if kind != ADOPT and self.group.quorum_pending:
+                if admit and kind != ADOPT and self.group.quorum_pending:
                     self.run(ADOPT)          # admit a waiting newcomer now, not a period later
                     self.last_kind = kind
                 return True
