@@ -254,10 +254,12 @@ class PostLocalSGD(AveragingStrategy):
     ``HierarchicalModelAverager``). Equals torch's ``post_localSGD_hook`` with
     ``PostLocalSGDOptimizer``. :func:`shoal.wrap` returns a
     :class:`shoal.DistributedDataParallel` (on an
-    :class:`~shoal.elastic.ElasticGroup`: the module itself; warm-up gradients
-    are then averaged in a round at ``optimizer.step()``; a ``{period: size}``
-    map averages over groups by launch ``RANK`` as :class:`shoal.Hierarchical`
-    does there; ``local_group_size`` is refused).
+    :class:`~shoal.elastic.ElasticGroup`: the module itself; the step's
+    gradient mean, over everyone in warm-up and inside the local group after
+    it, is then a round at ``optimizer.step()``, the local one ``DISCARD``;
+    local groups and a ``{period: size}`` map's levels are groups of launch
+    ``RANK``, ``group.subgroup(by_slot(size))``, as :class:`shoal.Hierarchical`
+    does there).
 
     Example::
 
