@@ -375,8 +375,11 @@ class DiLoCo(Strategy):
     # --- rounds ----------------------------------------------------------------------
     def _round_reduce(self, kind: str, contribute: bool) -> None:
         """``fragment:<k>``: the pseudo-gradient averaged over the live contributors, now.
+
         ``merge:<k>``: the background reduction lands (on an elastic group every member checks that all
-        hold the same mean); an attempt after a failed one reduces in the foreground instead."""
+        hold the same mean); an attempt after a failed one reduces in the foreground instead, with the
+        pseudo-gradient of the current parameters (the launch's was overwritten by the failed mean).
+        """
         if kind == ADOPT or self.rounds is None:
             return
         op, _, index = kind.partition(":")
