@@ -23,6 +23,7 @@ Example (after ``loss.backward(); opt.step()`` in each step)::
 from __future__ import annotations
 
 import abc
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -33,6 +34,7 @@ from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
+from shoal.comm.rules import by_slot
 from shoal.errors import ConfigError, ShoalError
 
 _PERIOD_ONE = (
@@ -347,3 +349,62 @@ class HierarchicalModelAverager(ModelAverager):
             return None
         size = self.hierarchy.levels[level][1]
         return self.groups[level], f"{self.tag}/g{size}"
+
+
+class Levels(ModelAverager):
+    """The schedule of :class:`HierarchicalModelAverager` over ``group.subgroup(by_slot(size))`` levels.
+
+    What the strategies :class:`shoal.Hierarchical` and :class:`shoal.PostLocalSGD`
+    average over, on any group. Level ``i`` below the last is this worker's
+    subgroup of launch slots ``by_slot(size)``: on a static group the groups
+    of ``size`` consecutive ranks (checked to tile the group); on an elastic
+    group the same groups in each quorum, shrunk by lost workers, rejoined by
+    restarted ones (same ``$RANK``, which must then be set). The last level
+    is the group itself. Meter tags: ``hierarchical/params/g<size>``.
+
+    Example::
+
+        levels = Levels(Hierarchy.from_dict({2: 4, 8: 16}), group, codec=None)
+        group_and_tag = levels._group_at(step)     # None when no level averages at ``step``
+    """
+
+    tag = "hierarchical/params"
+
+    def __init__(self, hierarchy: Hierarchy, group: Group, codec: Codec | None, who: str = "Hierarchical") -> None:
+        super().__init__(group, codec)
+        self.hierarchy = hierarchy
+        if self.group.elastic:
+            check_slots(hierarchy, who)
+        else:
+            hierarchy.check_world(self.group.size)
+        last = len(hierarchy.levels) - 1
+        self.groups: list[Any] = [
+            self.group if i == last else self.group.subgroup(by_slot(size), f"levels/{i}")
+            for i, (_, size) in enumerate(hierarchy.levels)
+        ]
+
+    def _group_at(self, step: int) -> tuple[Group, str] | None:
+        level = self.hierarchy.level_at(step)
+        if level is None:
+            return None
+        return self.groups[level], f"{self.tag}/g{self.hierarchy.levels[level][1]}"
+
+
+def check_slots(hierarchy: Hierarchy, who: str) -> None:
+    """Level groups on an elastic group are launch slots (``$RANK``): it must be set; the map is
+    checked against ``$WORLD_SIZE`` (the launched world) when that is set."""
+    check_slot(who)
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit():
+        hierarchy.check_world(int(world))
+
+
+def check_slot(who: str) -> None:
+    """Groups by launch slot on an elastic group (``by_slot``) need ``$RANK``: raise unless it is set."""
+    slot = os.environ.get("RANK", "")
+    if not slot.isdigit():
+        raise ConfigError(
+            f"{who} on an ElasticGroup places each worker in its level groups by its launch RANK "
+            f"(stable across restarts), but RANK is {slot!r}; launch with `shoal run --elastic` or set "
+            "RANK to the worker's slot 0..N-1"
+        )

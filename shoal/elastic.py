@@ -22,7 +22,10 @@ skips. Averages divide by the number of workers in the step's quorum.
 See docs/elastic.md for timeouts, sharding and tuning.
 
 Strategies other than DDP plug in through :func:`run_round` and a
-:class:`FailurePolicy`: a round is ``start_step(); fn(); should_commit()``.
+:class:`FailurePolicy`: a round is ``begin_step(); fn(); commit()``.
+:class:`ElasticOptimizer` and :class:`ElasticSampler` take any
+:class:`~shoal.comm.Group` (on a static one every step commits), so the same
+script runs with or without elasticity.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from shoal.comm.group import Group
 from shoal.comm.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
 from shoal.comm.membership import Coordinator, Quorum, Timeouts
 from shoal.errors import ConfigError
@@ -58,18 +62,19 @@ class ElasticOptimizer:
             sched.step()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: ElasticGroup, key: str = "optimizer") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Group, key: str = "optimizer") -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(group, ElasticGroup):
-            raise ConfigError(f"group must be a shoal ElasticGroup, got {type(group).__name__}")
+        if not isinstance(group, Group):
+            raise ConfigError(f"group must be a shoal Group (e.g. an ElasticGroup), got {type(group).__name__}")
         self.optimizer = optimizer
         self.group = group
         group.register_state(key, optimizer.state_dict, optimizer.load_state_dict)
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
-        self.group.start_step()  # a step with no collective still needs a quorum to vote in
-        if self.group.should_commit():
+        """End the step: run the inner optimizer if it commits (always, on a static group); its verdict."""
+        self.group.begin_step()  # a step with no collective still needs a quorum to vote in
+        if self.group.commit():
             self.optimizer.step(closure)
             return True
         self.optimizer.zero_grad(set_to_none=True)
@@ -112,7 +117,7 @@ class ElasticSampler:
         idx = data.next_batch()           # list of 32 indices for this worker
     """
 
-    def __init__(self, num_samples: int, group: ElasticGroup, batch_size: int, seed: int = 0,
+    def __init__(self, num_samples: int, group: Group, batch_size: int, seed: int = 0,
                  shuffle: bool = True, key: str = "sampler") -> None:
         for name, v in (("num_samples", num_samples), ("batch_size", batch_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -137,7 +142,7 @@ class ElasticSampler:
 
     def next_batch(self) -> list[int]:
         """This worker's indices for the current step (starts the step: may rebuild and heal)."""
-        self.group.start_step()
+        self.group.begin_step()
         self._pending = self.group.size * self.batch_size
         start = self.cursor + self.group.rank * self.batch_size
         return [self._index(p) for p in range(start, start + self.batch_size)]
@@ -152,11 +157,11 @@ class ElasticSampler:
         return int(self._perm[1][off])
 
 
-def shard(num_samples: int, group: ElasticGroup | Any) -> range:
+def shard(num_samples: int, group: Group | Any) -> range:
     """The indices ``rank, rank + size, ...`` of the group's current quorum.
 
     For epoch-based loops: call it at each epoch's start (after
-    ``group.start_step()``) to split the epoch over whoever is there now.
+    ``group.begin_step()``) to split the epoch over whoever is there now.
     Workers that arrive mid-epoch wait for the next split; prefer
     :class:`ElasticSampler` when membership changes often.
 

@@ -26,14 +26,14 @@ from torch import nn
 
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
-from shoal.comm.elastic import ElasticGroup
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.streams import SideStream
 from shoal.comm.group import Group
+from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy, broadcast_module
-from shoal.strategies.elastic import ADOPT, ElasticRounds
+from shoal.strategies.rounds import ADOPT, Rounds
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -166,6 +166,7 @@ class _Fragment:
             raise ConfigError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer).__name__}")
         self.future: ThreadFuture | None = None
         self.merge_at: int | None = None
+        self.redo = False   # a failed landing: the next attempt reduces in the foreground
 
 
 class DiLoCo(Strategy):
@@ -185,13 +186,14 @@ class DiLoCo(Strategy):
     optimizer's, the codec's and the global copy's state are in
     :meth:`state_dict` (also inside the wrapped optimizer's ``state_dict()``).
 
-    On an :class:`~shoal.elastic.ElasticGroup` each round is an elastic
-    round (:class:`~shoal.strategies.elastic.ElasticRounds`): a failed one is
-    run again with the survivors of the next quorum, the pseudo-gradient mean
-    divides by the live contributors, and global copies, outer optimizer
-    state, counters and codec state heal into newcomers. The inner
-    optimizer's state stays each worker's own, as in the paper (a newcomer
-    starts from a peer's).
+    Each synchronisation is a round (:class:`~shoal.strategies.rounds.Rounds`).
+    On an :class:`~shoal.elastic.ElasticGroup` a failed one is run again with
+    the survivors of the next quorum, the pseudo-gradient mean divides by the
+    live contributors, and global copies, outer optimizer state, counters,
+    codec state and the module's buffers heal into newcomers, whose
+    parameters are rebuilt from the healed global copies (not sent twice).
+    The inner optimizer's state stays each worker's own, as in the paper (a
+    newcomer starts from a peer's).
 
     NaN/Inf (SPEC G5): an inner step with non-finite gradients is skipped by
     that rank alone; a non-finite averaged pseudo-gradient (the same on every
@@ -223,30 +225,21 @@ class DiLoCo(Strategy):
         self.fragments: list[_Fragment] = []
         self._thread: ThreadPoolExecutor | None = None
         self._side = SideStream(torch.device("cpu"))   # replaced by the parameters' device's with the thread
-        self._comm_group: Group | None = None
-        self.rounds: ElasticRounds | None = None
+        self._comm_group: Any = None
+        self.rounds: Rounds | None = None
 
     @property
     def tag(self) -> str:
         return f"{self.name}/pseudograd"
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
-        elastic = isinstance(group, ElasticGroup)
-        if elastic and self.config.overlap_steps > 0:
-            raise ConfigError(
-                f"overlap_steps={self.config.overlap_steps} runs reductions on a background process group split "
-                "from the main one, which an elastic group cannot provide (its members change between rounds); "
-                "on an ElasticGroup use overlap_steps=0 (fragments still cut the peak bandwidth)"
-            )
         self._bind(model, optimizer, group)
-        if not elastic:
-            broadcast_module(model, group, tag=f"{self.name}/init")
         cfg = self.config
         offload = cfg.offload if cfg.offload is not None else self.params[0].device.type == "cuda"
         # Background reductions get a process group of their own: a collective the training thread
         # issues meanwhile (a logged loss, an evaluation) must not interleave with them differently on
         # different ranks.
-        self._comm_group = group.split([list(range(group.size))]) if cfg.overlap_steps > 0 else group
+        self._comm_group = group.subgroup(whole_quorum, f"{self.name}/background") if cfg.overlap_steps > 0 else group
         modules = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.names]
         layout = split_fragments([p.numel() for p in self.params], cfg.fragments, cfg.layout, modules)
         self.fragments = [
@@ -254,42 +247,87 @@ class DiLoCo(Strategy):
                       offload, cfg.outer_optimizer)
             for k, idx in enumerate(layout)
         ]
-        if isinstance(group, ElasticGroup):
-            # No broadcast above: the first round's heal copies rank 0's model, global copies and outer
-            # state everywhere (a newcomer's, a peer's).
-            self.rounds = ElasticRounds(group, self.name, model, optimizer, self.codec, self._core_state,
-                                        self._load_core_state, self._elastic_reduce, self._elastic_apply)
-            self.rounds.join()
+        # Every synchronisation is a round. A newcomer heals the global copies, outer state, inner
+        # optimizer, codec and the module's buffers; its parameters are rebuilt from the global copies
+        # (they are a peer's local drift otherwise, which it would count twice): not sent.
+        self.rounds = Rounds(group, self.name, self._round_reduce, self._round_apply)
+        self.rounds.register(None, optimizer, self.codec, self._core_state, self._heal_core_state)
+        group.register_state(f"{self.rounds.key}/buffers", self._buffers, self._load_buffers)
+        group.before_begin_step(self._settle)
+        self.rounds.join(self._first_state)
         self._mark_step()  # the set-up traffic is not the first step's
         return model
 
+    def _first_state(self) -> None:
+        """A static group's start: rank 0's module everywhere, and the global copies made from it."""
+        if self.module is None or self.group is None:  # pragma: no cover - bound in setup
+            raise ShoalError("not set up")
+        broadcast_module(self.module, self.group, tag=f"{self.name}/init")
+        with torch.no_grad():
+            for f in self.fragments:
+                torch.cat([p.detach().reshape(-1).float() for p in f.params], out=f.delta)
+                f.snapshot.copy_(f.delta)
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The module's state that no global copy holds (buffers, frozen parameters)."""
+        if self.module is None:  # pragma: no cover - bound in setup
+            return {}
+        trained = {id(p) for p in self.params}
+        return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items() if id(v) not in trained}
+
+    def _load_buffers(self, state: Mapping[str, torch.Tensor]) -> None:
+        if self.module is not None:
+            self.module.load_state_dict(dict(state), strict=False)
+
     def after_step(self) -> None:
-        if not self.fragments:
+        if not self.fragments or self.rounds is None:
             raise ShoalError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
         self.step += 1
         for f in self.fragments:
             if self.step % self.config.inner_steps == f.offset:
-                if self.rounds is not None:
+                if self.config.overlap_steps == 0:
                     self.rounds.run(f"fragment:{f.index}")
-                    continue
-                self._launch(f)
+                else:
+                    self._launch(f)
         for f in self.fragments:
             if f.merge_at == self.step:
-                self._merge(f)
+                self._merge_round(f)
         self._mark_step()
+
+    def _merge_round(self, f: _Fragment) -> None:
+        """The round in which a background reduction lands: voted, then merged (or dropped, given up)."""
+        if self.rounds is not None and not self.rounds.run(f"merge:{f.index}"):
+            f.merge_at, f.redo = None, False   # given up on every member alike: local parameters kept
+
+    def _settle(self) -> None:
+        """Before a step that adopts a new quorum: let the background reductions in flight land.
+
+        They run over the quorum they were launched in; adopting another
+        would cut them. (Never on a static group: its quorum does not change.)
+        """
+        if self.group is not None and self.group.quorum_pending:
+            for f in self.fragments:
+                self._land(f)
+
+    def _land(self, f: _Fragment) -> None:
+        if f.future is not None:
+            _, done = f.future.result()
+            f.future = None
+            self._side.join(done)   # CUDA: this stream reads the mean only once it is written
 
     # --- one fragment's round ----------------------------------------------
     @torch.no_grad()
-    def _launch(self, f: _Fragment) -> None:
-        """Pseudo-gradient ``global - local`` into ``f.delta``; start its reduction."""
-        if f.merge_at is not None:  # pragma: no cover - overlap_steps < inner_steps prevents it
-            raise ShoalError(f"fragment {f.index} launched while its previous reduction is pending")
+    def _pseudo_gradient(self, f: _Fragment) -> None:
+        """``global - local`` into ``f.delta``."""
         f.delta.copy_(f.snapshot, non_blocking=True)
         torch._foreach_sub_(f.delta_views, [p.detach() for p in f.params])
+
+    def _launch(self, f: _Fragment) -> None:
+        """Pseudo-gradient into ``f.delta``; start its reduction on the communication thread."""
+        if f.merge_at is not None:  # pragma: no cover - overlap_steps < inner_steps prevents it
+            raise ShoalError(f"fragment {f.index} launched while its previous reduction is pending")
+        self._pseudo_gradient(f)
         f.merge_at = self.step + self.config.overlap_steps
-        if self.config.overlap_steps == 0:
-            self._reduce(f)
-            return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-diloco")
             self._side = SideStream(f.delta.device)   # CUDA: the thread's own stream, events both ways
@@ -297,18 +335,14 @@ class DiLoCo(Strategy):
         f.future = self._thread.submit(side.run, side.ready(), lambda: self._reduce(f))
 
     def _reduce(self, f: _Fragment) -> None:
-        assert self._comm_group is not None  # set up (checked in after_step)
         with torch.no_grad():
             self.codec.mean(f.delta_views, f.names, self._comm_group, self.tag)
 
     @torch.no_grad()
     def _merge(self, f: _Fragment) -> None:
         """Outer step on the averaged pseudo-gradient; local parameters move to (or toward) the result."""
-        if f.future is not None:
-            _, done = f.future.result()
-            f.future = None
-            self._side.join(done)   # CUDA: this stream reads the mean only once it is written
-        f.merge_at = None
+        self._land(f)
+        f.merge_at, f.redo = None, False
         if read_flag(nonfinite_flag([f.delta])):
             # The mean is the same on every rank: all skip the outer step and restart from the
             # unchanged global copy, so no NaN reaches the global copy, the outer state or a model.
@@ -338,26 +372,54 @@ class DiLoCo(Strategy):
             target = f.delta_views
         torch._foreach_copy_([p.detach() for p in f.params], target)
 
-    # --- elastic rounds (overlap_steps == 0) -------------------------------------
-    def _elastic_reduce(self, kind: str, contribute: bool) -> None:
-        """The pseudo-gradient of ``fragment:<k>`` into its delta buffer, averaged over live contributors."""
+    # --- rounds ----------------------------------------------------------------------
+    def _round_reduce(self, kind: str, contribute: bool) -> None:
+        """``fragment:<k>``: the pseudo-gradient averaged over the live contributors, now.
+
+        ``merge:<k>``: the background reduction lands (on an elastic group every member checks that all
+        hold the same mean); an attempt after a failed one reduces in the foreground instead, with the
+        pseudo-gradient of the current parameters (the launch's was overwritten by the failed mean).
+        """
         if kind == ADOPT or self.rounds is None:
             return
-        f = self.fragments[int(kind.partition(":")[2])]
-        with torch.no_grad():
-            f.delta.copy_(f.snapshot, non_blocking=True)
-            torch._foreach_sub_(f.delta_views, [p.detach() for p in f.params])
-        self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
+        op, _, index = kind.partition(":")
+        f = self.fragments[int(index)]
+        if op == "fragment" or f.redo:
+            self._pseudo_gradient(f)
+            self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
+            return
+        self._land(f)
+        f.redo = True   # until this round commits: a retry reduces in the foreground
+        if self.group is not None and self.group.elastic:
+            self._check_landed(f, self.group)
 
-    def _elastic_apply(self, kind: str) -> None:
+    def _check_landed(self, f: _Fragment, group: Any) -> None:   # an elastic group (report_error)
+        """Fail the round unless every member holds the same mean (bit patterns of two fp64 sums).
+
+        An elastic collective that fails records the failure instead of
+        raising, and a background reduction's failure may be recorded in
+        another step than the one that lands it: this check makes it this
+        round's. A static group's collectives raise on failure: nothing to check.
+        """
+        if group.size == 1:
+            return
+        d = f.delta.double()
+        mine = torch.stack([d.sum(), (d * d).sum()]).view(torch.int64)
+        table = torch.empty(2 * group.size, dtype=torch.int64, device=mine.device)
+        group.all_gather_into(table, mine, tag=f"{self.tag}/landed").wait()
+        if not bool((table.view(-1, 2) == mine).all()):   # read after the collective
+            group.report_error(ShoalError(f"fragment {f.index}'s background reduction did not land alike on "
+                                          "every member"))
+
+    def _round_apply(self, kind: str) -> None:
         if kind != ADOPT:
             self._merge(self.fragments[int(kind.partition(":")[2])])
 
     def close(self) -> None:
-        """Merge every reduction still in flight now and stop the communication thread."""
+        """Merge every reduction still in flight now (a round each) and stop the communication thread."""
         for f in self.fragments:
             if f.merge_at is not None:
-                self._merge(f)
+                self._merge_round(f)
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
@@ -376,7 +438,7 @@ class DiLoCo(Strategy):
                 if f.future is not None:
                     f.future.result()
                     f.future = None
-                pending = {"merge_at": f.merge_at, "delta": f.delta.detach().cpu().clone()}
+                pending = {"merge_at": f.merge_at, "delta": f.delta.detach().cpu().clone(), "redo": f.redo}
             frags.append({"global": f.snapshot.detach().cpu().clone(),
                           "outer": copy.deepcopy(f.outer.state_dict()), "pending": pending})
         return {"step": self.step, "fragments": frags, "codec": self.codec.state_dict()}
@@ -386,6 +448,12 @@ class DiLoCo(Strategy):
         state = self.state_dict()
         del state["codec"]
         return state
+
+    def _heal_core_state(self, state: Mapping[str, Any]) -> None:
+        """A newcomer's heal: the peers' global copies, and its parameters rebuilt from them."""
+        self._load_core_state(state)
+        for f in self.fragments:
+            self._reset_to_global(f)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._load_core_state(state)
@@ -404,7 +472,8 @@ class DiLoCo(Strategy):
                     )
                 f.snapshot.copy_(s["global"])
                 f.outer.load_state_dict(s["outer"])
-                f.future, f.merge_at = None, None
+                f.future, f.merge_at, f.redo = None, None, False
                 if s["pending"] is not None:
                     f.delta.copy_(s["pending"]["delta"])
                     f.merge_at = int(s["pending"]["merge_at"])
+                    f.redo = bool(s["pending"].get("redo", False))

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from shoal.averagers import HierarchicalModelAverager, Hierarchy, ModelAverager
-import torch
-from torch import nn
-
+from shoal.averagers import Hierarchy, Levels, ModelAverager
 from shoal.codecs.base import Codec
-from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
-from shoal.strategies.elastic import ElasticLevels, check_slots
 from shoal.strategies.localsgd import AveragingStrategy
 
 
@@ -26,9 +21,10 @@ class Hierarchical(AveragingStrategy):
     during warm-up (:class:`shoal.PostLocalSGD` accepts the same map and
     all-reduces gradients then).
 
-    On an :class:`~shoal.elastic.ElasticGroup` each averaging is an elastic
-    round (:class:`~shoal.strategies.elastic.ElasticRounds`,
-    ``AVERAGE_SURVIVORS``) over that level's group in the current quorum:
+    Each averaging is a round (:class:`~shoal.strategies.rounds.Rounds`,
+    ``AVERAGE_SURVIVORS``) over that level's group (``group.subgroup(by_slot(k))``,
+    :class:`~shoal.averagers.Levels`). On an
+    :class:`~shoal.elastic.ElasticGroup` that is the group in the current quorum:
     groups of size ``k`` are the live workers whose launch ``RANK`` (stable
     across restarts under ``shoal run --elastic``) divided by ``k`` is equal,
     i.e. the static groups, shrunk by lost workers; the last level is the
@@ -56,12 +52,5 @@ class Hierarchical(AveragingStrategy):
         super().__init__(codec, average_optimizer_state)
         self.hierarchy = Hierarchy.from_dict(period_group_size, warmup_steps)
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
-        if isinstance(group, ElasticGroup):
-            check_slots(self.hierarchy, "Hierarchical")
-        return super().setup(model, optimizer, group)
-
     def _make_averager(self, group: Group) -> ModelAverager:
-        if isinstance(group, ElasticGroup):
-            return ElasticLevels(self.hierarchy, group, self.codec)
-        return HierarchicalModelAverager(dict(self.hierarchy.levels), self.hierarchy.warmup_steps, group, self.codec)
+        return Levels(self.hierarchy, group, self.codec, "Hierarchical")

@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import abc
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from shoal.averagers import HierarchicalModelAverager, Hierarchy, PeriodicModelAverager, Periodic, ModelAverager
+from shoal.averagers import Hierarchy, Levels, ModelAverager, Periodic, PeriodicModelAverager, check_slot
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
-from shoal.comm.elastic import ElasticGroup
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
-from shoal.errors import ConfigError
+from shoal.comm.rules import by_slot
+from shoal.errors import ConfigError, ShoalError
 from shoal.parallel import DistributedDataParallel
 from shoal.reducer import GradBucket
-from shoal.strategies.base import Strategy, broadcast_module, check_state_keys, optimizer_state_tensors
-from shoal.strategies.elastic import ADOPT, ElasticLevels, ElasticRounds, check_slots
+from shoal.strategies.base import Strategy, check_state_keys, optimizer_state_tensors
+from shoal.strategies.rounds import ADOPT, FailurePolicy, Rounds
 
 
 class AveragingStrategy(Strategy):
@@ -34,18 +34,20 @@ class AveragingStrategy(Strategy):
 
     Subclasses build the averager in :meth:`_make_averager`. When
     ``average_optimizer_state`` is set, the optimizer's per-parameter state
-    (C4) is averaged over the same group at the same steps, under the tag
-    ``<name>/optim_state``.
+    (C4) is averaged with the parameters, over the same group at the same
+    steps.
 
-    On an :class:`~shoal.elastic.ElasticGroup` every averaging is an elastic
-    round (:class:`~shoal.strategies.elastic.ElasticRounds`): a failed one is
-    run again with the survivors of the next quorum, and the average divides
-    by the live contributors; local steps need no vote.
+    Every averaging is a round (:class:`~shoal.strategies.rounds.Rounds`,
+    ``AVERAGE_SURVIVORS``): the mean is taken into a scratch copy (one copy
+    per averaging) and copied back when the round commits, which on a static
+    group it always does. On an :class:`~shoal.elastic.ElasticGroup` a
+    failed round is run again with the survivors of the next quorum, and the
+    average divides by the live contributors; local steps need no vote.
 
     NaN/Inf (SPEC G5): a rank whose gradients are non-finite skips its own
     optimizer update (together with its group where gradients are averaged);
     a member whose parameters are non-finite is left out of an average and
-    receives the finite members' mean (:func:`shoal.averagers.finite_mean`).
+    receives the finite members' mean (as :func:`shoal.averagers.finite_mean`).
     Each counts in ``comm_stats().total.nonfinite_skips``; see
     docs/averaging.md.
     """
@@ -57,7 +59,8 @@ class AveragingStrategy(Strategy):
         self.codec = codec
         self.average_optimizer_state = check_state_keys(average_optimizer_state)
         self.averager: ModelAverager | None = None
-        self.rounds: ElasticRounds | None = None
+        self.rounds: Rounds | None = None
+        self.local_group: Any = None   # post-local SGD's gradient groups after warm-up, if any
         self._grad_codec = Identity()  # post-local SGD's warm-up gradients travel exact, as in its DDP
         # (live, averaged scratch, a parameter round's group)
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor], Group | None] | None = None
@@ -69,61 +72,66 @@ class AveragingStrategy(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
-        if isinstance(group, ElasticGroup):
-            return self._setup_elastic(group)
-        broadcast_module(model, group, tag=f"{self.name}/init")
-        self.averager = self._quiet_averager(group)
-        self._mark_step()  # the set-up traffic is not the first step's
-        return model
+        return self._start(model, model)
 
-    # --- elastic groups ---------------------------------------------------------
-    def _setup_elastic(self, group: ElasticGroup) -> nn.Module:
-        """No broadcast: the first round's heal copies rank 0's state (or a peer's, for a newcomer)."""
-        if self.module is None or self.optimizer is None:  # pragma: no cover - _bind set them
+    def _start(self, returned: nn.Module, module: nn.Module, first: Callable[[], None] | None = None) -> nn.Module:
+        """Averager and rounds; the first round gives everyone rank 0's state (a heal, or ``first()``)."""
+        if self.optimizer is None:  # pragma: no cover - _bind set it
             raise ConfigError("bind the strategy first")
-        self.averager = self._quiet_averager(group)
-        averager = self.averager
+        averager = self.averager = self._quiet_averager(self.group_)
 
         def load(state: dict[str, Any]) -> None:
             averager.step = int(state["step"])
 
-        self.rounds = ElasticRounds(group, self.name, self.module, self.optimizer, averager.codec,
-                                    lambda: {"step": averager.step}, load, self._elastic_reduce, self._elastic_apply)
-        self._finish_joined(self.rounds.join())
-        self._mark_step()
-        return self.module
+        self.rounds = Rounds(self.group_, self.name, self._reduce, self._apply)
+        self.rounds.register(module, self.optimizer, averager.codec, lambda: {"step": averager.step}, load)
+        self._finish_joined(self.rounds.join(first))
+        self._mark_step()  # the set-up traffic is not the first step's
+        return returned
+
+    @property
+    def group_(self) -> Group:
+        if self.group is None:  # pragma: no cover - _bind set it
+            raise ConfigError("bind the strategy first")
+        return self.group
 
     def _finish_joined(self, kind: str) -> None:
         """A newcomer admitted in a round: do what its peers do after that round."""
 
-    def _elastic_reduce(self, kind: str, contribute: bool) -> None:
+    def _reduce(self, kind: str, contribute: bool) -> None:
+        """A round's mean into scratch copies: ``grad``/``local_grad`` (gradients), ``params@<step>``."""
         self._pending = None
-        if kind == ADOPT or self.rounds is None or self.optimizer is None:
+        if kind == ADOPT or self.rounds is None or self.optimizer is None or self.averager is None:
             return
-        live: list[torch.Tensor] = list(self.params)
         names = list(self.names)
-        if kind == "grad":
+        if kind in ("grad", "local_grad"):
             live = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        elif self.average_optimizer_state:
+            scratch = [t.detach().clone() for t in live]
+            # a non-finite mean is caught by the optimizer step's gradient check
+            group = self.group_ if kind == "grad" else self.local_group
+            self.rounds.mean(scratch, names, self._grad_codec, f"{self.name}/{kind}", group)
+            self._pending = (live, scratch, None)
+            return
+        due = self.averager._group_at(int(kind.partition("@")[2]))
+        if due is None:  # pragma: no cover - kinds are made from due steps
+            raise ConfigError(f"no averaging is due in round {kind!r}")
+        group, tag = due
+        live = list(self.params)
+        if self.average_optimizer_state:
             extra, extra_names = optimizer_state_tensors(self.optimizer, self.params, self.names,
                                                          self.average_optimizer_state)
             live, names = live + extra, names + extra_names
         scratch = [t.detach().clone() for t in live]
-        finite: Group | None = None  # a parameter round's group (its finite contributors are counted)
-        if kind == "grad":  # non-finite means are caught by the optimizer step's gradient check
-            self.rounds.mean(scratch, names, self._grad_codec, f"{self.name}/grad")
-        else:
-            finite, tag = self._elastic_target(kind)
-            handle = self._finite_count(scratch, finite, tag)
-            self.rounds.mean(scratch, names, self.rounds.codec, tag, finite)
-            handle.wait()
-        self._pending = (live, scratch, finite)
+        handle = self._finite_count(scratch, group, tag)
+        self.rounds.mean(scratch, names, self.averager.codec, tag, group)
+        handle.wait()
+        self._pending = (live, scratch, group)
 
     def _finite_count(self, scratch: list[torch.Tensor], group: Group, tag: str) -> Any:
         """Start the count of the round's contributors whose parameters are finite (see :func:`finite_mean`).
 
         A worker whose parameters hold a NaN/Inf contributes zeros, as a
-        newcomer does; :meth:`_elastic_apply` rescales the mean to the finite
+        newcomer does; :meth:`_apply` rescales the mean to the finite
         contributors. The local check is read before the round's collectives.
         """
         bad = read_flag(nonfinite_flag(scratch[:len(self.params)]))
@@ -134,34 +142,21 @@ class AveragingStrategy(Strategy):
             torch._foreach_zero_(scratch)
         return handle
 
-    def _elastic_kind(self, step: int) -> str | None:
-        """The round due after optimizer step ``step`` (counted from 0), if any."""
-        if isinstance(self.averager, ElasticLevels):
-            return self.averager.kind_at(step)
-        return "params" if self.averager is not None and self.averager._group_at(step) is not None else None
-
-    def _elastic_target(self, kind: str) -> tuple[Group, str]:
-        """The group a parameter round of ``kind`` averages over, and its meter tag."""
-        if isinstance(self.averager, ElasticLevels):
-            return self.averager.target(kind)
-        if not isinstance(self.group, ElasticGroup):  # pragma: no cover - only elastic rounds ask
-            raise ConfigError("not an elastic group")
-        return self.group, f"{self.name}/params"
-
     @torch.no_grad()
-    def _elastic_apply(self, kind: str) -> None:
+    def _apply(self, kind: str) -> None:
         if self._pending is None:
             return
-        live, scratch, finite = self._pending
+        live, scratch, group = self._pending
         self._pending = None
-        if kind == "grad":
+        if group is None:   # gradients
             for p, g in zip(self.params, scratch):
                 p.grad = g
             return
-        if finite is not None and not self._rescale_finite(finite, scratch):
+        if self.averager is not None:
+            self.averager.last_group = group
+        if not self._rescale_finite(group, scratch):
             return
-        for t, avg in zip(live, scratch):
-            t.copy_(avg)
+        torch._foreach_copy_(live, scratch)
 
     def _rescale_finite(self, group: Group, scratch: list[torch.Tensor]) -> bool:
         """Turn a committed mean into the finite contributors' mean; False: none was finite (keep ours)."""
@@ -169,6 +164,13 @@ class AveragingStrategy(Strategy):
         finite = int(round(float(self._finite.item())))  # read once the round has committed
         if contributors == 0 or finite == contributors:
             return True
+        if self.averager is not None:
+            self.averager.last_left_out = contributors - finite
+        if finite == 0 and not self.group_.elastic:
+            raise ShoalError(
+                f"every one of the {group.size} members averaging under {self.name!r} holds non-finite (NaN/Inf) "
+                "parameters: training has diverged on all of them and there is nothing finite to average; lower "
+                "the learning rate or restart from a checkpoint")
         if finite > 0:
             torch._foreach_mul_(scratch, contributors / finite)
         self._count_nonfinite("parameters at an averaging",
@@ -176,32 +178,20 @@ class AveragingStrategy(Strategy):
                               if finite else "no contributor was finite: the round is not applied")
         return finite > 0
 
-    def _elastic_after_step(self) -> None:
-        if self.averager is None or self.rounds is None:  # pragma: no cover - set up together
-            raise ConfigError("not set up")
-        kind = self._elastic_kind(self.averager.step)
-        self.averager.step += 1
-        if kind is not None:
-            self.rounds.run(kind)
-        self._mark_step()
-
     def _quiet_averager(self, group: Group) -> ModelAverager:
         with warnings.catch_warnings():  # the constructor already warned about this configuration
             warnings.simplefilter("ignore")
             return self._make_averager(group)
 
     def after_step(self) -> None:
-        if self.averager is None or self.optimizer is None:
+        """Count the step; run the averaging round due after it, if any."""
+        if self.averager is None or self.rounds is None:
             raise ConfigError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
-        if self.rounds is not None:
-            self._elastic_after_step()
-            return
-        used = self.averager.average_named(self.params, self.names)
-        if used is not None and self.average_optimizer_state:
-            tensors, names = optimizer_state_tensors(self.optimizer, self.params, self.names,
-                                                     self.average_optimizer_state)
-            with torch.no_grad():
-                self.averager.codec.mean(tensors, names, used, f"{self.name}/optim_state")
+        step = self.averager.step
+        self.averager.step += 1
+        self.averager.last_group, self.averager.last_left_out = None, 0
+        if self.averager._group_at(step) is not None:
+            self.rounds.run(f"params@{step}")
         self._mark_step()
 
     @property
@@ -264,10 +254,12 @@ class PostLocalSGD(AveragingStrategy):
     ``HierarchicalModelAverager``). Equals torch's ``post_localSGD_hook`` with
     ``PostLocalSGDOptimizer``. :func:`shoal.wrap` returns a
     :class:`shoal.DistributedDataParallel` (on an
-    :class:`~shoal.elastic.ElasticGroup`: the module itself; warm-up gradients
-    are then averaged in a round at ``optimizer.step()``; a ``{period: size}``
-    map averages over groups by launch ``RANK`` as :class:`shoal.Hierarchical`
-    does there; ``local_group_size`` is refused).
+    :class:`~shoal.elastic.ElasticGroup`: the module itself; the step's
+    gradient mean, over everyone in warm-up and inside the local group after
+    it, is then a round at ``optimizer.step()``, the local one ``DISCARD``;
+    local groups and a ``{period: size}`` map's levels are groups of launch
+    ``RANK``, ``group.subgroup(by_slot(size))``, as :class:`shoal.Hierarchical`
+    does there).
 
     Example::
 
@@ -292,47 +284,43 @@ class PostLocalSGD(AveragingStrategy):
         self.warmup_steps = warmup_steps
         self.local_group_size = local_group_size
         self.bucket_cap_mb = bucket_cap_mb
-        self.local_group: Group | None = None
+        self._in_ddp = False   # gradient means in DDP's comm hook (static groups), else in rounds
 
     def _make_averager(self, group: Group) -> ModelAverager:
         if isinstance(self.period, Mapping):
-            if isinstance(group, ElasticGroup):
-                return ElasticLevels(Hierarchy.from_dict(self.period, self.warmup_steps), group, self.codec)
-            return HierarchicalModelAverager(self.period, self.warmup_steps, group, self.codec)
+            return Levels(Hierarchy.from_dict(self.period, self.warmup_steps), group, self.codec, "PostLocalSGD")
         return PeriodicModelAverager(self.period, self.warmup_steps, group, self.codec)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
-        if isinstance(group, ElasticGroup):
-            if self.local_group_size is not None:
-                raise ConfigError(
-                    "PostLocalSGD with local_group_size averages gradients inside fixed groups at every step, "
-                    "which on an elastic group would be one voted round per step; on an ElasticGroup leave "
-                    "local_group_size None (a {period: group_size} map is supported)"
-                )
-            if isinstance(self.period, Mapping):
-                check_slots(Hierarchy.from_dict(self.period, self.warmup_steps), "PostLocalSGD")
-            self._bind(model, optimizer, group)
-            return self._setup_elastic(group)
         self._bind(model, optimizer, group)
-        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=self.bucket_cap_mb)
         size = self.local_group_size
         if size is not None:
-            if group.size % size:
+            if group.elastic:
+                check_slot("PostLocalSGD with local_group_size")
+            elif group.size % size:
                 raise ConfigError(f"local_group_size {size} does not divide the {group.size} ranks")
-            self.local_group = group.split([list(range(s, s + size)) for s in range(0, group.size, size)])
-        self.averager = self._quiet_averager(group)
+            self.local_group = group.subgroup(by_slot(size), f"{self.name}/local")
+        if group.elastic:
+            # DDP's comm hooks cannot run on an elastic group: gradient means are rounds at opt.step().
+            return self._start(model, model)
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=self.bucket_cap_mb)
         ddp.register_comm_hook(self, _post_local_hook)
-        self._mark_step()
-        return ddp
+        self._in_ddp = True
+        return self._start(ddp, model, first=lambda: None)   # DDP broadcast rank 0's module
 
     def before_step(self) -> bool | None:
-        """On an elastic group, warm-up gradients are averaged here, in a round (skipped if it fails)."""
-        if self.rounds is not None and self.step < self.warmup_steps:
-            return self.rounds.run("grad")
+        """Without DDP (an elastic group) the step's gradient mean is a round here (skipped if it fails)."""
+        if self._in_ddp or self.rounds is None:
+            return None
+        # (a newcomer is admitted at the next round, not between the mean and the optimizer step)
+        if self.step < self.warmup_steps:
+            return self.rounds.run("grad", admit=False)
+        if self.local_group is not None:
+            return self.rounds.run("local_grad", FailurePolicy.DISCARD, admit=False)
         return None
 
     def _finish_joined(self, kind: str) -> None:
-        if kind == "grad" and self.optimizer is not None:  # its peers now step with these gradients
+        if kind in ("grad", "local_grad") and self.optimizer is not None:  # its peers now step with these
             self.optimizer.step()
             self.after_step()
 

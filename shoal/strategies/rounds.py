@@ -93,14 +93,19 @@ class Rounds:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
         self.group, self.name = group, name
+        self._tries = max_attempts
         self.max_attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
+        self.module: nn.Module | None = None   # registered by register(); broadcast by join() on a static group
         self._reduce, self._apply = reduce, apply
         self.current = ADOPT      # the round in progress; healed, so a newcomer joins the same one
         self.last_kind = ADOPT    # the round the last run() ran
         self.commits = 0
         self.contributed = 0      # committed rounds (other than adopt) that carried this worker's update
         self.skipped = 0          # rounds given up after max_attempts
-        group.register_state(f"{name}/round", lambda: {"kind": self.current}, self._load_round)
+        # State keys are unique on the group (two strategies over one static Group do not collide;
+        # every member builds them in the same order, so the keys agree).
+        self.key = group.unique_name(name)
+        group.register_state(f"{self.key}/round", lambda: {"kind": self.current}, self._load_round)
 
     def register(self, module: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  codec: Codec | None = None, get_state: Callable[[], Any] | None = None,
@@ -111,8 +116,9 @@ class Rounds:
         half-updated it) and heals as :meth:`Codec.newcomer_state` (a peer's
         PowerSGD Qs, but zero error feedback of its own).
         """
-        g, name = self.group, self.name
+        g, name = self.group, self.key
         if module is not None:
+            self.module = module
             g.register_state(f"{name}/module", module.state_dict, module.load_state_dict)
         if optimizer is not None:
             g.register_state(f"{name}/optimizer", optimizer.state_dict, optimizer.load_state_dict)
@@ -126,19 +132,37 @@ class Rounds:
     def _load_round(self, state: dict[str, Any]) -> None:
         self.current = str(state["kind"])
 
-    def join(self) -> str:
+    def join(self, first: Callable[[], None] | None = None) -> str:
         """The first round (collective, in the strategy's setup): returns the kind that ran.
 
         For the first workers it is an empty round whose heal copies rank 0's
-        state everywhere (as a broadcast would). A newcomer waits here until
-        its peers reach a round, and runs that round with them.
+        state everywhere. A newcomer waits here until its peers reach a
+        round, and runs that round with them. A static group heals no one:
+        ``first()`` gives every member rank 0's starting state instead
+        (default: the module given to :meth:`register`, broadcast from rank 0
+        under ``<name>/init``).
         """
+        if not self.group.elastic:
+            (first or self._broadcast_module)()
         self.run(ADOPT)
         return self.last_kind
 
-    def run(self, kind: str) -> bool:
-        """Run round ``kind`` until it commits (True) or its attempts failed (False)."""
-        for _ in range(self.max_attempts):
+    def _broadcast_module(self) -> None:
+        if self.module is not None:
+            ts = list(self.module.parameters()) + list(self.module.buffers())
+            self.group.broadcast_coalesced(ts, src=0, tag=f"{self.name}/init")
+
+    def run(self, kind: str, policy: FailurePolicy | None = None, admit: bool = True) -> bool:
+        """Run round ``kind`` until it commits (True) or its attempts failed (False).
+
+        ``policy`` (default: the runner's) applies to this round only: e.g.
+        ``DISCARD`` for a gradient mean among rounds that otherwise retry.
+        ``admit=False``: no empty round admits a waiting newcomer right after
+        this one (more of the same optimizer step follows, which a newcomer
+        admitted now would miss); the next round admits it.
+        """
+        attempts = self.max_attempts if policy is None else (1 if policy is FailurePolicy.DISCARD else self._tries)
+        for _ in range(attempts):
             self.current = kind
             self.group.begin_step()
             kind = self.last_kind = self.current   # a newcomer just healed runs its peers' round
@@ -149,7 +173,7 @@ class Rounds:
                 self.commits += 1
                 self.contributed += int(contributes and kind != ADOPT)
                 self.current = ADOPT
-                if kind != ADOPT and self.group.quorum_pending:
+                if admit and kind != ADOPT and self.group.quorum_pending:
                     self.run(ADOPT)          # admit a waiting newcomer now, not a period later
                     self.last_kind = kind
                 return True

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from shoal.codecs.base import Codec
-from shoal.comm.elastic import ElasticGroup
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 from shoal.parallel import DistributedDataParallel
@@ -56,15 +55,15 @@ class Sync(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
         ddp = DistributedDataParallel(model, process_group=group, codec=self.codec, **self._ddp_kwargs)
-        if isinstance(group, ElasticGroup):
-            group.register_state("ddp/optimizer", optimizer.state_dict, optimizer.load_state_dict)
+        group.register_state(group.unique_name("ddp/optimizer"), optimizer.state_dict, optimizer.load_state_dict)
         return ddp
 
     def before_step(self) -> bool | None:
-        if isinstance(self.group, ElasticGroup):
-            self.group.start_step()   # a step with no collective still needs a quorum to vote in
-            return self.group.should_commit()
-        return None
+        """End the step: its verdict (always True on a static group; elastic: False drops it everywhere)."""
+        if self.group is None:
+            raise ConfigError("Sync is not set up: use shoal.wrap(model, optimizer, strategy)")
+        self.group.begin_step()   # a step with no collective still needs a quorum to vote in
+        return self.group.commit()
 
     def after_step(self) -> None:
         self._mark_step()

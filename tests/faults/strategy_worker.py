@@ -95,6 +95,10 @@ def make_strategy(name: str) -> Any:
                                                                             start_iter=0))
     if name == "streaming":
         return shoal.StreamingDiLoCo(inner_steps=PERIOD, fragments=2, overlap_steps=0, mixing=0.0)
+    if name == "postlocal-group":   # gradients averaged inside launch slots {0, 1}, {2} after warm-up
+        return shoal.PostLocalSGD(period=PERIOD, warmup_steps=6, local_group_size=2, average_optimizer_state=True)
+    if name == "streaming-overlap":   # reductions in the background for one inner step
+        return shoal.StreamingDiLoCo(inner_steps=PERIOD, fragments=2, overlap_steps=1, mixing=0.0)
     raise SystemExit(f"unknown strategy {name}")
 
 
@@ -108,7 +112,8 @@ def synced(strategy: Any) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["localsgd", "postlocal", "diloco", "streaming"], default="localsgd")
+    ap.add_argument("--strategy", choices=["localsgd", "postlocal", "diloco", "streaming", "postlocal-group",
+                                           "streaming-overlap"], default="localsgd")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", required=True)
     ap.add_argument("--op", type=float, default=5.0)
