@@ -107,22 +107,7 @@ def run_token(token: str | None) -> str:
     return str(check_token(found))
 
 
-class _ElasticGroupType(type):
-    """Keeps ``isinstance(subgroup, ElasticGroup)`` true while modules above still ask it.
-
-    An :class:`~shoal.comm.elastic_sub.ElasticSubgroup` is a view over an
-    elastic group's quorums, no longer a subclass; code written against the
-    old class tree (``isinstance(group, ElasticGroup)`` before using the step
-    interface) keeps working on subgroups. Ask ``group.elastic`` instead;
-    this hook goes once no module of shoal asks ``isinstance(..., ElasticGroup)``
-    (issue #15). It answers for ElasticGroup itself only, not for subclasses.
-    """
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return type.__instancecheck__(cls, obj) or (cls is ElasticGroup and isinstance(obj, ElasticSubgroup))
-
-
-class ElasticGroup(ElasticCollectives, metaclass=_ElasticGroupType):
+class ElasticGroup(ElasticCollectives):
     """A Group whose members follow the run's quorums; see the module docstring.
 
     Args:

@@ -57,7 +57,7 @@ def test_a_subgroup_is_a_view_whose_step_interface_is_the_parents() -> None:
         host = group.subgroup(by_host, "host")
         assert isinstance(host, ElasticSubgroup) and isinstance(host, Group) and host.elastic
         assert not issubclass(ElasticSubgroup, ElasticGroup)
-        assert isinstance(host, ElasticGroup)   # kept while strategies still ask it (ElasticGroup's metaclass)
+        assert not isinstance(host, ElasticGroup) and host.elastic   # a view over the quorums, not a subclass
         with pytest.raises(ConfigError, match="cannot be split again"):
             host.subgroup(by_host, "again")
         with pytest.raises(ConfigError, match="needs a whole elastic group"):
