@@ -38,6 +38,7 @@ on the host once, after the last collective of the step.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from concurrent.futures import Future as ThreadFuture
@@ -162,6 +163,7 @@ class _Bucket:
         self.attached: list[int] = []  # slots whose .grad was None and got their view this backward
         self.stray: list[int] = []     # slots whose .grad was another tensor, copied in at launch
         self.handed_off = False        # .grad owns the buffer: take a fresh one at the next backward
+        self._base_refs = _buffer_refs(self.buffer, self.views)
 
     def fresh_buffer(self) -> None:
         """A new zeroed buffer (the old one now belongs to the ``.grad`` that view it)."""
@@ -169,6 +171,30 @@ class _Bucket:
         # The views made in C++: no Python work per parameter beyond the list.
         self.views = list(_unflatten_dense_tensors(self.buffer, self.params))
         self.handed_off = False
+        self._base_refs = _buffer_refs(self.buffer, self.views)
+
+    def take_back(self) -> bool:
+        """Whether the handed-off buffer may serve this backward again: nothing outside the
+        bucket still sees it, bar ``.grad`` that are its own views (reducing into those in
+        place is what torch does to a ``.grad`` kept by ``zero_grad(set_to_none=False)``).
+
+        A fresh buffer costs page faults on its first write (a 19 MB bucket: ~250 faults,
+        several ms per step on a CPU), which made shoal's DDP slower than torch's. The
+        check is host bookkeeping only: reference counts of the storage and of each view
+        against those right after the views were made. A ``.grad`` the user dropped
+        (``set_to_none``) but still holds, or any tensor viewing the storage, keeps it
+        handed off."""
+        base = self._base_refs
+        if base is None:
+            return False
+        now = _buffer_refs(self.buffer, self.views)
+        if now is None or now[0] != base[0]:
+            return False
+        views = self.views
+        if any(n != b and p.grad is not v for p, v, n, b in zip(self.params, views, now[1], base[1])):
+            return False
+        self.handed_off = False
+        return True
 
     def grad_bucket(self) -> GradBucket:
         return GradBucket(self.index, self.buffer, self.views, self.params, self.names, self.last)
@@ -293,7 +319,7 @@ class Reducer:
         follows leaves ``.grad`` as it was. The parameter whose hook this is already has its
         gradient: it is copied in when its bucket launches, like any other tensor."""
         for b in self.buckets:
-            fresh = b.handed_off
+            fresh = b.handed_off and not b.take_back()
             if fresh:
                 b.fresh_buffer()
             none = [k for k, p in enumerate(b.params) if p.grad is None]
@@ -525,6 +551,20 @@ class Reducer:
             self._comm_thread.shutdown(wait=False)
         if self._done_thread is not None:
             self._done_thread.shutdown(wait=False)
+
+
+def _storage_uses(buffer: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(buffer.untyped_storage()._cdata))
+
+
+def _buffer_refs(buffer: torch.Tensor, views: list[torch.Tensor]) -> tuple[int, list[tuple[int, int]]] | None:
+    """Reference counts of a bucket buffer and its views: the storage's uses, then each view's
+    C++ and Python references. Taken the same way right after the views are made (no one else
+    sees them) and when the buffer may be taken back. None where this torch lacks the
+    counters: the buffer is then never taken back."""
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return None
+    return _storage_uses(buffer), [(v._use_count(), sys.getrefcount(v)) for v in views]
 
 
 def _params_in_graph(outputs: Any) -> set[int]:
