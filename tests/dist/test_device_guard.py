@@ -16,10 +16,8 @@ allocation names its device.
 
 from __future__ import annotations
 
+import functools
 import os
-import threading
-import time
-import uuid
 from typing import Any, Callable
 
 import pytest
@@ -27,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 import shoal
+from collab_peers import PeerRun, raise_errors, run_peers
 from models import Net
 from shoal import codecs
-from shoal.comm.membership import Coordinator
 from shoal.testing import run_workers
 from shoal.testing.devices import implicit_device_guard
 
@@ -136,9 +134,6 @@ def test_zero_names_its_devices(overlapped: bool) -> None:
 
 # --- CollaborativeOptimizer: two peers as threads of this process, a coordinator in it --------------
 
-TOKEN = "device-guard-token"
-
-
 def _warm_up() -> None:
     """A first Adam step takes seconds (imports); done by both peers before they meet, so neither falls
     behind the other in its first round."""
@@ -147,58 +142,36 @@ def _warm_up() -> None:
     torch.optim.Adam([p]).step()
 
 
-def _peer(coord: Coordinator, run_id: str, batch: int, mode: str, out: dict[int, Any], key: int,
-          start: threading.Barrier) -> None:
-    try:
-        _warm_up()
-        net = Net(width=16)
-        cfg = shoal.CollaborativeConfig(
-            run_id=run_id, target_batch_size=16, batch_size_per_step=batch, coordinator=coord.address, token=TOKEN,
-            matchmaking_time=2.0, averaging_timeout=30, load_state_timeout=5, offload_optimizer=mode in ("offload", "delayed"),
-            delay_optimizer_step=mode == "delayed", average_state_every=2)
-        with implicit_device_guard() as guard:
-            opt = shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=1e-3), net.named_parameters(),
-                                               config=cfg)
-            try:
-                start.wait(60)   # both peers in the swarm before either counts samples: no one starts behind
-                g = torch.Generator().manual_seed(key)
-                deadline = time.monotonic() + 20   # a peer left behind may wait for state in vain
-                while opt.local_epoch < 3 and time.monotonic() < deadline:
-                    x, y = torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)
-                    F.mse_loss(net(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                opt.wait_pending()
-                time.sleep(1.5)   # stay in the swarm while the other peer ends its last round
-            finally:
-                opt.shutdown()
-        out[key] = {"hits": guard.hits, "outcomes": [r.outcome for r in opt.rounds]}
-    except BaseException as e:  # noqa: BLE001 - reported by the test
-        out[key] = e
+def _peer(mode: str, batch: int, k: int, run: PeerRun) -> dict[str, Any]:
+    _warm_up()
+    net = Net(width=16)
+    cfg = run.config(mode, target_batch_size=16, batch_size_per_step=batch, load_state_timeout=5,
+                     average_state_every=2)
+    g = torch.Generator().manual_seed(k)
+
+    def step() -> None:
+        x, y = torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with implicit_device_guard() as guard:
+        opt = shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=1e-3), net.named_parameters(),
+                                           config=cfg)
+        try:
+            run.train(opt, step, epochs=3)
+        finally:
+            opt.shutdown()
+    return {"hits": guard.hits, "outcomes": [r.outcome for r in opt.rounds], "peers": [r.peers for r in opt.rounds]}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["plain", "offload", "delayed"])
 def test_collaborative_names_its_devices(mode: str) -> None:
     torch.set_num_threads(1)
-    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
-    out: dict[int, Any] = {}
-    run_id = "dev" + uuid.uuid4().hex[:8]
-    try:
-        start = threading.Barrier(2)
-        threads = [threading.Thread(target=_peer, args=(coord, run_id, 8, mode, out, k, start), daemon=True)
-                   for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(100)
-    finally:
-        coord.stop()
-    for k in range(2):
-        got = out.get(k)
-        if isinstance(got, BaseException):
-            raise got
-        assert got is not None, f"peer {k} did not finish"
+    out = run_peers(functools.partial(_peer, mode, 8), 2, limit_s=60)
+    raise_errors(out)
+    for got in out:
         assert got["hits"] == [], f"shoal allocated without device= at {sorted(set(got['hits']))}"
-    # The peers really averaged over gloo (on a loaded machine one may also have loaded state instead).
-    assert any("averaged" in out[k]["outcomes"] for k in range(2)), out
+    # The peers really averaged over gloo, together (on a loaded machine one may also have loaded state).
+    assert any(o == "averaged" and n == 2 for p in out for o, n in zip(p["outcomes"], p["peers"])), out
