@@ -16,10 +16,14 @@ strictly in index order on every rank, so collectives pair up across ranks
 even if gradients arrive in another order. At the end of backward (an
 autograd engine callback) whatever is still in flight is waited for and the
 averaged gradients are in ``.grad``. With ``gradient_as_bucket_view=False``
-the bucket then hands its buffer over to those ``.grad`` and takes a fresh one
-at the next backward, so ``.grad`` never aliases a buffer the reducer writes
-again (torch's semantics) without a copy; gradients that were other tensors
-get the average copied into them (one batched copy per bucket).
+the bucket then hands its buffer over to those ``.grad``, so ``.grad`` never
+aliases a buffer the reducer writes again (torch's semantics) without a copy;
+at the next backward it takes the buffer back when reference counts show that
+nothing outside the bucket sees it any more (``zero_grad()`` set those
+``.grad`` to None and nobody kept them), else it takes a fresh one (on a CPU,
+a fresh buffer per step is page-faulted in at every step). Gradients that
+were other tensors get the average copied into them (one batched copy per
+bucket).
 
 Non-finite gradients (SPEC G5): once every bucket is reduced, one fused check
 of the flat bucket buffers (a few tensors) decides whether the averaged
