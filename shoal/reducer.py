@@ -568,7 +568,7 @@ def _buffer_refs(buffer: torch.Tensor, views: list[torch.Tensor]) -> tuple[int, 
     counters: the buffer is then never taken back."""
     if not hasattr(torch._C, "_storage_Use_Count"):
         return None
-    return _storage_uses(buffer), [(v._use_count(), sys.getrefcount(v)) for v in views]
+    return _storage_uses(buffer), [(v._use_count(), sys.getrefcount(v)) for v in views]  # type: ignore[attr-defined]
 
 
 def _params_in_graph(outputs: Any) -> set[int]:
