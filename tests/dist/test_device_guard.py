@@ -61,7 +61,7 @@ def _strategy(name: str) -> shoal.Strategy:
     }[name]()
 
 
-def _wrap_worker(rank: int, world: int, name: str) -> list[str]:
+def _wrap_case(rank: int, name: str) -> list[str]:
     os.environ["SHOAL_HOST_ID"] = f"host{rank}"   # DASO and Hierarchical: one rank per pretend host
     torch.manual_seed(0)
     net = Net(width=16)
@@ -73,14 +73,6 @@ def _wrap_worker(rank: int, world: int, name: str) -> list[str]:
         _loop(model, opt, rank, after=(lambda loss: report(loss.detach())) if report else lambda loss: None)
         strategy.close()
     return guard.hits
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", ["sync", "sync-powersgd", "local", "postlocal", "hierarchical", "diloco",
-                                  "diloco-int8", "streaming", "nonblocking", "daso"])
-def test_every_strategy_names_its_devices(name: str) -> None:
-    for hits in run_workers(_wrap_worker, 2, name, timeout=200):
-        assert hits == [], f"shoal allocated without device= at {sorted(set(hits))}"
 
 
 def _codec(name: str) -> Any:
@@ -95,41 +87,77 @@ def _codec(name: str) -> Any:
     }[name]()
 
 
-def _ddp_worker(rank: int, world: int, codec: str, hierarchical: bool) -> list[str]:
+def _ddp_case(rank: int, codec: str) -> list[str]:
     os.environ["SHOAL_HOST_ID"] = f"host{rank}"
     torch.manual_seed(0)
     net = Net(width=16)
     with implicit_device_guard() as guard:
-        model = shoal.DistributedDataParallel(net, codec=_codec(codec), hierarchical=hierarchical,
+        model = shoal.DistributedDataParallel(net, codec=_codec(codec), hierarchical=codec == "plain",
                                               bucket_cap_mb=0.001, find_unused_parameters=True)
         _loop(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), rank)
     return guard.hits
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("codec", ["plain", "identity", "bf16", "int8", "topk", "powersgd", "adaptive"])
-def test_ddp_codecs_name_their_devices(codec: str) -> None:
-    for hits in run_workers(_ddp_worker, 2, codec, codec == "plain", timeout=200):
-        assert hits == [], f"shoal allocated without device= at {sorted(set(hits))}"
-
-
-def _zero_worker(rank: int, world: int, overlapped: bool) -> list[str]:
+def _zero_case(rank: int, overlapped: str) -> list[str]:
+    os.environ.pop("SHOAL_HOST_ID", None)   # both ranks on this machine's host, as without pretend hosts
     torch.manual_seed(0)
     net = Net(width=16)
     with implicit_device_guard() as guard:
         zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=1e-3)
-        model = shoal.DistributedDataParallel(net, optimizer=zero if overlapped else None, bucket_cap_mb=0.001)
+        model = shoal.DistributedDataParallel(net, optimizer=zero if overlapped == "overlapped" else None,
+                                              bucket_cap_mb=0.001)
         _loop(model, zero, rank)
         zero.wait_for_params()
         zero.consolidate_state_dict(to=0)
     return guard.hits
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("overlapped", [False, True])
-def test_zero_names_its_devices(overlapped: bool) -> None:
-    for hits in run_workers(_zero_worker, 2, overlapped, timeout=100):
-        assert hits == [], f"shoal allocated without device= at {sorted(set(hits))}"
+STRATEGIES = ["sync", "sync-powersgd", "local", "postlocal", "hierarchical", "diloco", "diloco-int8", "streaming",
+              "nonblocking", "daso"]
+CODECS = ["plain", "identity", "bf16", "int8", "topk", "powersgd", "adaptive"]
+CASES = [("wrap", n) for n in STRATEGIES] + [("ddp", c) for c in CODECS] + [("zero", z) for z in ("plain", "overlapped")]
+_RUN = {"wrap": _wrap_case, "ddp": _ddp_case, "zero": _zero_case}
+
+
+def _all_cases(rank: int, world: int) -> dict[str, Any]:
+    """Every case in one pair of worker processes (starting a pair costs more than a case);
+    a case that raises is reported by its test, and the next case runs on new groups."""
+    out: dict[str, Any] = {}
+    for kind, name in CASES:
+        try:
+            out[f"{kind}/{name}"] = _RUN[kind](rank, name)
+        except Exception as e:  # noqa: BLE001 - reported by the case's test
+            out[f"{kind}/{name}"] = f"raised {e!r}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def hits() -> list[dict[str, Any]]:
+    return run_workers(_all_cases, 2, timeout=400)
+
+
+def _check(hits: list[dict[str, Any]], case: str) -> None:
+    for rank, got in enumerate(hits):
+        assert got[case] == [], f"rank {rank}, {case}: shoal allocated without device= at " \
+            f"{sorted(set(got[case])) if isinstance(got[case], list) else got[case]}"
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_strategy_names_its_devices(hits: list[dict[str, Any]], name: str) -> None:
+    _check(hits, f"wrap/{name}")
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("codec", CODECS)
+def test_ddp_codecs_name_their_devices(hits: list[dict[str, Any]], codec: str) -> None:
+    _check(hits, f"ddp/{codec}")
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("mode", ["plain", "overlapped"])
+def test_zero_names_its_devices(hits: list[dict[str, Any]], mode: str) -> None:
+    _check(hits, f"zero/{mode}")
 
 
 # --- CollaborativeOptimizer: two peers as threads of this process, a coordinator in it --------------
