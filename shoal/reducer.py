@@ -178,24 +178,17 @@ class _Bucket:
         self._base_refs = _buffer_refs(self.buffer, self.views)
 
     def take_back(self) -> bool:
-        """Whether the handed-off buffer may serve this backward again: nothing outside the
-        bucket still sees it, bar ``.grad`` that are its own views (reducing into those in
-        place is what torch does to a ``.grad`` kept by ``zero_grad(set_to_none=False)``).
-
-        A fresh buffer costs page faults on its first write (a 19 MB bucket: ~250 faults,
-        several ms per step on a CPU), which made shoal's DDP slower than torch's. The
-        check is host bookkeeping only: reference counts of the storage and of each view
-        against those right after the views were made. A ``.grad`` the user dropped
-        (``set_to_none``) but still holds, or any tensor viewing the storage, keeps it
-        handed off."""
+        """Whether the handed-off buffer may serve this backward again: host reference counts of
+        its storage and views equal those taken when the views were made, bar views that are
+        still their parameter's ``.grad`` (reduced into in place, as torch does to a kept
+        ``.grad``). A dropped ``.grad`` the user still holds, or a view of one, keeps it handed
+        off. A fresh buffer per step costs page faults at its first write (~250 per step for
+        the overhead bench's MLP), which made shoal's DDP slower than torch's on a CPU."""
         base = self._base_refs
-        if base is None:
+        now = _buffer_refs(self.buffer, self.views) if base is not None else None
+        if base is None or now is None or now[0] != base[0]:
             return False
-        now = _buffer_refs(self.buffer, self.views)
-        if now is None or now[0] != base[0]:
-            return False
-        views = self.views
-        if any(n != b and p.grad is not v for p, v, n, b in zip(self.params, views, now[1], base[1])):
+        if any(n != b and p.grad is not v for p, v, n, b in zip(self.params, self.views, now[1], base[1])):
             return False
         self.handed_off = False
         return True
