@@ -101,10 +101,11 @@ class DistributedDataParallel(nn.Module):
             buckets are reused at every backward and ``.grad`` aliases them
             (no allocation; a ``.grad`` kept across steps is overwritten).
             ``False`` (torch's semantics): after backward the bucket hands
-            its buffer over to those ``.grad`` and takes a fresh one at the
-            next backward, so a kept ``.grad`` never changes; they are views
-            of one flat tensor per bucket, which stays allocated while any
-            of them lives. A ``.grad`` that is some other tensor keeps its
+            its buffer over to those ``.grad``; at the next backward it takes
+            it back if nothing else sees it any more (``zero_grad()`` dropped
+            them), else it takes a fresh one, so a kept ``.grad`` never
+            changes; they are views of one flat tensor per bucket, which
+            stays allocated while any of them lives. A ``.grad`` that is some other tensor keeps its
             identity and receives the average (one batched copy per bucket).
         codec: a :class:`shoal.codecs.Codec` that averages each bucket's
             gradients (e.g. ``shoal.codecs.PowerSGD(rank=4)``), run on a

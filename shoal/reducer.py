@@ -16,10 +16,14 @@ strictly in index order on every rank, so collectives pair up across ranks
 even if gradients arrive in another order. At the end of backward (an
 autograd engine callback) whatever is still in flight is waited for and the
 averaged gradients are in ``.grad``. With ``gradient_as_bucket_view=False``
-the bucket then hands its buffer over to those ``.grad`` and takes a fresh one
-at the next backward, so ``.grad`` never aliases a buffer the reducer writes
-again (torch's semantics) without a copy; gradients that were other tensors
-get the average copied into them (one batched copy per bucket).
+the bucket then hands its buffer over to those ``.grad``, so ``.grad`` never
+aliases a buffer the reducer writes again (torch's semantics) without a copy;
+at the next backward it takes the buffer back when reference counts show that
+nothing outside the bucket sees it any more (``zero_grad()`` set those
+``.grad`` to None and nobody kept them), else it takes a fresh one (on a CPU,
+a fresh buffer per step is page-faulted in at every step). Gradients that
+were other tensors get the average copied into them (one batched copy per
+bucket).
 
 Non-finite gradients (SPEC G5): once every bucket is reduced, one fused check
 of the flat bucket buffers (a few tensors) decides whether the averaged
@@ -38,6 +42,7 @@ on the host once, after the last collective of the step.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from concurrent.futures import Future as ThreadFuture
@@ -162,6 +167,7 @@ class _Bucket:
         self.attached: list[int] = []  # slots whose .grad was None and got their view this backward
         self.stray: list[int] = []     # slots whose .grad was another tensor, copied in at launch
         self.handed_off = False        # .grad owns the buffer: take a fresh one at the next backward
+        self._base_refs = _buffer_refs(self.buffer, self.views)
 
     def fresh_buffer(self) -> None:
         """A new zeroed buffer (the old one now belongs to the ``.grad`` that view it)."""
@@ -169,6 +175,23 @@ class _Bucket:
         # The views made in C++: no Python work per parameter beyond the list.
         self.views = list(_unflatten_dense_tensors(self.buffer, self.params))
         self.handed_off = False
+        self._base_refs = _buffer_refs(self.buffer, self.views)
+
+    def take_back(self) -> bool:
+        """Whether the handed-off buffer may serve this backward again: host reference counts of
+        its storage and views equal those taken when the views were made, bar views that are
+        still their parameter's ``.grad`` (reduced into in place, as torch does to a kept
+        ``.grad``). A dropped ``.grad`` the user still holds, or a view of one, keeps it handed
+        off. A fresh buffer per step costs page faults at its first write (~250 per step for
+        the overhead bench's MLP), which made shoal's DDP slower than torch's on a CPU."""
+        base = self._base_refs
+        now = _buffer_refs(self.buffer, self.views) if base is not None else None
+        if base is None or now is None or now[0] != base[0]:
+            return False
+        if any(n != b and p.grad is not v for p, v, n, b in zip(self.params, self.views, now[1], base[1])):
+            return False
+        self.handed_off = False
+        return True
 
     def grad_bucket(self) -> GradBucket:
         return GradBucket(self.index, self.buffer, self.views, self.params, self.names, self.last)
@@ -313,7 +336,7 @@ class Reducer:
         follows leaves ``.grad`` as it was. The parameter whose hook this is already has its
         gradient: it is copied in when its bucket launches, like any other tensor."""
         for b in self.buckets:
-            fresh = b.handed_off
+            fresh = b.handed_off and not b.take_back()
             if fresh:
                 b.fresh_buffer()
             none = [k for k, p in enumerate(b.params) if p.grad is None]
@@ -545,6 +568,20 @@ class Reducer:
             self._comm_thread.shutdown(wait=False)
         if self._done_thread is not None:
             self._done_thread.shutdown(wait=False)
+
+
+def _storage_uses(buffer: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(buffer.untyped_storage()._cdata))
+
+
+def _buffer_refs(buffer: torch.Tensor, views: list[torch.Tensor]) -> tuple[int, list[tuple[int, int]]] | None:
+    """Reference counts of a bucket buffer and its views: the storage's uses, then each view's
+    C++ and Python references. Taken the same way right after the views are made (no one else
+    sees them) and when the buffer may be taken back. None where this torch lacks the
+    counters: the buffer is then never taken back."""
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return None
+    return _storage_uses(buffer), [(v._use_count(), sys.getrefcount(v)) for v in views]  # type: ignore[attr-defined]
 
 
 def _params_in_graph(outputs: Any) -> set[int]:

@@ -110,6 +110,14 @@ class RoundGroup(ElasticGroup):
                 out.add(i)
         return out
 
+    def _unlisted(self) -> set[int]:
+        """Members admitted after the newest member of the coordinator's latest list: ids are given
+        in join order, so those are the joins the list does not show yet. Call after live_members()."""
+        listed = self._members_cache[1]
+        top = int(self.mm_store.add(self.key("next_id"), 0))
+        first = max(listed) + 1 if listed else 1
+        return {i for i in range(first, top + 1) if i != self.client.member_id and self._admitted(i)}
+
     def _admitted(self, i: int) -> bool:
         """Whether member ``i`` was admitted by the coordinator (its quorum record may lag by ``join_grace``)."""
         if i in self._admitted_ids:
@@ -147,8 +155,10 @@ class RoundGroup(ElasticGroup):
             ready = {i: r for i, r in ready.items() if (i in live or self._admitted(i)) and i not in excluded}
             if opened is None and any(r["c"] for r in ready.values()):
                 opened = now
-            # The coordinator's list lags a join by its grace period: peers of the last round are expected too.
-            known = live | recent
+            # The coordinator's list lags a join by its grace period (and a run's first list waits for
+            # all of its initial workers): peers of the last round and peers admitted since the list
+            # are expected too, else the first peer ready closes a window the others were about to enter.
+            known = live | recent | self._unlisted()
             expected = known - excluded - self._silent(known - set(ready) - {me}, now)
             everyone = expected <= set(ready)
             if opened is not None and (everyone or now - opened >= self.matchmaking_time):

@@ -7,10 +7,8 @@ its rank's own data, and returns plain floats and CPU tensors.
 from __future__ import annotations
 
 import copy
+import functools
 import os
-import threading
-import time
-import uuid
 from typing import Any, Callable
 
 import torch
@@ -20,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import shoal
+from collab_peers import PeerRun, run_peers
 from shoal import codecs
 
 # cuda:0 (every rank shares it). SHOAL_TEST_DEVICE=cpu runs the same workers over gloo on the CPU:
@@ -196,59 +195,36 @@ def zero_vs_torch_adam(rank: int, world: int, overlapped: bool) -> dict[str, flo
 
 # --- CollaborativeOptimizer: two peers as threads of one process, on the GPU -------------------------
 
-def collaborative_peers(mode: str) -> list[Any]:
-    """Two peers (threads) train 3 epochs on cuda:0 around an in-process coordinator; their results."""
-    from shoal.comm.membership import Coordinator
+def _collaborative_peer(mode: str, k: int, run: PeerRun) -> dict[str, Any]:
+    net = Net()
+    gen = torch.Generator().manual_seed(0)   # threads share the global RNG: a private one
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    net = net.to(DEV)
+    opt = shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=1e-2), net.named_parameters(),
+                                       config=run.config(mode, target_batch_size=32, batch_size_per_step=16))
+    data = iter(batches(k, 1000))
 
-    token = "cuda-token"
-    coord = Coordinator(port=0, initial_workers=2, token=token).start()
-    run_id = "cuda" + uuid.uuid4().hex[:8]
-    out: list[Any] = [None, None]
-    start = threading.Barrier(2)
-
-    def peer(k: int) -> None:
-        try:
-            net = Net()
-            gen = torch.Generator().manual_seed(0)   # threads share the global RNG: a private one
-            with torch.no_grad():
-                for p in net.parameters():
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            net = net.to(DEV)
-            cfg = shoal.CollaborativeConfig(
-                run_id=run_id, target_batch_size=32, batch_size_per_step=16, coordinator=coord.address,
-                token=token, matchmaking_time=5.0, averaging_timeout=30, offload_optimizer=mode in ("offload", "delayed"),
-                delay_optimizer_step=mode == "delayed")
-            opt = shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=1e-2), net.named_parameters(),
-                                               config=cfg)
-            try:
-                start.wait(60)   # both peers in the swarm before either counts samples: no one starts behind
-                data = iter(batches(k, 1000))
-                deadline = time.monotonic() + 60   # a peer left behind may wait for state in vain
-                while opt.local_epoch < 3 and time.monotonic() < deadline:
-                    x, y = next(data)
-                    F.mse_loss(net(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                opt.wait_pending()
-                time.sleep(1.5)   # stay in the swarm while the other peer ends its last round
-            finally:
-                opt.shutdown()
-            sync()
-            out[k] = {"outcomes": [r.outcome for r in opt.rounds], "epoch": opt.local_epoch,
-                      "params": [p.detach().cpu() for p in net.parameters()],
-                      "device": next(net.parameters()).device.type}
-        except BaseException as e:  # noqa: BLE001 - the test re-raises it
-            out[k] = e
+    def step() -> None:
+        x, y = next(data)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
 
     try:
-        threads = [threading.Thread(target=peer, args=(k,), daemon=True) for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(150)
+        run.train(opt, step, epochs=3)
     finally:
-        coord.stop()
-    return out
+        opt.shutdown()
+    sync()
+    return {"outcomes": [r.outcome for r in opt.rounds], "peers": [r.peers for r in opt.rounds],
+            "epoch": opt.local_epoch, "params": [p.detach().cpu() for p in net.parameters()],
+            "device": next(net.parameters()).device.type}
+
+
+def collaborative_peers(mode: str) -> list[Any]:
+    """Two peers (threads) train 3 epochs on cuda:0 around an in-process coordinator; their results."""
+    return run_peers(functools.partial(_collaborative_peer, mode), 2, limit_s=90)
 
 
 def collaborative_worker(rank: int, world: int, mode: str) -> list[Any]:

@@ -16,10 +16,8 @@ allocation names its device.
 
 from __future__ import annotations
 
+import functools
 import os
-import threading
-import time
-import uuid
 from typing import Any, Callable
 
 import pytest
@@ -27,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 import shoal
+from collab_peers import PeerRun, raise_errors, run_peers
 from models import Net
 from shoal import codecs
-from shoal.comm.membership import Coordinator
 from shoal.testing import run_workers
 from shoal.testing.devices import implicit_device_guard
 
@@ -63,7 +61,7 @@ def _strategy(name: str) -> shoal.Strategy:
     }[name]()
 
 
-def _wrap_worker(rank: int, world: int, name: str) -> list[str]:
+def _wrap_case(rank: int, name: str) -> list[str]:
     os.environ["SHOAL_HOST_ID"] = f"host{rank}"   # DASO and Hierarchical: one rank per pretend host
     torch.manual_seed(0)
     net = Net(width=16)
@@ -75,14 +73,6 @@ def _wrap_worker(rank: int, world: int, name: str) -> list[str]:
         _loop(model, opt, rank, after=(lambda loss: report(loss.detach())) if report else lambda loss: None)
         strategy.close()
     return guard.hits
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", ["sync", "sync-powersgd", "local", "postlocal", "hierarchical", "diloco",
-                                  "diloco-int8", "streaming", "nonblocking", "daso"])
-def test_every_strategy_names_its_devices(name: str) -> None:
-    for hits in run_workers(_wrap_worker, 2, name, timeout=200):
-        assert hits == [], f"shoal allocated without device= at {sorted(set(hits))}"
 
 
 def _codec(name: str) -> Any:
@@ -97,47 +87,80 @@ def _codec(name: str) -> Any:
     }[name]()
 
 
-def _ddp_worker(rank: int, world: int, codec: str, hierarchical: bool) -> list[str]:
+def _ddp_case(rank: int, codec: str) -> list[str]:
     os.environ["SHOAL_HOST_ID"] = f"host{rank}"
     torch.manual_seed(0)
     net = Net(width=16)
     with implicit_device_guard() as guard:
-        model = shoal.DistributedDataParallel(net, codec=_codec(codec), hierarchical=hierarchical,
+        model = shoal.DistributedDataParallel(net, codec=_codec(codec), hierarchical=codec == "plain",
                                               bucket_cap_mb=0.001, find_unused_parameters=True)
         _loop(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), rank)
     return guard.hits
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("codec", ["plain", "identity", "bf16", "int8", "topk", "powersgd", "adaptive"])
-def test_ddp_codecs_name_their_devices(codec: str) -> None:
-    for hits in run_workers(_ddp_worker, 2, codec, codec == "plain", timeout=200):
-        assert hits == [], f"shoal allocated without device= at {sorted(set(hits))}"
-
-
-def _zero_worker(rank: int, world: int, overlapped: bool) -> list[str]:
+def _zero_case(rank: int, overlapped: str) -> list[str]:
+    os.environ.pop("SHOAL_HOST_ID", None)   # both ranks on this machine's host, as without pretend hosts
     torch.manual_seed(0)
     net = Net(width=16)
     with implicit_device_guard() as guard:
         zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=1e-3)
-        model = shoal.DistributedDataParallel(net, optimizer=zero if overlapped else None, bucket_cap_mb=0.001)
+        model = shoal.DistributedDataParallel(net, optimizer=zero if overlapped == "overlapped" else None,
+                                              bucket_cap_mb=0.001)
         _loop(model, zero, rank)
         zero.wait_for_params()
         zero.consolidate_state_dict(to=0)
     return guard.hits
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("overlapped", [False, True])
-def test_zero_names_its_devices(overlapped: bool) -> None:
-    for hits in run_workers(_zero_worker, 2, overlapped, timeout=100):
-        assert hits == [], f"shoal allocated without device= at {sorted(set(hits))}"
+STRATEGIES = ["sync", "sync-powersgd", "local", "postlocal", "hierarchical", "diloco", "diloco-int8", "streaming",
+              "nonblocking", "daso"]
+CODECS = ["plain", "identity", "bf16", "int8", "topk", "powersgd", "adaptive"]
+CASES = [("wrap", n) for n in STRATEGIES] + [("ddp", c) for c in CODECS] + [("zero", z) for z in ("plain", "overlapped")]
+_RUN = {"wrap": _wrap_case, "ddp": _ddp_case, "zero": _zero_case}
+
+
+def _all_cases(rank: int, world: int) -> dict[str, Any]:
+    """Every case in one pair of worker processes (starting a pair costs more than a case);
+    a case that raises is reported by its test, and the next case runs on new groups."""
+    out: dict[str, Any] = {}
+    for kind, name in CASES:
+        try:
+            out[f"{kind}/{name}"] = _RUN[kind](rank, name)
+        except Exception as e:  # noqa: BLE001 - reported by the case's test
+            out[f"{kind}/{name}"] = f"raised {e!r}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def hits() -> list[dict[str, Any]]:
+    return run_workers(_all_cases, 2, timeout=400)
+
+
+def _check(hits: list[dict[str, Any]], case: str) -> None:
+    for rank, got in enumerate(hits):
+        assert got[case] == [], f"rank {rank}, {case}: shoal allocated without device= at " \
+            f"{sorted(set(got[case])) if isinstance(got[case], list) else got[case]}"
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_strategy_names_its_devices(hits: list[dict[str, Any]], name: str) -> None:
+    _check(hits, f"wrap/{name}")
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("codec", CODECS)
+def test_ddp_codecs_name_their_devices(hits: list[dict[str, Any]], codec: str) -> None:
+    _check(hits, f"ddp/{codec}")
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("mode", ["plain", "overlapped"])
+def test_zero_names_its_devices(hits: list[dict[str, Any]], mode: str) -> None:
+    _check(hits, f"zero/{mode}")
 
 
 # --- CollaborativeOptimizer: two peers as threads of this process, a coordinator in it --------------
-
-TOKEN = "device-guard-token"
-
 
 def _warm_up() -> None:
     """A first Adam step takes seconds (imports); done by both peers before they meet, so neither falls
@@ -147,58 +170,36 @@ def _warm_up() -> None:
     torch.optim.Adam([p]).step()
 
 
-def _peer(coord: Coordinator, run_id: str, batch: int, mode: str, out: dict[int, Any], key: int,
-          start: threading.Barrier) -> None:
-    try:
-        _warm_up()
-        net = Net(width=16)
-        cfg = shoal.CollaborativeConfig(
-            run_id=run_id, target_batch_size=16, batch_size_per_step=batch, coordinator=coord.address, token=TOKEN,
-            matchmaking_time=2.0, averaging_timeout=30, load_state_timeout=5, offload_optimizer=mode in ("offload", "delayed"),
-            delay_optimizer_step=mode == "delayed", average_state_every=2)
-        with implicit_device_guard() as guard:
-            opt = shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=1e-3), net.named_parameters(),
-                                               config=cfg)
-            try:
-                start.wait(60)   # both peers in the swarm before either counts samples: no one starts behind
-                g = torch.Generator().manual_seed(key)
-                deadline = time.monotonic() + 20   # a peer left behind may wait for state in vain
-                while opt.local_epoch < 3 and time.monotonic() < deadline:
-                    x, y = torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)
-                    F.mse_loss(net(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                opt.wait_pending()
-                time.sleep(1.5)   # stay in the swarm while the other peer ends its last round
-            finally:
-                opt.shutdown()
-        out[key] = {"hits": guard.hits, "outcomes": [r.outcome for r in opt.rounds]}
-    except BaseException as e:  # noqa: BLE001 - reported by the test
-        out[key] = e
+def _peer(mode: str, batch: int, k: int, run: PeerRun) -> dict[str, Any]:
+    _warm_up()
+    net = Net(width=16)
+    cfg = run.config(mode, target_batch_size=16, batch_size_per_step=batch, load_state_timeout=5,
+                     average_state_every=2)
+    g = torch.Generator().manual_seed(k)
+
+    def step() -> None:
+        x, y = torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with implicit_device_guard() as guard:
+        opt = shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=1e-3), net.named_parameters(),
+                                           config=cfg)
+        try:
+            run.train(opt, step, epochs=3)
+        finally:
+            opt.shutdown()
+    return {"hits": guard.hits, "outcomes": [r.outcome for r in opt.rounds], "peers": [r.peers for r in opt.rounds]}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["plain", "offload", "delayed"])
 def test_collaborative_names_its_devices(mode: str) -> None:
     torch.set_num_threads(1)
-    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
-    out: dict[int, Any] = {}
-    run_id = "dev" + uuid.uuid4().hex[:8]
-    try:
-        start = threading.Barrier(2)
-        threads = [threading.Thread(target=_peer, args=(coord, run_id, 8, mode, out, k, start), daemon=True)
-                   for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(100)
-    finally:
-        coord.stop()
-    for k in range(2):
-        got = out.get(k)
-        if isinstance(got, BaseException):
-            raise got
-        assert got is not None, f"peer {k} did not finish"
+    out = run_peers(functools.partial(_peer, mode, 8), 2, limit_s=60)
+    raise_errors(out)
+    for got in out:
         assert got["hits"] == [], f"shoal allocated without device= at {sorted(set(got['hits']))}"
-    # The peers really averaged over gloo (on a loaded machine one may also have loaded state instead).
-    assert any("averaged" in out[k]["outcomes"] for k in range(2)), out
+    # The peers really averaged over gloo, together (on a loaded machine one may also have loaded state).
+    assert any(o == "averaged" and n == 2 for p in out for o, n in zip(p["outcomes"], p["peers"])), out

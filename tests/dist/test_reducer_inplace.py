@@ -102,3 +102,36 @@ def _grad_not_aliased(rank: int, world: int) -> bool:
 @pytest.mark.timeout(60)
 def test_kept_grad_is_not_overwritten_by_the_next_step() -> None:
     assert run_workers(_grad_not_aliased, 2, timeout=45) == [True, True]
+
+
+def _buffer_taken_back(rank: int, world: int) -> dict[str, Any]:
+    """gradient_as_bucket_view=False: once the user drops every .grad (zero_grad's default), the
+    next backward reduces in the same bucket buffer (a fresh one would be page-faulted in at every
+    step); while anything still sees the old buffer (a kept .grad, a view of one), it does not."""
+    model = shoal.DistributedDataParallel(_deep(2))
+    (bucket,) = model.reducer.buckets
+    g = torch.Generator().manual_seed(rank)
+
+    def step() -> int:
+        model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+        return bucket.buffer.data_ptr()
+
+    first = step()
+    model.zero_grad(set_to_none=True)
+    same = [step() == first]
+    model.zero_grad(set_to_none=True)
+    same.append(step() == first)
+    # A view of a dropped .grad still sees the buffer: the next backward must not write into it.
+    (param, *_) = model.module.parameters()
+    assert param.grad is not None
+    held = param.grad.view(-1)
+    value = held.clone()
+    model.zero_grad(set_to_none=True)
+    moved = step() != first
+    return {"reused": same, "moved_when_held": moved, "held_intact": torch.equal(held, value)}
+
+
+@pytest.mark.timeout(60)
+def test_dropped_grads_give_the_buffer_back_to_the_reducer() -> None:
+    for res in run_workers(_buffer_taken_back, 2, timeout=45):
+        assert res == {"reused": [True, True], "moved_when_held": True, "held_intact": True}, res
