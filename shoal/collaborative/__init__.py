@@ -10,7 +10,8 @@ Example::
 """
 
 from shoal.collaborative.config import CollaborativeConfig
-from shoal.collaborative.optimizer import CollaborativeOptimizer, RoundReport
+from shoal.collaborative.optimizer import CollaborativeOptimizer
+from shoal.collaborative.rounds import RoundReport
 from shoal.collaborative.progress import SwarmProgress
 from shoal.comm.membership import Coordinator
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from shoal.codecs.base import Codec
+from shoal.codecs.cast import Cast
 from shoal.comm.auth import check_token
 from shoal.comm.membership import Timeouts
 from shoal.errors import ConfigError
@@ -122,7 +123,6 @@ class CollaborativeConfig:
         _positive_int("max_state_bytes", self.max_state_bytes)
 
     def _check_modes(self) -> None:
-        from shoal.codecs.cast import Cast
         if self.state_loading_codec is not None and not isinstance(self.state_loading_codec, Cast):
             raise ConfigError("CollaborativeConfig.state_loading_codec must be None or a shoal.codecs.Cast: state "
                               f"is sent once to one peer, not averaged, got {type(self.state_loading_codec).__name__}")

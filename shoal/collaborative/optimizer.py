@@ -45,7 +45,6 @@ import copy
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -58,7 +57,7 @@ from shoal.codecs.identity import Identity
 from shoal.collaborative.config import CollaborativeConfig
 from shoal.collaborative.progress import ProgressTracker, SwarmProgress
 from shoal.collaborative.records import RecordBook
-from shoal.collaborative.rounds import RoundGroup
+from shoal.collaborative.rounds import RoundGroup, RoundReport
 from shoal.collaborative.state import average_tensors, decode_state, encode_state, exchange_state, stat_tensors
 from shoal.collaborative.validate import (FLAG_AUX, FLAG_CLIENT, FLAG_FRESH, HEADER_LEN, Verdict, encode_header,
                                           judge_headers, layout_digest)
@@ -67,20 +66,6 @@ from shoal.errors import ConfigError, ShoalError
 log = logging.getLogger("shoal.collaborative")
 
 OptimizerOrFactory = torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-
-
-@dataclass
-class RoundReport:
-    """What one epoch's averaging did (``CollaborativeOptimizer.last_round``)."""
-
-    epoch: int
-    outcome: str                 # "averaged", "local" (timed out or alone), "loaded" (state received)
-    peers: int = 1
-    samples: int = 0
-    seconds: float = 0.0
-    excluded: tuple[int, ...] = ()   # member ids excluded from the round
-    own_samples: int = 0             # this peer's weight in the round (0: auxiliary, behind, NaN)
-    source: int | None = None        # member id that sent state in this round, if any did
 
 
 class CollaborativeOptimizer:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.collaborative.records import RecordBook
@@ -57,6 +58,20 @@ def _coordinator_address(coordinator: str | None) -> str:
     if not address:
         raise ConfigError("no coordinator: set CollaborativeConfig(coordinator='host:port') or $SHOAL_COORDINATOR")
     return address
+
+
+@dataclass
+class RoundReport:
+    """What one epoch's averaging did (``CollaborativeOptimizer.last_round``)."""
+
+    epoch: int
+    outcome: str                 # "averaged", "local" (timed out or alone), "loaded" (state received)
+    peers: int = 1
+    samples: int = 0
+    seconds: float = 0.0
+    excluded: tuple[int, ...] = ()   # member ids excluded from the round
+    own_samples: int = 0             # this peer's weight in the round (0: auxiliary, behind, NaN)
+    source: int | None = None        # member id that sent state in this round, if any did
 
 
 class RoundGroup(ElasticGroup):

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from shoal.averagers import as_group
 from shoal.codecs.base import Codec
 from shoal.codecs.hierarchical import reduction_codec
 from shoal.comm.group import Group
@@ -38,7 +39,7 @@ from shoal.comm.meter import CommStats, StepMeter
 from shoal.comm.topology import Topology
 from shoal.errors import ConfigError, ShoalError
 from shoal.parallel import DistributedDataParallel, check_same_model
-from shoal.strategies.base import Strategy, broadcast_module
+from shoal.strategies.base import Strategy, StrategyOptimizer, broadcast_module
 from shoal.strategies.nonblocking_exchange import TAG, Exchange, find_layers
 
 __all__ = ["NonBlocking", "NonBlockingModule", "find_layers", "TAG"]
@@ -219,15 +220,17 @@ class NonBlocking(Strategy):
 
             model, (opt_a, opt_b) = shoal.NonBlocking().wrap(model, [opt_a, opt_b])   # warns: blocking
         """
-        from shoal.averagers import as_group
-        from shoal.wrap import wrap
-
         if isinstance(optimizer, torch.optim.Optimizer):
-            return wrap(model, optimizer, self, process_group)
-        reason, single = _fallback_reason(model, optimizer)
-        if single is None:
-            return self._fall_back(model, list(optimizer), as_group(process_group), reason), optimizer
-        return wrap(model, single, self, process_group)
+            single = optimizer
+        else:
+            reason, one = _fallback_reason(model, optimizer)
+            if one is None:
+                return self._fall_back(model, list(optimizer), as_group(process_group), reason), optimizer
+            single = one
+        if isinstance(single, StrategyOptimizer):
+            raise ConfigError("this optimizer is already wrapped by shoal.wrap; pass the original optimizer")
+        # What shoal.wrap does with this strategy (not called: shoal.wrap imports the strategies).
+        return self.setup(model, single, as_group(process_group)), StrategyOptimizer(single, self)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None) -> Any:
         if self._exchange is None:
