@@ -123,7 +123,8 @@ class _Bucket:
         self.comm_done: Any = None   # CUDA: the codec thread's event once its mean is written
         self.attached: list[int] = []  # slots whose .grad was None and got their view this backward
         self.stray: list[int] = []     # slots whose .grad was another tensor, copied in at launch
-        self.handed_off = False        # .grad owns the buffer: take a fresh one at the next backward
+        self.handed_off = False        # a .grad may view the buffer: check before reusing it
+        self.kept = False              # take_back found .grad that are still views (kept by zero_grad)
         self._base_refs = _buffer_refs(self.buffer, self.views)
 
     def fresh_buffer(self) -> None:
@@ -131,7 +132,7 @@ class _Bucket:
         self.buffer = torch.zeros_like(self.buffer)
         # The views made in C++: no Python work per parameter beyond the list.
         self.views = list(_unflatten_dense_tensors(self.buffer, self.params))
-        self.handed_off = False
+        self.handed_off = self.kept = False
         self._base_refs = _buffer_refs(self.buffer, self.views)
 
     def take_back(self) -> bool:
@@ -147,6 +148,9 @@ class _Bucket:
             return False
         if any(n != b and p.grad is not v for p, v, n, b in zip(self.params, self.views, now[1], base[1])):
             return False
+        # Views still .grad stay handed off after this backward too (a later set_to_none must
+        # not let the next backward zero a .grad someone kept): see Reducer._write_grads.
+        self.kept = any(p.grad is v for p, v in zip(self.params, self.views))
         self.handed_off = False
         return True
 

@@ -69,7 +69,7 @@ class ElasticOptimizer:
             raise ConfigError(f"group must be a shoal Group (e.g. an ElasticGroup), got {type(group).__name__}")
         self.optimizer = optimizer
         self.group = group
-        group.register_state(key, optimizer.state_dict, optimizer.load_state_dict)
+        group.register_state(group.unique_name(key), optimizer.state_dict, optimizer.load_state_dict)
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """End the step: run the inner optimizer if it commits (always, on a static group); its verdict."""
@@ -127,7 +127,7 @@ class ElasticSampler:
         self.cursor = 0          # position in the run's index stream of the next step
         self._pending = 0
         self._perm: tuple[int, torch.Tensor] | None = None
-        group.register_state(key, lambda: {"cursor": self.cursor}, self._load)
+        group.register_state(group.unique_name(key), lambda: {"cursor": self.cursor}, self._load)
         group.on_commit(self._advance)
 
     def _load(self, state: dict[str, int]) -> None:
@@ -142,6 +142,8 @@ class ElasticSampler:
 
     def next_batch(self) -> list[int]:
         """This worker's indices for the current step (starts the step: may rebuild and heal)."""
+        if self._pending and not self.group.elastic:
+            self._advance()   # a static group's step always commits, whether or not anything voted it
         self.group.begin_step()
         self._pending = self.group.size * self.batch_size
         start = self.cursor + self.group.rank * self.batch_size

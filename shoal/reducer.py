@@ -425,8 +425,9 @@ class Reducer:
                     if dst:
                         torch._foreach_copy_(dst, src)
         if not self.as_view:
-            # Hand the buffer to the .grad that view it; the next backward takes a fresh one.
-            b.handed_off = bool(b.attached)
+            # Hand the buffer to the .grad that view it (attached now, or kept from an earlier
+            # step): the next backward reuses it only if take_back finds nobody else sees it.
+            b.handed_off = bool(b.attached) or b.kept
 
     def remove_hooks(self) -> None:
         self.verdict.expire()   # a model unwrapped after a skipped step must not skip the next one

@@ -5,9 +5,9 @@ gloo group under it is replaced for every quorum (a fresh store prefix, a
 fresh ``ProcessGroupGloo`` built directly, never the default group). A step
 on an elastic group has three parts::
 
-    group.start_step()      # adopt the latest quorum: rebuild, heal newcomers
+    group.begin_step()      # adopt the latest quorum: rebuild, heal newcomers
     ...collectives...       # failures are recorded, never raised, never waited out
-    group.should_commit()   # the same True/False on every member of the quorum
+    group.commit()          # the same True/False on every member of the quorum
 
 This module owns the group itself: adopting a quorum (rendezvous, building
 its process group, healing, abandoning it after a failure) and the step
@@ -44,7 +44,7 @@ Authentication: every member proves it holds the run token when it joins
 (:mod:`shoal.comm.auth`); the token is ``ElasticGroup(token=...)``, else
 ``$SHOAL_TOKEN`` (set by ``shoal run --elastic``), and a group without either
 refuses to start (ConfigError). A wrong token gets
-:class:`~shoal.errors.AuthError` at the first :meth:`ElasticGroup.start_step`,
+:class:`~shoal.errors.AuthError` at the first :meth:`ElasticGroup.begin_step`,
 and its holder is never admitted into a quorum.
 
 Example::
@@ -52,9 +52,9 @@ Example::
     group = ElasticGroup("run1", coordinator="127.0.0.1:29400", token="s3cret-token")
     group.register_state("model", model.state_dict, model.load_state_dict)
     while training:
-        group.start_step()
+        group.begin_step()
         group.all_reduce(grad, op="avg", tag="grad").wait()
-        if group.should_commit():
+        if group.commit():
             opt.step()
 """
 
@@ -155,10 +155,11 @@ class ElasticGroup(ElasticCollectives):
         self.stats = ElasticStats()
         self._snapshots: dict[str, Any] = {}
         self._in_step = False
-        self._after = 0              # adopt a quorum newer than this one at the next start_step
+        self._after = 0              # adopt a quorum newer than this one at the next begin_step
         self._fresh = True           # holds no state received from the run yet
+        self._healed_since_commit = False  # loaded a heal since this member's last committed step
         self.heal_chunk = HEAL_CHUNK  # bytes per heal message; each must arrive within Timeouts.op
-        self.newcomers: tuple[int, ...] = ()  # ranks healed at this step's start_step
+        self.newcomers: tuple[int, ...] = ()  # ranks healed at this step's begin_step
         if min_workers is None:
             min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid(), "host": host_identity(host_id)}
@@ -173,7 +174,7 @@ class ElasticGroup(ElasticCollectives):
         self.ballot = Ballot(self.client, self.timeouts, failures)
         self.discards = DiscardStreak()   # why each step since the last commit was discarded
         self.register_state("elastic/discards", self.discards.state, self.discards.load)
-        # Joining waits for the first start_step: a newcomer that announced itself
+        # Joining waits for the first begin_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
     def _live_pg(self) -> Any:
@@ -227,7 +228,7 @@ class ElasticGroup(ElasticCollectives):
         row were discarded, :class:`~shoal.errors.PeerLostError` is raised.
         """
         if not self._in_step or self.quorum is None:
-            raise ShoalError("should_commit() called outside a step: call start_step() first "
+            raise ShoalError("commit() called outside a step: call begin_step() first "
                              "(shoal's DistributedDataParallel does so in forward)")
         self._in_step = False
         q, hooks = self.quorum, self._hooks()
@@ -235,6 +236,7 @@ class ElasticGroup(ElasticCollectives):
         self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
         if verdict.startswith("commit"):
             self.step += 1
+            self._healed_since_commit = False
             self.stats.commits += 1
             self.discards.reset()
             for fn in hooks.on_commit:
@@ -333,7 +335,7 @@ class ElasticGroup(ElasticCollectives):
     def _heal(self, q: Quorum) -> None:
         """Bring the quorum's needy members to the run's state (see :mod:`shoal.comm.elastic_heal`)."""
         t0 = time.monotonic()
-        plan = plan_heal(self, self.step, self._fresh)
+        plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit)
         if plan is None:
             return
         self.quorum = replace(q, max_step=plan.top)
@@ -343,12 +345,13 @@ class ElasticGroup(ElasticCollectives):
             if self.error is not None:
                 return
             self.stats.heal_bytes = blob.numel()
-            self.newcomers = plan.needy
             if self.rank in plan.needy:
                 self._load_blob(blob, plan.src)
                 self.step = plan.top
                 self.stats.heals_received += 1
+                self._healed_since_commit = True   # a copy of a peer's progress until a step commits
             self.stats.heal_s = time.monotonic() - t0
+        self.newcomers = plan.newcomers
         self._fresh = False
 
     def _blob(self) -> torch.Tensor:

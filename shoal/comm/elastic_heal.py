@@ -49,11 +49,22 @@ log = logging.getLogger("shoal.elastic")
 
 @dataclass(frozen=True)
 class HealPlan:
-    """Who sends the run's state (``src``) to whom (``needy``), and the step they all hold after (``top``)."""
+    """Who sends the run's state (``src``) to whom (``needy``), and the step they all hold after (``top``).
+
+    ``recent``: members not needy now that were healed since their last
+    committed step (in an earlier, discarded attempt): they still hold a
+    copy of a peer's progress, so they remain newcomers until a step commits.
+    """
 
     top: int
     src: int
     needy: tuple[int, ...]
+    recent: tuple[int, ...] = ()
+
+    @property
+    def newcomers(self) -> tuple[int, ...]:
+        """Every member that brings no progress of its own to this step (the same on every member)."""
+        return tuple(sorted(set(self.needy) | set(self.recent)))
 
 
 def snapshot(states: Mapping[str, StateEntry]) -> dict[str, Any]:
@@ -72,19 +83,23 @@ def state_blob(states: Mapping[str, StateEntry]) -> torch.Tensor:
     return to_bytes({k: s.get() for k, s in states.items()})
 
 
-def plan_heal(group: ElasticCollectives, step: int, fresh: bool) -> HealPlan | None:
-    """Exchange every member's (committed step, fresh) and plan the heal; None if the exchange failed."""
-    mine = torch.tensor([step, int(fresh)], dtype=torch.int64, device=group.device)
-    table = torch.empty(2 * group.size, dtype=torch.int64, device=group.device)
+def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = False) -> HealPlan | None:
+    """Exchange every member's (committed step, fresh, healed since its last commit) and plan the heal.
+
+    None if the exchange failed. Every member plans from the same gathered
+    table, so every member computes the same plan and the same newcomers.
+    """
+    mine = torch.tensor([step, int(fresh), int(recent)], dtype=torch.int64, device=group.device)
+    table = torch.empty(3 * group.size, dtype=torch.int64, device=group.device)
     group.all_gather_into(table, mine, tag=CONTROL_TAG).wait()
     if group.error is not None:
         return None
-    steps, news = table[0::2].tolist(), table[1::2].tolist()
+    steps, news, recents = table[0::3].tolist(), table[1::3].tolist(), table[2::3].tolist()
     top = max(steps)
     ready = [r for r in range(group.size) if steps[r] == top and not news[r]]
     src = min(ready or [r for r in range(group.size) if steps[r] == top])
     needy = tuple(r for r in range(group.size) if r != src and (steps[r] < top or news[r]))
-    return HealPlan(top, src, needy)
+    return HealPlan(top, src, needy, tuple(r for r in range(group.size) if recents[r] and r not in needy))
 
 
 def send_state(group: ElasticCollectives, plan: HealPlan, make_blob: Callable[[], torch.Tensor],

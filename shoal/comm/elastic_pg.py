@@ -79,7 +79,7 @@ class ElasticStats:
     heals_received: int = 0
     heal_bytes: int = 0          # size of the last state blob sent or received
     heal_s: float = 0.0          # seconds the last heal took (exchange + broadcast + load)
-    reconfigure_s: float = 0.0   # seconds the last start_step spent adopting a quorum
+    reconfigure_s: float = 0.0   # seconds the last begin_step spent adopting a quorum
 
 
 class Link:
@@ -246,7 +246,7 @@ class ElasticCollectives(Group):
                post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
         pg = self._live_pg()
         if not self._started():
-            raise ShoalError("collective on an elastic group before its first step: call start_step() "
+            raise ShoalError("collective on an elastic group before its first step: call begin_step() "
                              "first (shoal's DistributedDataParallel does so in forward)")
         if self.size == 1:
             return Handle(None, result, self.meter, tag, self.timeout, post)

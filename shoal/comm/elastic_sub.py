@@ -114,12 +114,10 @@ class ElasticSubgroup(ElasticCollectives):
         self._qid = -1              # quorum whose layout is current
         self._pg_qid = -1           # quorum whose subgroup self.pg is
         self._dropped = -1          # quorum whose subgroup was abandoned (never rebuilt)
-        self._seen = -1             # quorum whose adoption the on_adopt hooks have seen
         self._ranks: tuple[int, ...] = (0,)
         self._index = 0
         self._member = True
         self._connect_lock = threading.Lock()
-        self._on_adopt: list[Callable[[], None]] = []
         self.link.on_abandon.append(self._drop)
 
     # --- the parent's -------------------------------------------------------------
@@ -195,21 +193,9 @@ class ElasticSubgroup(ElasticCollectives):
         """The older name of :meth:`before_begin_step`."""
         self.parent.before_begin_step(fn)
 
-    def on_adopt(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` in the first :meth:`begin_step` through this subgroup after a quorum with
-        newcomers was adopted (every member of the quorum calls it at the same point: use it for
-        collectives that settle newcomers inside the subgroup)."""
-        self._on_adopt.append(fn)
-
     def begin_step(self) -> None:
-        """The parent's ``begin_step``; then the ``on_adopt`` hooks if a quorum with newcomers was adopted."""
+        """The parent's ``begin_step``."""
         self.parent.begin_step()
-        q = self.parent.quorum
-        if q is not None and q.qid != self._seen:
-            self._seen = q.qid
-            if self.parent.newcomers:
-                for fn in self._on_adopt:
-                    fn()
 
     def commit(self) -> bool:
         """The parent's verdict."""

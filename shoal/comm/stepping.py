@@ -79,8 +79,16 @@ class Outside:
         self.name = name
 
     def __getattr__(self, attr: str) -> Any:
-        raise ShoalError(f"this worker is not a member of subgroup {self.name!r}: check .member before "
-                         f"using it (asked for .{attr})")
+        if attr.startswith("__"):   # copy/pickle probes
+            raise AttributeError(attr)
+        name = self.__dict__.get("name", "?")
+        raise NotAMemberError(f"this worker is not a member of subgroup {name!r}: check .member before "
+                              f"using it (asked for .{attr})")
+
+
+class NotAMemberError(ShoalError, AttributeError):
+    """Raised by an :class:`Outside` subgroup; an AttributeError too, so ``getattr(x, name, default)``,
+    ``hasattr`` and ``copy`` treat its attributes as absent."""
 
 
 class Levels(Protocol):

@@ -300,12 +300,17 @@ class DiLoCo(Strategy):
             f.merge_at, f.redo = None, False   # given up on every member alike: local parameters kept
 
     def _settle(self) -> None:
-        """Before a step that adopts a new quorum: let the background reductions in flight land.
+        """Before every round on an elastic group: let the background reductions in flight land.
 
-        They run over the quorum they were launched in; adopting another
-        would cut them. (Never on a static group: its quorum does not change.)
+        They run over the quorum they were launched in, which adopting another
+        would cut; and the round's begin_step snapshots the codec for its
+        rollback, which must not race a background ``codec.mean`` (a discard
+        would restore over its update on some members only). A fragment whose
+        launch shares a step with another's merge round therefore loses its
+        overlap on an elastic group. Never on a static group: its quorum does
+        not change and nothing rolls back.
         """
-        if self.group is not None and self.group.quorum_pending:
+        if self.group is not None and self.group.elastic:
             for f in self.fragments:
                 self._land(f)
 
@@ -435,9 +440,7 @@ class DiLoCo(Strategy):
         for f in self.fragments:
             pending = None
             if f.merge_at is not None:
-                if f.future is not None:
-                    f.future.result()
-                    f.future = None
+                self._land(f)   # CUDA: joins the side stream before the mean is read
                 pending = {"merge_at": f.merge_at, "delta": f.delta.detach().cpu().clone(), "redo": f.redo}
             frags.append({"global": f.snapshot.detach().cpu().clone(),
                           "outer": copy.deepcopy(f.outer.state_dict()), "pending": pending})

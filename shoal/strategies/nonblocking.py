@@ -191,11 +191,12 @@ class NonBlocking(Strategy):
             check_same_model(group, list(zip(self.names, self.params)))
             broadcast_module(model, group, tag="nonblocking/init")
         codec, self.topology = reduction_codec(group, self.codec, self.hierarchical)
-        group.register_state("nonblocking/module", model.state_dict, model.load_state_dict)
-        group.register_state("nonblocking/optimizer", single.state_dict, single.load_state_dict)
+        key = group.unique_name("nonblocking")   # two models on one group register apart
+        group.register_state(f"{key}/module", model.state_dict, model.load_state_dict)
+        group.register_state(f"{key}/optimizer", single.state_dict, single.load_state_dict)
         if codec is not None:  # a discarded exchange may have half-updated it: roll back on discard
             keep = codec
-            group.register_state("nonblocking/codec", keep.state_dict, keep.load_state_dict, rollback=True,
+            group.register_state(f"{key}/codec", keep.state_dict, keep.load_state_dict, rollback=True,
                                  heal_load=lambda s: keep.load_state_dict(keep.newcomer_state(s)))
         self._exchange = Exchange(find_layers(model), single, group, codec, model=model)
         group.before_begin_step(self._exchange.end_step)
@@ -284,8 +285,9 @@ class _VotedSteps:
         self.group = group
         self.verdict: bool | None = None   # this step's, once voted
         group.before_begin_step(self._begin)
+        key = group.unique_name("nonblocking/optimizers")
         for i, opt in enumerate(optimizers):
-            group.register_state(f"nonblocking/optimizer/{i}", opt.state_dict, opt.load_state_dict)
+            group.register_state(f"{key}/{i}", opt.state_dict, opt.load_state_dict)
             opt.register_step_pre_hook(self._pre_step)
 
     def _begin(self) -> None:

@@ -135,3 +135,32 @@ def _buffer_taken_back(rank: int, world: int) -> dict[str, Any]:
 def test_dropped_grads_give_the_buffer_back_to_the_reducer() -> None:
     for res in run_workers(_buffer_taken_back, 2, timeout=45):
         assert res == {"reused": [True, True], "moved_when_held": True, "held_intact": True}, res
+
+
+def _kept_across_set_to_none_false(rank: int, world: int) -> dict[str, bool]:
+    """A .grad kept through zero_grad(set_to_none=False) is still a view of the bucket buffer after
+    that backward; if it is dropped later while someone holds it, the next backward must not zero
+    and reuse the buffer under it (it takes a fresh one), and the held tensor stays as it was."""
+    model = shoal.DistributedDataParallel(_deep(2))
+    g = torch.Generator().manual_seed(rank)
+
+    def step(scale: float = 1.0) -> None:
+        model(torch.randn(4, 8, generator=g) * scale).pow(2).sum().backward()
+
+    model.zero_grad(set_to_none=True)
+    step()
+    model.zero_grad(set_to_none=False)   # the views stay .grad, zeroed
+    step()
+    (param, *_) = model.module.parameters()
+    saved = param.grad
+    assert saved is not None
+    value = saved.clone()
+    model.zero_grad(set_to_none=True)
+    step(10.0)
+    return {"intact": torch.equal(saved, value), "not_the_new_grad": saved is not param.grad}
+
+
+@pytest.mark.timeout(60)
+def test_grad_kept_through_set_to_none_false_is_never_reused_under_its_holder() -> None:
+    for res in run_workers(_kept_across_set_to_none_false, 2, timeout=45):
+        assert res == {"intact": True, "not_the_new_grad": True}, res

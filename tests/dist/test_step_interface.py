@@ -10,6 +10,7 @@ import torch
 
 from shoal.comm import Group, HostGroups
 from shoal.comm.rules import by_host, host_leaders
+from shoal.comm.stepping import NotAMemberError
 from shoal.errors import ConfigError, ShoalError
 from shoal.testing import run_workers
 
@@ -103,7 +104,9 @@ def test_static_step_interface_on_two_gloo_ranks() -> None:
             assert b["leaders"] == (1, 0) and b["leaders_sum"] == 1.0, b
         else:
             kind, text = b["outside"]
-            assert kind == ShoalError.__name__ and "not a member of subgroup 'leaders'" in text, text
+            # a ShoalError (and an AttributeError, so that getattr(x, name, default) falls back)
+            assert issubclass(NotAMemberError, ShoalError) and issubclass(NotAMemberError, AttributeError)
+            assert kind == NotAMemberError.__name__ and "not a member of subgroup 'leaders'" in text, text
             assert "check .member" in text, text
         assert r["taken"] == "host-2", r["taken"]
 
@@ -112,3 +115,32 @@ def test_static_step_interface_on_two_gloo_ranks() -> None:
         assert mine == built, (mine, built)
         assert mine[0].hosts == ((0, 1),) and mine[1:] == (2, rank, (1, 0) if rank == 0 else None), mine
         assert r["levels_parent"] is True
+
+
+def _two_users(rank: int, world: int) -> dict[str, Any]:
+    """Review findings: two strategies' state on one static group, and ElasticSampler on a static group
+    whose steps nobody votes (plain DDP and a torch optimizer)."""
+    import copy
+
+    import shoal
+    from shoal.comm.stepping import Outside
+    from shoal.elastic import ElasticOptimizer, ElasticSampler
+
+    torch.manual_seed(0)
+    group = Group()
+    models = [torch.nn.Linear(4, 2) for _ in range(2)]
+    wrapped = [shoal.NonBlocking().wrap(m, torch.optim.SGD(m.parameters(), lr=0.1), group) for m in models]
+    opts = [ElasticOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), group) for m in models]
+    sampler = ElasticSampler(100, group, batch_size=2, shuffle=False)
+    batches = [sampler.next_batch() for _ in range(3)]   # no commit() between them: static steps commit anyway
+    outside = Outside("leaders")
+    return {"wrapped": len(wrapped), "optimizers": len(opts), "batches": batches,
+            "outside": (getattr(outside, "error", None), hasattr(outside, "rank"), copy.copy(outside).member)}
+
+
+@pytest.mark.timeout(90)
+def test_two_strategies_share_a_static_group_and_the_sampler_advances_unvoted() -> None:
+    for rank, res in enumerate(run_workers(_two_users, 2, timeout=60)):
+        assert res["wrapped"] == 2 and res["optimizers"] == 2
+        assert res["batches"] == [[rank * 2 + i + 4 * s for i in range(2)] for s in range(3)], res["batches"]
+        assert res["outside"] == (None, False, False)
