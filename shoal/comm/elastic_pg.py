@@ -37,7 +37,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shoal.comm.group import _REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op
+from shoal.comm.group import (_REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op,
+                              start_gather_into)
 from shoal.comm.membership import MemberClient, Timeouts
 from shoal.comm.meter import Meter
 from shoal.comm.elastic_vote import Failures
@@ -291,11 +292,8 @@ class ElasticCollectives(Group):
         return self._issue(tag, out, lambda pg: pg.allgather([out], [tensor.contiguous()]))
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
-        if output.numel() != self.size * tensor.numel():
-            raise ValueError(f"output has {output.numel()} elements, expected {self.size} x {tensor.numel()}")
+        start_gather_into(output, tensor, self.size)   # the size-1 case is filled here, _issue returns at once
         self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
-        if self.size == 1:
-            output.view(-1).copy_(tensor.view(-1))
         return self._issue(tag, output, lambda pg: pg._allgather_base(output, tensor.contiguous()))
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:

@@ -73,6 +73,18 @@ def check_all_to_all(output: torch.Tensor, tensor: torch.Tensor, size: int) -> N
         raise ValueError("all_to_all output must be contiguous (the backend writes it as one flat buffer)")
 
 
+def start_gather_into(output: torch.Tensor, tensor: torch.Tensor, size: int) -> bool:
+    """Check a flat all-gather's ``output`` (``ValueError``) and fill it alone when ``size`` is 1.
+
+    Returns whether the collective is still needed (``size > 1``).
+    """
+    if output.numel() != size * tensor.numel():
+        raise ValueError(f"output has {output.numel()} elements, expected {size} x {tensor.numel()}")
+    if size == 1:
+        output.view(-1).copy_(tensor.view(-1))
+    return size > 1
+
+
 class Handle:
     """An in-flight collective; :meth:`wait` returns its result.
 
@@ -299,11 +311,9 @@ class Group(Stepping):
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
         """Gather into one flat ``output`` of ``size * tensor.numel()`` elements."""
-        if output.numel() != self.size * tensor.numel():
-            raise ValueError(f"output has {output.numel()} elements, expected {self.size} x {tensor.numel()}")
+        needed = start_gather_into(output, tensor, self.size)
         self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
-        if self.size == 1:
-            output.view(-1).copy_(tensor.view(-1))
+        if not needed:
             return Handle(None, output, self.meter, tag, self.timeout)
         work = dist.all_gather_into_tensor(output, tensor.contiguous(), group=self.pg, async_op=True)
         return Handle(work, output, self.meter, tag, self.timeout)

@@ -27,6 +27,17 @@ CAP_MB = 0.0003
 STEPS = 3
 
 
+def _train(model: Any, zero: Any, rank: int) -> None:
+    """STEPS steps of the ZeRO loop (a regression target on this rank's inputs), then the last broadcast."""
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x = torch.randn(8, 16, generator=gen)
+        F.mse_loss(model(x), torch.tanh(x[:, :4])).backward()
+        zero.step()
+        zero.zero_grad()
+    zero.wait_for_params()
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -53,13 +64,7 @@ def _run(mode: str, rank: int) -> dict[str, Any]:
         model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=CAP_MB,
                                               optimizer=zero if overlap else None,
                                               skip_nonfinite=mode == "overlap-skip-nonfinite")
-        gen = torch.Generator().manual_seed(rank)
-        for _ in range(STEPS):
-            x = torch.randn(8, 16, generator=gen)
-            F.mse_loss(model(x), torch.tanh(x[:, :4])).backward()
-            zero.step()
-            zero.zero_grad()
-        zero.wait_for_params()
+        _train(model, zero, rank)
     finally:
         zero_layout.Journal.record = original  # type: ignore[method-assign]
     return {"commits": commits[0], "stats": zero.stats.commits, "recorded": recorded[0],
@@ -120,13 +125,7 @@ def _subgroup_worker(rank: int, world: int) -> list[torch.Tensor] | None:
     net = _net()
     zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
     model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=CAP_MB, optimizer=zero)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(STEPS):
-        x = torch.randn(8, 16, generator=gen)
-        F.mse_loss(model(x), torch.tanh(x[:, :4])).backward()
-        zero.step()
-        zero.zero_grad()
-    zero.wait_for_params()
+    _train(model, zero, rank)
     return [p.detach().clone() for p in net.parameters()]
 
 
