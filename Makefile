@@ -15,10 +15,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The whole suite; tests/cuda skips itself without CUDA (collected here so that it always imports)
-# and runs on a GPU machine. `make test-cuda` runs only that part. Two pytest processes, each
-# taking whole files (most tests wait on their own worker processes, one core stays idle
-# otherwise): 8.5 min instead of 11 on the 2-core box. TEST_JOBS=0 runs in one process.
-TEST_JOBS ?= 2
+# and runs on a GPU machine. `make test-cuda` runs only that part. One pytest process by default
+# (~11 min on the 2-core box). TEST_JOBS=2 runs two, each taking whole files: 8.5 min, but the
+# doubled load made a timing-sensitive elastic ZeRO test fail once in two runs (see the note of
+# 2026-11-25), so it is not the default yet.
+TEST_JOBS ?= 0
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
 
