@@ -429,14 +429,18 @@ class DASO(Strategy):
         return ddp
 
     # --- state ------------------------------------------------------------------
+    def _ready(self) -> _GlobalSync:
+        if self._sync is None:
+            raise ShoalError("DASO is not set up: use shoal.wrap(model, optimizer, strategy)")
+        return self._sync
+
     def _state(self) -> dict[str, Any]:
-        assert self._sync is not None
-        return {"schedule": self.schedule.state_dict(), **self._sync.state()}
+        return {"schedule": self.schedule.state_dict(), **self._ready().state()}
 
     def _load_state(self, s: dict[str, Any]) -> None:
-        assert self._sync is not None
+        sync = self._ready()
         self.schedule.load_state_dict(s["schedule"])
-        self._sync.load(s)
+        sync.load(s)
 
     # --- rounds -------------------------------------------------------------------
     def _admit(self) -> None:
@@ -451,7 +455,8 @@ class DASO(Strategy):
             self._busy = False
 
     def _run(self, kind: str) -> bool:
-        assert self.rounds is not None
+        if self.rounds is None:
+            raise ShoalError("DASO is not set up: use shoal.wrap(model, optimizer, strategy)")
         self._busy = True
         try:
             return self.rounds.run(kind)
@@ -459,8 +464,9 @@ class DASO(Strategy):
             self._busy = False
 
     def _reduce(self, kind: str, contributes: bool) -> None:
-        sync = self._sync
-        assert sync is not None and self.optimizer is not None and self.module is not None
+        sync = self._ready()
+        if self.optimizer is None or self.module is None:  # pragma: no cover - bound with _sync
+            raise ShoalError("DASO is not set up: use shoal.wrap(model, optimizer, strategy)")
         sync.host_heal(self.module, self.optimizer)   # newcomers of this round take their host's state
         if kind == "loss":
             total, count = self._losses if contributes else (0.0, 0)
@@ -473,13 +479,13 @@ class DASO(Strategy):
                 sync.finish()
 
     def _apply(self, kind: str) -> None:
-        assert self._sync is not None
+        sync = self._ready()
         if kind == "loss" and self._shared is not None:
             total, count = self._shared.tolist()   # the one host read, after the collective
             if count > 0:
                 self.schedule.record_loss(total / count)
         elif kind.startswith("global"):
-            self._sync.commit()
+            sync.commit()
 
     # --- the schedule ----------------------------------------------------------------
     def before_step(self) -> bool | None:
@@ -502,7 +508,7 @@ class DASO(Strategy):
 
     def _after_step(self, resume: str | None = None) -> None:
         """Loss round at an epoch's end, global round at a launch, landing (``resume``: a newcomer's round)."""
-        assert self._sync is not None
+        sync = self._ready()
         s = self.schedule
         if resume is None or resume == "loss":
             if resume is None and (s.step + 1) % s.config.steps_per_epoch == 0:
@@ -511,11 +517,11 @@ class DASO(Strategy):
                 self._run("loss")
             launch, land = s.after_step()
             if launch and not self._run("global+land" if land else "global"):
-                self._sync.pending = False   # given up on every worker alike: nothing lands
+                sync.pending = False   # given up on every worker alike: nothing lands
         else:
             land = resume == "global+land"
         if land:
-            self._sync.land()
+            sync.land()
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule.state_dict()}
