@@ -29,6 +29,7 @@ Example (a backend factory that wraps gloo, as fault plans do)::
 
 from __future__ import annotations
 
+import abc
 import datetime
 import time
 from dataclasses import dataclass
@@ -198,7 +199,7 @@ class _ElasticHandle(Handle):
         return self._done or self._link.failures.error is not None or bool(self._work.is_completed())
 
 
-class ElasticCollectives(Group):
+class ElasticCollectives(Group, metaclass=abc.ABCMeta):
     """Collectives over a quorum's process group that record failures (see the module docstring).
 
     Not built directly: the base of :class:`~shoal.comm.elastic.ElasticGroup`
@@ -213,13 +214,13 @@ class ElasticCollectives(Group):
     timeout: float | None
     backend = "gloo"
 
+    @abc.abstractmethod
     def _live_pg(self) -> Any:
         """The process group this step's collectives go to (``None``: none, the step is lost)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _started(self) -> bool:
         """Whether a quorum was adopted (a collective before that is a usage error)."""
-        raise NotImplementedError
 
     @property
     def device(self) -> torch.device:
