@@ -230,10 +230,6 @@ def main() -> None:
             zero.consolidate_state_dict(to=0)
             if zero.rank == 0:
                 result["consolidated"] = state_tensors(zero.state_dict()["state"])
-            # A voted empty step before anyone leaves: a member that left at once aborted the quorum
-            # while a slower one was still finishing the gather (seen once under a doubled load).
-            group.begin_step()
-            group.commit()
     save_and_leave(a.out, rank, life, result, group)
 
 
