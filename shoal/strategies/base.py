@@ -160,6 +160,9 @@ class Strategy(abc.ABC):
         warnings.warn(f"{type(self).__name__}: non-finite (NaN/Inf) {what}: {action}; "
                       "counted in comm_stats().total.nonfinite_skips", RuntimeWarning, stacklevel=3)
 
+    def check_grad_scaler(self) -> None:
+        """Raise if this strategy cannot honour a ``torch.amp.GradScaler`` (called at its first verdict)."""
+
     def flush(self) -> None:
         """Apply pending updates; called before the optimizer's state is saved or replaced."""
 
@@ -207,6 +210,27 @@ class Strategy(abc.ABC):
             self._meter.mark_step()
 
 
+def unscale_gradients(optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
+    """Divide every gradient ``optimizer`` steps by ``scale`` (GradScaler's unscale, without its check).
+
+    The inverse is computed in double then rounded to fp32, as GradScaler does, so a power-of-two
+    scale unscales exactly; one fused multiply per device and dtype.
+    """
+    inv = scale.double().reciprocal().float()
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                g.mul_(inv.to(g.device))
+            else:
+                groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _dtype), grads in groups.items():
+        torch._foreach_mul_(grads, inv.to(device, non_blocking=True))
+
+
 class StrategyOptimizer(torch.optim.Optimizer):
     """The optimizer :func:`shoal.wrap` returns: ``step()`` runs the strategy around the real step.
 
@@ -241,13 +265,42 @@ class StrategyOptimizer(torch.optim.Optimizer):
     def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
+    # torch.amp.GradScaler calls step() even when it found an Inf, handing over ``grad_scale`` and
+    # ``found_inf``: a local overflow must skip only the update, never the strategy's schedule, or the
+    # ranks' step counters drift apart (an averaging round would pair different steps, DiLoCo would crash).
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        overflow = self._grad_scaler_verdict()
         if self.strategy.before_step() is False:
             self.optimizer.zero_grad(set_to_none=True)
             return None
-        loss = self.strategy.optimizer_step(self.optimizer, closure)
+        if overflow:  # this rank's scaled gradients overflowed: GradScaler skips the update, the schedule goes on
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = None
+        else:
+            loss = self.strategy.optimizer_step(self.optimizer, closure)
         self.strategy.after_step()
         return loss
+
+    def _grad_scaler_verdict(self) -> bool:
+        """Whether a ``torch.amp.GradScaler`` stepping this optimizer found an Inf/NaN (``False`` without one).
+
+        GradScaler sets ``found_inf`` (and ``grad_scale`` unless ``unscale_`` already ran) on this
+        object for the duration of ``step()``. Finite gradients are unscaled here, as GradScaler
+        would have done, before the strategy sees them. One host read of ``found_inf``, as
+        GradScaler's own step does.
+        """
+        found_inf = self.__dict__.get("found_inf")
+        if found_inf is None:
+            return False
+        self.strategy.check_grad_scaler()
+        if bool(found_inf.item() != 0):
+            return True
+        scale = self.__dict__.get("grad_scale")
+        if scale is not None:
+            unscale_gradients(self.optimizer, scale)
+        return False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

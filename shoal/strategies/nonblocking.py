@@ -244,6 +244,13 @@ class NonBlocking(Strategy):
     def after_step(self) -> None:
         self._mark_step()
 
+    def check_grad_scaler(self) -> None:
+        if self._exchange is not None:
+            raise ShoalError("NonBlocking cannot run under torch.amp.GradScaler: each layer's gradients are sent "
+                             "as backward produces them, still scaled and before the scaler has looked at them, "
+                             "and are applied in the next forward; train in bf16 autocast without a scaler, or "
+                             "use a blocking strategy (shoal.strategies.Sync) with the scaler")
+
     def flush(self) -> None:
         if self._exchange is not None:
             self._exchange.finalize()
