@@ -9,6 +9,7 @@ from torch import nn
 
 from shoal.averagers import as_group
 from shoal.errors import ConfigError
+from shoal.local_module import LocalDataParallel
 from shoal.strategies.base import Strategy, StrategyOptimizer
 from shoal.strategies.sync import Sync
 
@@ -22,6 +23,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy 
     (``param_groups``, ``state``, ``zero_grad``, LR schedulers work) whose
     ``step()`` runs the strategy around the wrapped optimizer's step, and whose
     ``state_dict()`` also carries the strategy's state.
+
+    The returned module has torch DDP's surface whatever the strategy:
+    ``model.module`` is ``model`` as passed, ``no_sync()`` and
+    ``require_backward_grad_sync`` are accepted, and ``state_dict()`` keys
+    start with ``module.`` (load a torch DDP checkpoint into it unchanged;
+    save ``model.module.state_dict()`` for bare keys). Strategies that
+    average gradients return :class:`shoal.DistributedDataParallel`; local
+    ones (local SGD, DiLoCo, ...) a :class:`shoal.local_module.LocalDataParallel`.
 
     Args:
         model: this rank's replica (on one device).
@@ -44,4 +53,6 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy 
         raise ConfigError("this optimizer is already wrapped by shoal.wrap; pass the original optimizer")
     group = as_group(process_group)
     wrapped = strategy.setup(model, optimizer, group)
+    if wrapped is model:  # a local strategy: give the model DDP's surface (.module, no_sync, module.* keys)
+        wrapped = LocalDataParallel(model, type(strategy).__name__)
     return wrapped, StrategyOptimizer(optimizer, strategy)

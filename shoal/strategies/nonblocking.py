@@ -26,7 +26,8 @@ docs/nonblocking.md; on an elastic group each exchange is a voted elastic step
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +44,11 @@ from shoal.strategies.base import Strategy, StrategyOptimizer, broadcast_module
 from shoal.strategies.nonblocking_exchange import TAG, Exchange, find_layers
 
 __all__ = ["NonBlocking", "NonBlockingModule", "find_layers", "TAG"]
+
+
+_NO_ACCUMULATION = ("NonBlocking cannot accumulate gradients (no_sync / require_backward_grad_sync=False): each "
+                    "layer's gradients are sent during backward and applied in the next forward, so every "
+                    "backward needs its optimizer.step(); use a larger batch, or shoal.strategies.Sync")
 
 
 class NonBlockingModule(nn.Module):
@@ -67,8 +73,17 @@ class NonBlockingModule(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._steps = StepMeter(group.meter, "nonblocking")
         self._first_forward = True
+        self.require_backward_grad_sync = True   # torch DDP's flag: here it must stay True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Refused: each layer's gradients leave during backward and land in the next forward."""
+        raise ShoalError(_NO_ACCUMULATION)
+        yield  # pragma: no cover - a generator, like DDP's no_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.require_backward_grad_sync:
+            raise ShoalError(_NO_ACCUMULATION)
         if torch.is_grad_enabled() and self.training:
             # Votes last step's exchange (the group's before_begin_step hook) and applies it; on an
             # elastic group then adopts the latest quorum (rebuild, heal) before this step's first collective.

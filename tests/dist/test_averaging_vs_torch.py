@@ -63,7 +63,7 @@ def _periodic(rank: int, base: Net) -> dict[str, Any]:
 
     model, wopt = _wrapped(base, shoal.LocalSGD(3, 4))
     _train(model, wopt, rank)
-    out["periodic/strategy"] = max_diff(model, ref)
+    out["periodic/strategy"] = max_diff(model.module, ref)
     out["periodic/spread_ref"], out["periodic/spread"] = ref_spread, spread
     return out
 
@@ -93,7 +93,7 @@ def _hierarchical(rank: int, base: Net) -> dict[str, Any]:
 
     model, wopt = _wrapped(base, shoal.Hierarchical({2: 2, 4: 4}, warmup_steps=3))
     _train(model, wopt, rank)
-    out["hier/strategy"] = max_diff(model, ref)
+    out["hier/strategy"] = max_diff(model.module, ref)
     return out
 
 

@@ -45,7 +45,7 @@ def _h1_equals_averaging(rank: int) -> float:
         _step(model, opt, x, y)
         _step(ref, ref_opt, x, y)
         averager.average_parameters(ref.parameters())
-    return max_diff(model, ref)
+    return max_diff(model.module, ref)
 
 
 def _run(rank: int, make: Callable[[], shoal.Strategy], steps: int, stop: int | None,
@@ -90,7 +90,7 @@ def _resume(rank: int) -> dict[str, float]:
         resumed = _run(rank, make, 14, stop)
         out[name] = max_diff(straight, resumed)
         torch.manual_seed(0)
-        out[name + "/moved"] = max_diff(straight, Net())
+        out[name + "/moved"] = max_diff(straight.module, Net())
     return out
 
 
