@@ -26,6 +26,8 @@ from shoal.codecs.base import Codec
 from shoal.codecs.hierarchical import Hierarchical, reduction_codec
 from shoal.comm.topology import Topology
 from shoal.comm.meter import CommStats, StepMeter
+from shoal.ddp_args import torch_ddp_options
+from shoal.ddp_join import JoinableDDP
 from shoal.errors import ConfigError, ModelMismatchError, ShoalError
 from shoal.reducer import BucketStepper, CommHook, Reducer
 
@@ -74,7 +76,7 @@ def check_same_model(group: Group, named_params: Sequence[tuple[str, torch.Tenso
                 )
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, JoinableDDP):
     """Data-parallel wrapper with the constructor of torch's DDP.
 
     Args:
@@ -88,9 +90,27 @@ class DistributedDataParallel(nn.Module):
             docs/elastic.md. Any :class:`shoal.Group` runs the same code: each
             forward calls ``group.begin_step()``, trivial on a static group.
         broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from
-            rank 0 before each forward.
-        bucket_cap_mb: bucket size cap in MiB; smaller buckets start
-            communicating earlier, larger ones amortise per-call overhead.
+            rank 0 before each forward (default ``None``: on); ``False`` also
+            leaves them out of the start broadcast (torch's rule; its newer
+            ``forward_sync_buffers`` wins and never affects the start).
+        init_sync: ``False`` skips the start check and broadcast: every rank
+            must then hold the same parameters already.
+        bucket_cap_mb: bucket size cap in MiB (default ``None``: 25); smaller
+            buckets start communicating earlier, larger ones amortise
+            per-call overhead.
+        static_graph: torch's promise that every step uses the same graph;
+            shoal then tolerates parameters the forward never uses (as
+            ``find_unused_parameters=True``, unless ``optimizer=`` is given).
+        mixed_precision: torch's ``_MixedPrecision``: a ``reduce_dtype`` of
+            float16/bfloat16 reduces through ``codecs.Cast``; a
+            ``param_dtype``/``buffer_dtype`` that differs from the module's
+            is refused (use ``torch.autocast``).
+        device_mesh: a one-dimensional DeviceMesh, instead of ``process_group``.
+        check_reduction, batched_grad_copy, delay_all_reduce_named_params,
+            param_to_hook_all_reduce: accepted, no effect on the result
+            (torch-internal scheduling); ``bucket_cap_mb_list`` and
+            ``skip_all_reduce_unused_params=True`` are refused with the
+            alternative. Every argument: docs/migrating.md.
         find_unused_parameters: walk the forward's graph to find parameters it
             did not use, so they do not block their bucket; costs a graph
             traversal per step, so leave it off when every parameter is used.
@@ -168,21 +188,32 @@ class DistributedDataParallel(nn.Module):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: Any = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         codec: Codec | None = None,
         optimizer: BucketStepper | None = None,
         hierarchical: bool | None = None,
         skip_nonfinite: bool = True,
     ) -> None:
         super().__init__()
+        self._init_join()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if not bucket_cap_mb > 0:
-            raise ConfigError(f"bucket_cap_mb must be > 0 (it is the size cap of a gradient bucket in MiB), got {bucket_cap_mb}")
         if codec is not None and not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a shoal.codecs.Codec, got {type(codec).__name__}")
         if optimizer is not None and not isinstance(optimizer, BucketStepper):
@@ -196,11 +227,27 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         if dim != 0:
             raise ConfigError(f"dim={dim} is not supported: shoal replicates whole batches, one per process (dim=0)")
+        opts = torch_ddp_options(
+            broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers, init_sync=init_sync,
+            check_reduction=check_reduction, static_graph=static_graph, mixed_precision=mixed_precision,
+            device_mesh=device_mesh, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb_list=bucket_cap_mb_list, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce, batched_grad_copy=batched_grad_copy, codec=codec,
+            param_dtypes={p.dtype for p in module.parameters() if p.requires_grad},
+            buffer_dtypes={b.dtype for b in module.buffers() if b.is_floating_point()})
+        codec, bucket_cap_mb = opts.codec, opts.bucket_cap_mb
+        if opts.static_graph and optimizer is None:
+            # torch's static graph tolerates parameters the forward never uses (the same ones every step).
+            find_unused_parameters = True
         device = _single_device(module)
         self._check_device_ids(device_ids, device)
         self.module = module
-        self.group = _as_group(process_group)
-        self.broadcast_buffers = broadcast_buffers
+        self.group = _as_group(opts.process_group)
+        self.broadcast_buffers = opts.forward_sync_buffers
+        self.static_graph = opts.static_graph
+        self.dim = dim
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
         self.require_backward_grad_sync = True
         self._require_forward_param_sync = True
@@ -209,9 +256,9 @@ class DistributedDataParallel(nn.Module):
         if not named:
             raise ConfigError("the module has no parameter that requires grad: nothing to synchronise")
         self.elastic = self.group.elastic
-        if not self.elastic:  # an elastic group has no members yet: its first quorum's heal does this
+        if not self.elastic and opts.init_sync:  # elastic: no members yet, the first quorum's heal does this
             check_same_model(self.group, named)
-            self._broadcast_state()
+            self._broadcast_state(opts.init_sync_buffers)
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
                                find_unused_parameters, gradient_as_bucket_view)
         self.reducer.skip_nonfinite = skip_nonfinite
@@ -280,8 +327,8 @@ class DistributedDataParallel(nn.Module):
                 raise ConfigError(f"device_ids={list(device_ids)} but the module lives on {device}")
 
     # --- state broadcast ------------------------------------------------------
-    def _broadcast_state(self) -> None:
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
+    def _broadcast_state(self, buffers: bool = True) -> None:
+        tensors = list(self.module.parameters()) + (list(self.module.buffers()) if buffers else [])
         self.group.broadcast_coalesced(tensors, src=0, tag="ddp/init")
 
     # --- training ------------------------------------------------------------
@@ -289,10 +336,14 @@ class DistributedDataParallel(nn.Module):
         self.group.begin_step()  # elastic: adopt the latest quorum (rebuild, heal) before any collective
         if self._per_quorum is not None:
             self._choose_per_quorum(self._per_quorum)
+        self._notify_join()  # inside torch's Join: this rank is live (ranks that joined shadow what follows)
         if self._require_forward_param_sync and self.broadcast_buffers and self.group.size > 1:
             buffers = list(self.module.buffers())
             if buffers:
-                self.group.broadcast_coalesced(buffers, src=0, tag="ddp/buffers", cache=self._flat_buffers)
+                self.group.broadcast_coalesced(buffers, src=self._buffer_source(), tag="ddp/buffers",
+                                               cache=self._flat_buffers)
+        if self._join_config.enable:
+            self._agree_on_sync(joined=False)
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._require_forward_param_sync = True
