@@ -235,6 +235,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._shards.add_group(self._buckets)
 
     # --- stepping ------------------------------------------------------------
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Overlapped with DDP, ask ``torch.amp.GradScaler`` to call :meth:`step` itself, so that it is refused
+        there: the buckets were stepped during backward, on still-scaled gradients the scaler never checked.
+        Stepped after backward, GradScaler's own unscale-check-skip applies as for any optimizer."""
+        return getattr(self, "_overlap", None) is not None
+
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then broadcast every shard's updated parameters.
 
@@ -246,6 +253,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         Elastic and attached to DDP, backward did all but the vote: ``step()``
         waits for the parameter broadcasts, votes, and applies or undoes them.
         """
+        if self._overlap is not None and "found_inf" in self.__dict__:
+            raise ShoalError("torch.amp.GradScaler cannot drive a ZeroRedundancyOptimizer overlapped with DDP "
+                             "(DistributedDataParallel(..., optimizer=zero)): its buckets are stepped during "
+                             "backward, before the scaler unscales and checks the gradients. Drop optimizer= "
+                             "from DistributedDataParallel and call scaler.step(zero) after backward, or "
+                             "train in bf16 autocast without a scaler")
         if verdict_for(self._all_params()):  # shoal's DDP found NaN/Inf (counted there): every rank steps nothing
             self.zero_grad(set_to_none=True)
         elastic = self.group.elastic

@@ -129,6 +129,41 @@ def _nonblocking(base: nn.Module) -> str:
     return ""
 
 
+def _zero(base: nn.Module, rank: int) -> dict[str, Any]:
+    """shoal's ZeroRedundancyOptimizer after shoal's DDP, stepped by GradScaler: the Inf reaches every
+    rank's averaged gradients, so all skip (as without a scaler); overlapped with DDP: refused."""
+    finals = []
+    for scaler in (True, False):
+        net = copy.deepcopy(base)
+        zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+        model = shoal.DistributedDataParallel(net)
+        gs = torch.amp.GradScaler("cpu", init_scale=1.0) if scaler else None
+        for x, y in _batches(rank, poison=True):
+            loss = F.mse_loss(model(x), y)
+            if gs is None:
+                loss.backward()
+                zero.step()
+            else:
+                gs.scale(loss).backward()
+                gs.step(zero)
+                gs.update()
+            zero.zero_grad()
+        finals.append(net)
+    out: dict[str, Any] = {"diff": max_diff(finals[0], finals[1]), "spread": _spread(finals[0])}
+    net = copy.deepcopy(base)
+    zero = shoal.ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.05)
+    model = shoal.DistributedDataParallel(net, optimizer=zero)
+    gs = torch.amp.GradScaler("cpu")
+    x, y = _batches(rank, poison=False)[0]
+    gs.scale(F.mse_loss(model(x), y)).backward()
+    try:
+        gs.step(zero)
+        out["overlap"] = ""
+    except ShoalError as e:
+        out["overlap"] = str(e)
+    return out
+
+
 def _all(rank: int, world: int) -> dict[str, Any]:
     os.environ["SHOAL_HOST_ID"] = f"host-{rank}"  # DASO: two hosts of one rank
     torch.manual_seed(0)
@@ -145,6 +180,7 @@ def _all(rank: int, world: int) -> dict[str, Any]:
             if name == "localsgd":
                 out[name]["torch"] = max_diff(scaled, _torch_localsgd(base, rank))
         out["nonblocking"] = _nonblocking(base)
+        out["zero"] = _zero(base, rank)
     return out
 
 
@@ -178,3 +214,11 @@ def test_localsgd_overflow_matches_torch_averager_without_the_update(results: li
 def test_nonblocking_refuses_grad_scaler_with_the_alternative(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert "GradScaler" in r["nonblocking"] and "Sync" in r["nonblocking"], r["nonblocking"]
+
+
+@pytest.mark.timeout(180)
+def test_zero_under_grad_scaler_skips_together_and_refuses_overlap(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        z = r["zero"]
+        assert z["diff"] == 0.0 and z["spread"] == 0.0, z
+        assert "optimizer=" in z["overlap"] and "scaler.step(zero)" in z["overlap"], z["overlap"]
