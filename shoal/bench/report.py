@@ -106,10 +106,21 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     lines.insert(1, "-" * len(lines[0]))
     target = results.get("target_loss")
-    if target is not None:
-        how = "given" if results.get("target_source") == "given" else "auto: highest final loss of the compared strategies"
-        lines.append(f"target loss {target:.3f} ({how})")
+    lines.append(target_line(results))
     return "\n".join(lines)
+
+
+def target_line(results: dict[str, Any]) -> str:
+    """One line saying which target loss the times refer to, and why that one."""
+    target, source = results.get("target_loss"), results.get("target_source")
+    if target is None:
+        return ("no target loss: ddp did not finish; give --target-loss, or --target worst "
+                "(the highest final loss of the compared strategies)")
+    tol = results.get("target_tolerance", 0.0)
+    how = {"given": "given", "worst": "the highest final loss of the compared strategies (--target worst)"}.get(
+        str(source), f"{source}'s final validation loss + {100 * tol:.1f}%")
+    return (f"target loss {target:.3f} ({how}); an evaluation counts only after a strategy's first "
+            "synchronisation")
 
 
 def markdown_table(results: dict[str, Any]) -> str:

@@ -37,7 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     stop.add_argument("--steps", type=int, default=None, help="optimizer steps per strategy")
     stop.add_argument("--time-budget", type=float, default=None, help="training seconds per strategy")
     p.add_argument("--target-loss", type=float, default=None,
-                   help="validation loss for 'time to target' (default: highest final loss among strategies)")
+                   help="validation loss for 'time to target' (default: see --target)")
+    p.add_argument("--target", choices=("ddp", "worst"), default="ddp",
+                   help="without --target-loss: ddp = DDP's final validation loss + --target-tolerance "
+                        "(default); worst = the highest final loss of the compared strategies")
+    p.add_argument("--target-tolerance", type=float, default=0.005,
+                   help="relative tolerance on DDP's final loss for --target ddp (default 0.005 = 0.5%%)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=32, help="global batch in windows (split across workers)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -92,7 +97,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     return BenchConfig(
         task=args.task, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
         hosts=args.hosts, procs_per_host=args.procs_per_host, bandwidth=bandwidth, emulate=emulate,
-        steps=args.steps, time_budget_s=args.time_budget, target_loss=args.target_loss, seed=args.seed,
+        steps=args.steps, time_budget_s=args.time_budget, target_loss=args.target_loss, target=args.target,
+        target_tolerance=args.target_tolerance, seed=args.seed,
         global_batch=args.batch, lr=args.lr, eval_every_steps=every_steps, eval_every_s=every_s,
         val_windows=args.val_windows, model=model, out_root=args.out, run=args.run,
     )
@@ -133,7 +139,7 @@ class _Bar:
             self.bar = None
 
 
-def _from_results(run_dir: str, target_loss: float | None) -> int:
+def _from_results(run_dir: str, target_loss: float | None, target: str, tolerance: float) -> int:
     import json
 
     from shoal.bench import report
@@ -144,7 +150,7 @@ def _from_results(run_dir: str, target_loss: float | None) -> int:
         with open(path) as f:
             loaded = json.load(f)
         report.validate_results(loaded)
-        results = resummarize(loaded, target_loss)
+        results = resummarize(loaded, target_loss, target, tolerance)
     except (OSError, ValueError, ShoalError) as e:
         print(f"shoal bench: cannot use {path}: {e}", file=sys.stderr)
         return 2
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.bench.runner import run_bench
 
     if args.from_results:
-        return _from_results(args.from_results, args.target_loss)
+        return _from_results(args.from_results, args.target_loss, args.target, args.target_tolerance)
 
     try:
         cfg = config_from_args(args)
