@@ -203,7 +203,7 @@ def test_disconnected_replicas_get_no_speedup_or_efficiency() -> None:
 
 
 def test_cli_from_results_resummarises_with_a_new_target(tmp_path: Any, capsys: Any) -> None:
-    from shoal.cli.bench import main
+    from shoal.bench.command import main
 
     (tmp_path / "results.json").write_text(json.dumps(_synthetic()))
     assert main(["--from-results", str(tmp_path), "--target-loss", "4.5"]) == 0
