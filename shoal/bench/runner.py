@@ -306,6 +306,21 @@ def resummarize(results: dict[str, Any], target_loss: float | None, target: str 
     return {**results, **summarize(runs, target_loss, target, tolerance), "strategies": runs}
 
 
+def _commit() -> str:
+    """The checkout's short commit (``+dirty`` with local changes), or ``unknown``."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty else "")
+
+
 def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
               on_strategy: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """Run every strategy of ``cfg``; write and return ``results.json``'s content."""
@@ -321,6 +336,7 @@ def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
         "schema": SCHEMA_VERSION,
         "run": os.path.basename(run_dir),
         "started": started,
+        "commit": _commit(),
         "config": {**asdict(cfg), "strategies": list(cfg.strategies), "world": cfg.world,
                    "model": asdict(LMConfig(**cfg.model))},
         "network": (f"{cfg.hosts} hosts x {cfg.bandwidth or 'unshaped'} (emulated)" if cfg.emulate
