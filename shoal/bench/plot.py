@@ -65,7 +65,7 @@ def _curves(axes: dict[str, Any], results: dict[str, Any]) -> list[list[float]]:
     curves = []
     for i, (name, s) in enumerate(results["strategies"].items()):
         pts = [p for p in s["points"] if p["val_loss"] is not None]
-        if not pts:
+        if not pts or not s.get("ok", True):
             continue
         st, loss = _style(i), [p["val_loss"] for p in pts]
         curves.append(loss)
@@ -173,7 +173,10 @@ def plot_joined(quality: dict[str, Any], speed: dict[str, Any], joined: dict[str
                                      "(samples to target x s/sample on the link)")
     fig.suptitle(f"shoal bench {quality['config'].get('task', '?')}: quality at equal samples on loopback, "
                  "speed on the emulated link   (dots: evaluations after an averaging round)")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     failed = [f"{n}: {why}" for n, why in joined.get("failed", {}).items()]
-    _finish(fig, path, [details(quality, f"; speed run {details(speed).split(', commit')[0]}"),
+    budget = speed.get("config", {}).get("time_budget_s")
+    _finish(fig, path, [details(quality) + " (quality run)",
+                        f"speed run: {speed.get('network', '?')}, {budget or '?'} training seconds per strategy, "
+                        f"commit {speed.get('commit', '?')}, {speed.get('started', '?')}",
                         _failed_line(failed)])

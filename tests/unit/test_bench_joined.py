@@ -83,3 +83,20 @@ def test_sync_markers_only_for_periodic_strategies() -> None:
     q = _quality()
     assert sync_points(q["ddp"]["points"]) == []            # synchronises in every interval
     assert [p["samples"] for p in sync_points(q["diloco-h20"]["points"])] == [200, 300]
+
+
+def test_figure_names_failed_strategies_and_run_details(tmp_path: Any) -> None:
+    from shoal.bench import plot
+
+    q = _quality()
+    q["nosync"].update(ok=False, returncode=3)
+    results = {"config": {"task": "lm", "model": {"n_layers": 4, "d_model": 256}, "global_batch": 32,
+                          "time_budget_s": 25.0}, "network": "4 hosts x 20mbit (emulated)", "commit": "abc1234",
+               "started": "2026-11-26T18:00:00+00:00", "target_loss": 2.01, "ideal": None, "strategies": q}
+    summarize(q, 2.01)
+    text = plot.details(results)
+    for part in ("task lm", "4 layers x 256", "4 hosts x 20mbit", "25 s per strategy", "abc1234", "2026-11-26"):
+        assert part in text
+    assert plot._failed_line(["nosync (exit 3)"]).startswith("FAILED")
+    plot.plot(results, str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
