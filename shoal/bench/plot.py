@@ -89,7 +89,8 @@ def _summary(ax: Any, rows: dict[str, dict[str, Any]], title: str) -> None:
     shown = 0
     for i, (name, r) in enumerate(rows.items()):
         t, mb = r.get("time_to_target_s"), r.get("mb_sent_per_worker")
-        if t is None or mb is None:
+        # Only the strategies credited with a time (nosync's replicas are not the cluster's model).
+        if t is None or mb is None or (r.get("speedup_vs_ddp") is None and r.get("efficiency") is None):
             continue
         ax.plot([max(mb, 1e-2)], [t], "o", color=_style(i)["color"])
         ax.annotate(name, (max(mb, 1e-2), t), fontsize=7, xytext=(3, 3), textcoords="offset points")

@@ -327,6 +327,7 @@ def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
     run_dir = os.path.join(cfg.out_root, cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    commit = _commit()   # the code the workers run: taken before they start
     runs: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(cfg.strategies):
         if on_strategy:
@@ -336,7 +337,7 @@ def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
         "schema": SCHEMA_VERSION,
         "run": os.path.basename(run_dir),
         "started": started,
-        "commit": _commit(),
+        "commit": commit,
         "config": {**asdict(cfg), "strategies": list(cfg.strategies), "world": cfg.world,
                    "model": asdict(LMConfig(**cfg.model))},
         "network": (f"{cfg.hosts} hosts x {cfg.bandwidth or 'unshaped'} (emulated)" if cfg.emulate
