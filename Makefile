@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.shoal-installed
 
-.PHONY: demo test test-cuda bench clean
+.PHONY: demo test test-cuda bench bench-samples clean
 
 # torch is installed first, pinned, from the local CPU wheel, so that the
 # project's `torch>=2.1` is already satisfied and pip never pulls a CUDA build.
@@ -37,8 +37,16 @@ bench: $(STAMP)
 	$(BIN)/shoal bench --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
 		--time-budget 90 --seed 0 --run bench-$$(date +%Y%m%d-%H%M%S)
 
+# Equal samples (docs/bench.md): every strategy for 1,000 steps of the global batch on
+# loopback, evaluated every 50 steps, then each strategy's speed on 4 hosts x 20 mbit
+# (60 training seconds each), joined: loss at equal samples, bytes and estimated time to
+# DDP's loss vs DDP. Hours on 2 CPU cores.
+bench-samples: $(STAMP)
+	$(BIN)/shoal bench --mode both --task lm --strategies $(BENCH_STRATEGIES) --hosts 4 --bandwidth 20mbit \
+		--steps 1000 --speed-budget 60 --seed 0 --run samples-$$(date +%Y%m%d-%H%M%S)
+
 # A short bench (under 5 minutes): DDP, the ideal's two baselines (local,
-# nosync) and PowerSGD, 25 training seconds each.
+# nosync) and PowerSGD, 25 training seconds each; the target is DDP's final loss + 0.5%.
 DEMO_STRATEGIES := ddp,local,nosync,powersgd
 demo: $(STAMP)
 	$(BIN)/shoal bench --task lm --strategies $(DEMO_STRATEGIES) --hosts 4 --bandwidth 20mbit \

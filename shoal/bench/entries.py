@@ -92,7 +92,8 @@ def _zero(name: str, make_codec: Callable[[], codecs.Codec | None], description:
         settings = {k: v for k, v in probe.defaults.items() if k in accepted}
         zero = shoal.ZeroRedundancyOptimizer(module.parameters(), type(probe), process_group=g, **settings)
         model = shoal.DistributedDataParallel(module, process_group=g, codec=make_codec(), optimizer=zero)
-        return Trainer(model, zero, comm=_counter(g, "ddp/grad", "zero"))
+        # Overlapped ZeRO's parameter broadcasts land lazily: drained (on the clock) before an evaluation.
+        return Trainer(model, zero, comm=_counter(g, "ddp/grad", "zero"), drain=zero.wait_for_params)
 
 
 _zero("zero", lambda: None, "shoal DDP with ZeRO optimizer sharding, stepped during backward")
@@ -109,10 +110,13 @@ def _ddp_hier(module: nn.Module, make_optimizer: OptimizerFactory, group: Group 
 @register("nonblocking", description="shoal.NonBlocking: per-layer all-reduce in backward, update in the next forward")
 def _nonblocking(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
     g = _need_group("nonblocking", group)
-    model, opt = shoal.wrap(module, make_optimizer(module.parameters()), shoal.NonBlocking(), process_group=g)
-    # Evaluate the bare module, one update behind: finalising for the evaluation would move
-    # that update's communication off the clock (evaluation is not timed) and flatter the strategy.
-    return Trainer(model, opt, comm=_counter(g, "nonblocking"), eval_module=module)
+    strategy = shoal.NonBlocking()
+    model, opt = shoal.wrap(module, make_optimizer(module.parameters()), strategy, process_group=g)
+    # Before an evaluation the worker drains on the clock: flush() waits for the step's
+    # reductions and applies their update (the update the next forward would apply, with the
+    # same values), so the bare module then holds every step's update and no all-reduce
+    # runs on while the clock is paused.
+    return Trainer(model, opt, comm=_counter(g, "nonblocking"), eval_module=module, drain=strategy.flush)
 
 
 @register("daso", description="shoal.DASO (10-step epochs, 1 warm-up epoch, no cool-down, max_global_skips=8)")

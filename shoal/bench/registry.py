@@ -37,7 +37,10 @@ class Trainer:
     ``report_loss(value)``, if set, receives each step's training loss on
     this worker after the step (strategies that adapt to the loss, e.g. DASO).
     ``close()`` ends the run on this worker (e.g. leave a swarm) once the loop
-    and its last evaluation are done; the worker calls it once.
+    and its last evaluation are done; the worker calls it once. ``drain()``
+    waits for this worker's communication still in flight without changing
+    what training computes; the worker calls it on the clock before each
+    evaluation, so that no transfer finishes unseen during the paused clock.
 
     Example:
         >>> m = nn.Linear(2, 1)
@@ -54,6 +57,7 @@ class Trainer:
     eval_module: nn.Module | None = None
     report_loss: Callable[[float], None] | None = None
     close: Callable[[], None] = lambda: None
+    drain: Callable[[], None] = lambda: None
 
 
 # (module, make_optimizer, group) -> Trainer; group is None for single-worker strategies.

@@ -96,7 +96,11 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
 
 def format_table(results: dict[str, Any]) -> str:
     """A plain-text table of ``results`` with a line naming the target loss."""
-    rows = table_rows(results)
+    return format_rows(table_rows(results)) + "\n" + target_line(results)
+
+
+def format_rows(rows: list[list[str]]) -> str:
+    """Rows of strings (header first; a two-cell row is a message spanning the row) as aligned text."""
     widths = [max(len(r[i]) for r in rows if i < len(r) and len(r) > 2) for i in range(len(rows[0]))]
     lines = []
     for r in rows:
@@ -105,11 +109,20 @@ def format_table(results: dict[str, Any]) -> str:
         else:
             lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     lines.insert(1, "-" * len(lines[0]))
-    target = results.get("target_loss")
-    if target is not None:
-        how = "given" if results.get("target_source") == "given" else "auto: highest final loss of the compared strategies"
-        lines.append(f"target loss {target:.3f} ({how})")
     return "\n".join(lines)
+
+
+def target_line(results: dict[str, Any]) -> str:
+    """One line saying which target loss the times refer to, and why that one."""
+    target, source = results.get("target_loss"), results.get("target_source")
+    if target is None:
+        return ("no target loss: ddp did not finish; give --target-loss, or --target worst "
+                "(the highest final loss of the compared strategies)")
+    tol = results.get("target_tolerance", 0.0)
+    how = {"given": "given", "worst": "the highest final loss of the compared strategies (--target worst)"}.get(
+        str(source), f"{source}'s final validation loss + {100 * tol:.1f}%")
+    return (f"target loss {target:.3f} ({how}); an evaluation counts only after a strategy's first "
+            "synchronisation")
 
 
 def markdown_table(results: dict[str, Any]) -> str:
@@ -121,36 +134,14 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    """Write a PNG: validation loss against wall-clock, and against MB sent per worker."""
-    import matplotlib
+    """Write the run's PNG (see :mod:`shoal.bench.plot`)."""
+    from shoal.bench import plot as figures
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    figures.plot(results, path)
 
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, s in results["strategies"].items():
-        pts = [p for p in s["points"] if p["val_loss"] is not None]
-        if not pts:
-            continue
-        line, = ax_t.plot([p["wall_s"] for p in pts], [p["val_loss"] for p in pts], marker=".", label=name)
-        mb = [sum(p["meter_sent"]) / len(p["meter_sent"]) / 1e6 for p in pts]
-        if mb[-1] > 0:
-            ax_b.plot(mb, [p["val_loss"] for p in pts], marker=".", label=name, color=line.get_color())
-    ideal = results.get("ideal")
-    if ideal and ideal["points"]:
-        ax_t.plot([p["wall_s"] for p in ideal["points"]], [p["val_loss"] for p in ideal["points"]],
-                  "k--", label="ideal (local loss at nosync speed)")
-    target = results.get("target_loss")
-    for ax in (ax_t, ax_b):
-        if target is not None:
-            ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"target {target:.2f}")
-        ax.set_ylabel("validation loss (nats/byte)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    ax_t.set_xlabel("training wall-clock (s)")
-    ax_b.set_xlabel("MB sent per worker (meter); strategies that send nothing are not shown")
-    fig.suptitle(f"shoal bench {results['config']['task']}: {results['network']}")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+def plot_joined(quality: dict[str, Any], speed: dict[str, Any], joined: dict[str, Any], path: str) -> None:
+    """Write ``--mode both``'s PNG (see :mod:`shoal.bench.plot`)."""
+    from shoal.bench import plot as figures
+
+    figures.plot_joined(quality, speed, joined, path)

@@ -28,6 +28,8 @@ from shoal.bench.worker import WorkerConfig
 from shoal.errors import ConfigError
 
 SCHEMA_VERSION = 1
+TARGET_RULES = ("ddp", "worst")
+DEFAULT_TOLERANCE = 0.005  # relative: torch-ddp ends 2e-7 above ddp; 0.5% is a tenth of a good DiLoCo's gap
 ProgressFn = Callable[[str, dict[str, Any]], None]
 
 
@@ -50,6 +52,8 @@ class BenchConfig:
     steps: int | None = None
     time_budget_s: float | None = None
     target_loss: float | None = None
+    target: str = "ddp"   # without target_loss: "ddp" (DDP's final loss + tolerance) or "worst"
+    target_tolerance: float = DEFAULT_TOLERANCE
     seed: int = 0
     global_batch: int = 32  # 8 windows per worker at 4 hosts: ~0.2 s of compute per step on one core
     lr: float = 1e-3  # AdamW; steady on this model from the first step, no warm-up needed
@@ -83,6 +87,10 @@ class BenchConfig:
             )
         if self.target_loss is not None and self.target_loss <= 0:
             raise ConfigError(f"target_loss must be > 0 (nats per byte), got {self.target_loss}")
+        if self.target not in TARGET_RULES:
+            raise ConfigError(f"target must be one of {', '.join(TARGET_RULES)}, got {self.target!r}")
+        if not 0 <= self.target_tolerance < 1:
+            raise ConfigError(f"target_tolerance is relative, in [0, 1), got {self.target_tolerance}")
         LMConfig(**self.model)
         self.worker_config(self.strategies[0], "unused")  # stopping/eval rules checked here
 
@@ -203,18 +211,61 @@ def _mean(values: list[int] | None) -> float | None:
     return None if not values else sum(values) / len(values)
 
 
-def summarize(runs: dict[str, dict[str, Any]], target_loss: float | None) -> dict[str, Any]:
+def pick_target(finals: dict[str, float | None], rule: str = "ddp",
+                tolerance: float = DEFAULT_TOLERANCE) -> tuple[float | None, str]:
+    """The target loss and how it was chosen, from the strategies' final validation losses.
+
+    ``"ddp"``: DDP's final loss times ``1 + tolerance`` (``torch-ddp``'s when
+    ``ddp`` did not run); None when neither finished. ``"worst"``: the highest
+    final loss of the connected strategies, reached by every one of them.
+
+    >>> pick_target({"ddp": 2.0, "daso": 3.0})
+    (2.01, 'ddp')
+    >>> pick_target({"ddp": 2.0, "daso": 3.0}, "worst")
+    (3.0, 'worst')
+    """
+    if rule not in TARGET_RULES:
+        raise ConfigError(f"target rule must be one of {', '.join(TARGET_RULES)}, got {rule!r}")
+    if rule == "worst":
+        return metrics.auto_target({n: v for n, v in finals.items() if not _is_disconnected(n)}), "worst"
+    for ref in ("ddp", "torch-ddp"):
+        if finals.get(ref) is not None:
+            return float(finals[ref]) * (1.0 + tolerance), ref   # type: ignore[arg-type]
+    return None, "none"
+
+
+def credited_points(name: str, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``points`` with the loss of every evaluation before the first synchronisation hidden.
+
+    A multi-worker strategy's evaluated model is one replica until it has
+    exchanged something: before its meter counts a byte (DiLoCo before its first
+    outer step; streaming DiLoCo before its first fragment's exchange) it is no
+    better evidence than ``nosync``'s, so it earns no time to target, speed-up or
+    efficiency. Single-worker strategies hold the whole model.
+    """
+    try:
+        spec = strategies.get(name)
+        whole = spec.single_worker or not spec.communicates   # nosync gets no credit at all (summarize)
+    except ConfigError:   # a results file from a checkout with more strategies
+        whole = False
+    if whole:
+        return points
+    # Step 0 is the same initial model on every worker: a common starting point for the crossing.
+    return [p if p["step"] == 0 or sum(p["meter_sent"]) > 0 else {**p, "val_loss": None} for p in points]
+
+
+def summarize(runs: dict[str, dict[str, Any]], target_loss: float | None, target: str = "ddp",
+              tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
     """Add time to target, MB per worker, speed-up and efficiency to each run; build the ideal curve.
 
-    With no ``target_loss``, the target is the highest final validation loss
-    among strategies whose loss counts (all but ``nosync``-like ones, which
-    train disconnected replicas): the loss every one of them reached.
+    With no ``target_loss`` the target follows ``target`` (:func:`pick_target`):
+    by default DDP's final loss within ``tolerance``. Times to target count only
+    evaluations after a strategy's first synchronisation (:func:`credited_points`).
     """
     finals = {n: (r["points"][-1]["val_loss"] if r["points"] else None) for n, r in runs.items()}
     source = "given"
     if target_loss is None:
-        counted = {n: v for n, v in finals.items() if not _is_disconnected(n)}
-        target_loss, source = metrics.auto_target(counted), "auto"
+        target_loss, source = pick_target(finals, target, tolerance)
     local, nosync = runs.get("local", {}).get("points"), runs.get("nosync", {}).get("points")
     ideal: dict[str, Any] | None = None
     if local and nosync:
@@ -222,8 +273,8 @@ def summarize(runs: dict[str, dict[str, Any]], target_loss: float | None) -> dic
             "points": metrics.ideal_curve(local, nosync),
             "time_to_target_s": None if target_loss is None else metrics.ideal_time_to_target(local, nosync, target_loss),
         }
-    ttt = {n: (metrics.time_to_target(r["points"], target_loss) if target_loss is not None else None)
-           for n, r in runs.items()}
+    ttt = {n: (metrics.time_to_target(credited_points(n, r["points"]), target_loss) if target_loss is not None
+               else None) for n, r in runs.items()}
     for n, r in runs.items():
         last = r["points"][-1] if r["points"] else None
         r["final_val_loss"] = finals[n]
@@ -236,7 +287,7 @@ def summarize(runs: dict[str, dict[str, Any]], target_loss: float | None) -> dic
         ranked = not _is_disconnected(n)
         r["speedup_vs_ddp"] = metrics.ratio(ttt.get("ddp"), ttt[n]) if ranked else None
         r["efficiency"] = metrics.ratio(ideal["time_to_target_s"] if ideal else None, ttt[n]) if ranked else None
-    return {"target_loss": target_loss, "target_source": source, "ideal": ideal}
+    return {"target_loss": target_loss, "target_source": source, "target_tolerance": tolerance, "ideal": ideal}
 
 
 def _is_disconnected(name: str) -> bool:
@@ -248,10 +299,26 @@ def _is_disconnected(name: str) -> bool:
     return not spec.communicates and not spec.single_worker
 
 
-def resummarize(results: dict[str, Any], target_loss: float | None) -> dict[str, Any]:
+def resummarize(results: dict[str, Any], target_loss: float | None, target: str = "ddp",
+                tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
     """``results`` (a loaded results.json) summarised again, e.g. against another target loss."""
     runs = results["strategies"]
-    return {**results, **summarize(runs, target_loss), "strategies": runs}
+    return {**results, **summarize(runs, target_loss, target, tolerance), "strategies": runs}
+
+
+def _commit() -> str:
+    """The checkout's short commit (``+dirty`` with local changes), or ``unknown``."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty else "")
 
 
 def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
@@ -260,6 +327,7 @@ def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
     run_dir = os.path.join(cfg.out_root, cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    commit = _commit()   # the code the workers run: taken before they start
     runs: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(cfg.strategies):
         if on_strategy:
@@ -269,11 +337,12 @@ def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
         "schema": SCHEMA_VERSION,
         "run": os.path.basename(run_dir),
         "started": started,
+        "commit": commit,
         "config": {**asdict(cfg), "strategies": list(cfg.strategies), "world": cfg.world,
                    "model": asdict(LMConfig(**cfg.model))},
         "network": (f"{cfg.hosts} hosts x {cfg.bandwidth or 'unshaped'} (emulated)" if cfg.emulate
                     else f"loopback, {cfg.world} workers"),
-        **summarize(runs, cfg.target_loss),
+        **summarize(runs, cfg.target_loss, cfg.target, cfg.target_tolerance),
         "strategies": runs,
     }
     with open(os.path.join(run_dir, "results.json"), "w") as f:

@@ -4,12 +4,16 @@ Started by :mod:`shoal.bench.runner` through ``shoal run``'s launcher (one
 process per emulated host) as ``python -m shoal.bench.worker CONFIG.json``;
 reads RANK/WORLD_SIZE from the torchrun environment.
 
-Timing: ``wall_s`` counts only training steps. Evaluation runs between two
-barriers with the clock stopped, on rank 0, on the original module's
-parameters. When stopping or evaluating depends on rank 0's clock
+Timing: ``wall_s`` counts every second of the training loop except the
+evaluations (:class:`Clock`): the strategy's communication, whatever it waits
+for and the bench's own per-step control message included. Before an
+evaluation the trainer's communication still in flight is drained on the
+clock; evaluation then runs between two barriers with the clock stopped, on
+rank 0. When stopping or evaluating depends on rank 0's clock
 (``time_budget_s`` / ``eval_every_s``), rank 0 broadcasts a two-flag control
-message after each step, also off the clock and outside the meter; so every
-rank stops and evaluates at the same step.
+message after each step (on the clock, outside the meter), so every rank stops
+and evaluates at the same step. Control messages and barriers use a gloo group
+of their own (:func:`control_group`), never the strategy's.
 
 Each rank writes ``rank<r>.json``: its eval points (step, samples, wall
 seconds, validation loss on rank 0, meter bytes and interface bytes since the
@@ -111,12 +115,33 @@ def interface_bytes(ifname: str | None) -> tuple[int, int] | None:
     return None
 
 
+def control_group(world: int) -> Any:
+    """The process group of the bench's own messages (stop/evaluate flags, evaluation barriers).
+
+    A gloo group of its own, never the strategy's: a control message queued on the
+    training group waits behind the strategy's collectives still in flight (NonBlocking's
+    per-layer all-reduces), which hid their time in the control message; and a collective
+    issued from this thread while a strategy's background thread issues its own on the same
+    group could reach the ranks in different orders. Created once per process.
+    """
+    global _CONTROL
+    if world <= 1:
+        return None
+    if _CONTROL is None:
+        _CONTROL = dist.new_group(backend="gloo")
+    return _CONTROL
+
+
+_CONTROL: Any = None
+
+
 class _Control:
-    """Agreement on stop/evaluate after each step, from rank 0's clock."""
+    """Agreement on stop/evaluate after each step, from rank 0's clock (on the control group)."""
 
     def __init__(self, cfg: WorkerConfig, world: int) -> None:
         self.cfg = cfg
         self.sync = world > 1 and (cfg.time_budget_s is not None or cfg.eval_every_s is not None)
+        self.group = control_group(world) if self.sync else None
         self.next_eval_s = cfg.eval_every_s
 
     def decide(self, step: int, wall_s: float) -> tuple[bool, bool]:
@@ -131,11 +156,40 @@ class _Control:
             ev = self.next_eval_s is not None and wall_s >= self.next_eval_s
         flags = torch.tensor([int(stop), int(ev or stop)], dtype=torch.int32)
         if self.sync:
-            dist.broadcast(flags, 0)
+            dist.broadcast(flags, 0, group=self.group)
         if flags[1] and self.next_eval_s is not None:
             while self.next_eval_s <= wall_s:
                 self.next_eval_s += cfg.eval_every_s or 0.0
         return bool(flags[0]), bool(flags[1])
+
+
+class Clock:
+    """Training seconds: everything since :meth:`start` except the paused spans (evaluations).
+
+    Every second of the loop counts, the bench's own control messages and
+    whatever a strategy waits for included; only what happens between
+    :meth:`pause` and :meth:`resume` does not.
+
+    Example:
+        >>> c = Clock(); c.start(); t = c.pause(); c.resume(); c.pause() >= t
+        True
+    """
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self.counted = 0.0
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    resume = start
+
+    def now(self) -> float:
+        return self.counted + (0.0 if self._since is None else time.perf_counter() - self._since)
+
+    def pause(self) -> float:
+        self.counted, self._since = self.now(), None
+        return self.counted
 
 
 def _evaluate(task: Any, module: torch.nn.Module, val: torch.Tensor) -> float:
@@ -167,8 +221,15 @@ class _Progress:
 
 
 def train(cfg: WorkerConfig, rank: int, world: int) -> dict[str, Any]:
-    """Run the whole training of ``cfg`` on this rank; return this rank's record."""
+    """Run the whole training of ``cfg`` on this rank; return this rank's record.
+
+    The record's ``wall_s`` is the :class:`Clock`'s: the loop's real time less its
+    evaluations (``eval_s``, measured); ``setup_s`` is the time before the loop (group,
+    model, strategy, the step-0 evaluation). Before each evaluation the trainer's
+    communication in flight is drained on the clock (``Trainer.drain``).
+    """
     torch.set_num_threads(1)
+    started = time.perf_counter()
     group = None
     if world > 1:
         from shoal.comm import init
@@ -180,35 +241,13 @@ def train(cfg: WorkerConfig, rank: int, world: int) -> dict[str, Any]:
     trainer = strategies.get(cfg.strategy).build(
         module, lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0), group
     )
-    val = task.corpus.val_windows(cfg.val_windows)
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    if0 = interface_bytes(ifname)
     control = _Control(cfg, world)
-    progress = _Progress(os.path.join(cfg.out_dir, "progress.json")) if rank == 0 else None
-    points: list[dict[str, Any]] = []
-
-    def record(step: int, wall_s: float) -> None:
-        if world > 1:
-            dist.barrier()
-        loss = _evaluate(task, trainer.eval_module or module, val) if rank == 0 else None
-        c = trainer.comm()
-        now_if = interface_bytes(ifname)
-        points.append({
-            "step": step, "samples": step * cfg.global_batch, "wall_s": wall_s, "val_loss": loss,
-            "meter_sent": c.bytes_sent, "meter_received": c.bytes_received,
-            "iface_sent": None if now_if is None or if0 is None else now_if[0] - if0[0],
-            "iface_received": None if now_if is None or if0 is None else now_if[1] - if0[1],
-            "comm_wait_s": c.wait_seconds,
-        })
-        if progress is not None:
-            progress.write(force=True, step=step, wall_s=wall_s, val_loss=loss)
-        if world > 1:
-            dist.barrier()
-
-    record(0, 0.0)
-    step, wall = 0, 0.0
+    rec = _Recorder(cfg, task, trainer, module, rank, world)
+    rec.record(0, 0.0)
+    setup_s = time.perf_counter() - started - rec.eval_s   # the step-0 evaluation is an evaluation
+    clock, step = Clock(), 0
+    clock.start()
     while True:
-        t0 = time.perf_counter()
         batch = task.corpus.train_batch(step, cfg.seed, cfg.global_batch, rank, world)
         loss = task.loss(trainer.model, batch)
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -218,19 +257,59 @@ def train(cfg: WorkerConfig, rank: int, world: int) -> dict[str, Any]:
         trainer.after_step(step)
         if trainer.report_loss is not None:
             trainer.report_loss(loss.item())
-        wall += time.perf_counter() - t0
         step += 1
-        if progress is not None:
-            progress.write(step=step, wall_s=wall, train_loss=loss.item())
-        stop, evaluate = control.decide(step, wall)
+        if rec.progress is not None:
+            rec.progress.write(step=step, wall_s=clock.now(), train_loss=loss.item())
+        stop, evaluate = control.decide(step, clock.now())
         if evaluate:
-            record(step, wall)
+            trainer.drain()   # communication still in flight lands on the clock, not in the pause
+            rec.record(step, clock.pause())
+            clock.resume()
         if stop:
             break
+    wall = clock.pause()
+    ended = time.perf_counter()
     comm = trainer.comm().as_dict()
     trainer.close()
     return {"rank": rank, "world": world, "strategy": cfg.strategy, "steps": step, "wall_s": wall,
-            "points": points, "comm": comm}
+            "points": rec.points, "comm": comm, "setup_s": setup_s, "eval_s": rec.eval_s,
+            "teardown_s": time.perf_counter() - ended}
+
+
+class _Recorder:
+    """The evaluations of one run: eval points, their seconds, rank 0's progress file."""
+
+    def __init__(self, cfg: WorkerConfig, task: Any, trainer: Any, module: torch.nn.Module,
+                 rank: int, world: int) -> None:
+        self.cfg, self.task, self.trainer, self.module, self.rank = cfg, task, trainer, module, rank
+        self.group = control_group(world)
+        self.val = task.corpus.val_windows(cfg.val_windows)
+        self.ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        self.if0 = interface_bytes(self.ifname)
+        self.progress = _Progress(os.path.join(cfg.out_dir, "progress.json")) if rank == 0 else None
+        self.points: list[dict[str, Any]] = []
+        self.eval_s = 0.0
+
+    def record(self, step: int, wall_s: float) -> None:
+        t0 = time.perf_counter()
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        trainer = self.trainer
+        loss = _evaluate(self.task, trainer.eval_module or self.module, self.val) if self.rank == 0 else None
+        c = trainer.comm()
+        now_if, if0 = interface_bytes(self.ifname), self.if0
+        self.points.append({
+            "step": step, "samples": step * self.cfg.global_batch, "wall_s": wall_s, "val_loss": loss,
+            "meter_sent": c.bytes_sent, "meter_received": c.bytes_received,
+            "iface_sent": None if now_if is None or if0 is None else now_if[0] - if0[0],
+            "iface_received": None if now_if is None or if0 is None else now_if[1] - if0[1],
+            "comm_wait_s": c.wait_seconds,
+        })
+        if self.progress is not None:
+            self.progress.write(force=True, step=step, wall_s=wall_s, val_loss=loss)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        self.eval_s += time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:

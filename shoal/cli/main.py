@@ -1,7 +1,9 @@
 """Entry point of the `shoal` command; each subcommand lives in its own module.
 
 Subcommand modules are imported only when used, so `shoal run` does not pay
-for importing the benchmark's plotting stack.
+for importing the benchmark's plotting stack. ``shoal bench`` lives in
+:mod:`shoal.bench.command`: the bench is built on this package's launcher
+(bench -> cli), so nothing here imports the bench; the table names it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 # name -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("shoal.cli.run", "start N workers (optionally on an emulated cluster)"),
-    "bench": ("shoal.cli.bench", "train real tasks with chosen strategies and compare them"),
+    "bench": ("shoal.bench.command", "train real tasks with chosen strategies and compare them"),
     "coordinator": ("shoal.cli.coordinator", "serve membership and quorums for elastic runs"),
 }
 

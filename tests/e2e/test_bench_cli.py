@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from shoal.bench import report
-from shoal.cli.bench import main
+from shoal.bench.command import main
 
 TINY = ["--width", "64", "--layers", "1", "--val-windows", "8", "--batch", "8", "--no-progress", "--seed", "3"]
 

@@ -40,19 +40,57 @@ def _synthetic() -> dict[str, Any]:
     return results
 
 
-def test_auto_target_is_the_worst_final_loss_among_connected_strategies() -> None:
+def test_default_target_is_ddps_final_loss_within_the_tolerance() -> None:
     r = _synthetic()
-    assert r["target_loss"] == pytest.approx(3.6)  # nosync's 4.2 does not count: disconnected replicas
-    assert r["target_source"] == "auto"
+    assert r["target_source"] == "ddp"
+    assert r["target_loss"] == pytest.approx(3.5 * 1.005)   # not torch-ddp's worse 3.6
+    assert r["strategies"]["ddp"]["time_to_target_s"] == pytest.approx(80 - 40 * (3.5175 - 3.5) / 0.5)
+    assert "ddp's final validation loss + 0.5%" in report.format_table(r)
+
+
+def test_worst_loss_target_only_on_request_and_torch_ddp_stands_in_for_ddp() -> None:
+    runs = _synthetic()["strategies"]
+    out = summarize(runs, None, target="worst")
+    assert out["target_loss"] == pytest.approx(3.6) and out["target_source"] == "worst"  # nosync's 4.2 excluded
+    no_ddp = {n: r for n, r in runs.items() if n != "ddp"}
+    assert summarize(no_ddp, None)["target_loss"] == pytest.approx(3.6 * 1.005)
+    alone = {"local": runs["local"], "nosync": runs["nosync"]}
+    out = summarize(alone, None)
+    assert out["target_loss"] is None and out["target_source"] == "none"
+    assert "no target loss" in report.target_line(out)
+    with pytest.raises(ConfigError, match="target"):
+        summarize(runs, None, target="best")
+
+
+def test_no_credit_before_the_first_synchronisation() -> None:
+    """A DiLoCo-like run: its replica reaches the target at 10 s, before any byte was exchanged."""
+    runs = _synthetic()["strategies"]
+    pts = _points([0, 10, 20, 30], [0, 100, 200, 300], [5.0, 3.0, 3.4, 3.0], 4)
+    for p, sent in zip(pts, [0, 0, 5_000_000, 5_000_000]):   # first outer step between 10 s and 20 s
+        p["meter_sent"] = [sent] * 4
+    runs["diloco-h20"] = _run(pts, 4)
+    summarize(runs, 3.5)
+    # Credited evaluations: step 0 (the common initial model) and 20 s (3.4), the first after a sync;
+    # the replica's 3.0 at 10 s is not: 3.5 is crossed between (0 s, 5.0) and (20 s, 3.4).
+    assert runs["diloco-h20"]["time_to_target_s"] == pytest.approx(20 * 1.5 / 1.6)
+    assert runs["diloco-h20"]["speedup_vs_ddp"] == pytest.approx(runs["ddp"]["time_to_target_s"] / (20 * 1.5 / 1.6))
+    # Never synchronised at all: no time to target, no speed-up, no efficiency.
+    for p in pts:
+        p["meter_sent"] = [0] * 4
+    summarize(runs, 3.5)
+    d = runs["diloco-h20"]
+    assert d["time_to_target_s"] is None and d["speedup_vs_ddp"] is None and d["efficiency"] is None
 
 
 def test_time_to_target_speedup_and_efficiency_by_hand() -> None:
-    s = _synthetic()["strategies"]
+    runs = _synthetic()["strategies"]
+    out = summarize(runs, 3.6)
+    s = runs
     # ddp crosses 3.6 between (40 s, 4.0) and (80 s, 3.5): 40 + 40 * 0.4 / 0.5 = 72 s.
     assert s["ddp"]["time_to_target_s"] == pytest.approx(72.0)
     assert s["torch-ddp"]["time_to_target_s"] == pytest.approx(100.0)
     # local needs 140 samples; nosync does 10 samples/s -> ideal 14 s.
-    assert _synthetic()["ideal"]["time_to_target_s"] == pytest.approx(14.0)
+    assert out["ideal"]["time_to_target_s"] == pytest.approx(14.0)
     assert s["ddp"]["efficiency"] == pytest.approx(14 / 72)
     assert s["torch-ddp"]["speedup_vs_ddp"] == pytest.approx(0.72)
     assert s["ddp"]["speedup_vs_ddp"] == pytest.approx(1.0)
@@ -62,7 +100,7 @@ def test_time_to_target_speedup_and_efficiency_by_hand() -> None:
 
 
 def test_given_target_and_missing_baselines() -> None:
-    runs = {"ddp": _run(_points([0, 10], [0, 10], [5.0, 4.0], 2), 2)}
+    runs = {"ddp": _run(_points([0, 10], [0, 10], [5.0, 4.0], 2, 1.0), 2)}
     out = summarize(runs, 4.5)
     assert out["target_source"] == "given" and out["ideal"] is None
     assert runs["ddp"]["time_to_target_s"] == pytest.approx(5.0)
@@ -104,14 +142,16 @@ def test_schema_rejects_broken_results(breakage: str) -> None:
 
 
 def test_table_has_every_strategy_and_the_issue_columns() -> None:
-    text = report.format_table(_synthetic())
+    r = _synthetic()
+    r.update(summarize(r["strategies"], 3.6))
+    text = report.format_table(r)
     header = text.splitlines()[0]
     for col in ("strategy", "steps", "wall s", "time to target", "final val loss", "MB sent/worker",
                 "speed-up vs DDP", "efficiency"):
         assert col in header
     assert "72.0 s" in text and "0.72x" in text and "(ideal)" in text
-    assert "target loss 3.600" in text
-    md = report.markdown_table(_synthetic())
+    assert "target loss 3.600 (given)" in text
+    md = report.markdown_table(r)
     assert md.count("\n") == 6  # header, rule, 4 strategies, ideal
 
 
@@ -163,7 +203,7 @@ def test_disconnected_replicas_get_no_speedup_or_efficiency() -> None:
 
 
 def test_cli_from_results_resummarises_with_a_new_target(tmp_path: Any, capsys: Any) -> None:
-    from shoal.cli.bench import main
+    from shoal.bench.command import main
 
     (tmp_path / "results.json").write_text(json.dumps(_synthetic()))
     assert main(["--from-results", str(tmp_path), "--target-loss", "4.5"]) == 0

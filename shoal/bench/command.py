@@ -37,7 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     stop.add_argument("--steps", type=int, default=None, help="optimizer steps per strategy")
     stop.add_argument("--time-budget", type=float, default=None, help="training seconds per strategy")
     p.add_argument("--target-loss", type=float, default=None,
-                   help="validation loss for 'time to target' (default: highest final loss among strategies)")
+                   help="validation loss for 'time to target' (default: see --target)")
+    p.add_argument("--target", choices=("ddp", "worst"), default="ddp",
+                   help="without --target-loss: ddp = DDP's final validation loss + --target-tolerance "
+                        "(default); worst = the highest final loss of the compared strategies")
+    p.add_argument("--target-tolerance", type=float, default=0.005,
+                   help="relative tolerance on DDP's final loss for --target ddp (default 0.005 = 0.5%%)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=32, help="global batch in windows (split across workers)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -48,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="transformer layers (default 4)")
     p.add_argument("--out", default="results", help="results root (default results/)")
     p.add_argument("--run", default="", help="run name (default: a timestamp)")
+    p.add_argument("--mode", choices=("time", "samples", "both"), default="time",
+                   help="time: every strategy for --time-budget/--steps on the link (default); samples: "
+                        "equal samples on loopback (--steps, default 1000), evaluated on a sample grid; "
+                        "both: samples, then each strategy's speed on the link (--speed-budget), joined")
+    p.add_argument("--speed-budget", type=float, default=60.0,
+                   help="--mode both: training seconds per strategy of the speed run (default 60)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--from-results", default=None, metavar="RUN_DIR",
                    help="train nothing: summarise RUN_DIR/results.json again (e.g. with --target-loss), "
@@ -92,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     return BenchConfig(
         task=args.task, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
         hosts=args.hosts, procs_per_host=args.procs_per_host, bandwidth=bandwidth, emulate=emulate,
-        steps=args.steps, time_budget_s=args.time_budget, target_loss=args.target_loss, seed=args.seed,
+        steps=args.steps, time_budget_s=args.time_budget, target_loss=args.target_loss, target=args.target,
+        target_tolerance=args.target_tolerance, seed=args.seed,
         global_batch=args.batch, lr=args.lr, eval_every_steps=every_steps, eval_every_s=every_s,
         val_windows=args.val_windows, model=model, out_root=args.out, run=args.run,
     )
@@ -133,7 +145,7 @@ class _Bar:
             self.bar = None
 
 
-def _from_results(run_dir: str, target_loss: float | None) -> int:
+def _from_results(run_dir: str, target_loss: float | None, target: str, tolerance: float) -> int:
     import json
 
     from shoal.bench import report
@@ -144,7 +156,7 @@ def _from_results(run_dir: str, target_loss: float | None) -> int:
         with open(path) as f:
             loaded = json.load(f)
         report.validate_results(loaded)
-        results = resummarize(loaded, target_loss)
+        results = resummarize(loaded, target_loss, target, tolerance)
     except (OSError, ValueError, ShoalError) as e:
         print(f"shoal bench: cannot use {path}: {e}", file=sys.stderr)
         return 2
@@ -156,30 +168,92 @@ def _from_results(run_dir: str, target_loss: float | None) -> int:
     return 0
 
 
+SAMPLES_DEFAULT_STEPS = 1000   # equal-samples quality: at least 1,000 steps of the global batch
+GRID_POINTS = 20               # evaluations on the sample grid
+
+
+def _samples_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` for the equal-samples run: loopback, a step count, a grid of sample counts."""
+    steps = args.steps or SAMPLES_DEFAULT_STEPS
+    return argparse.Namespace(**{**vars(args), "loopback": True, "bandwidth": None, "steps": steps,
+                                 "time_budget": None, "eval_every": args.eval_every or str(max(1, steps // GRID_POINTS))})
+
+
+def _speed_args(args: argparse.Namespace, root: str) -> argparse.Namespace:
+    """``args`` for the speed run of ``--mode both``: the link, ``--speed-budget`` seconds, run 'speed'."""
+    return argparse.Namespace(**{**vars(args), "steps": None, "time_budget": args.speed_budget,
+                                 "eval_every": None, "out": root, "run": "speed"})
+
+
+def _both(args: argparse.Namespace) -> int:
+    """--mode both: equal samples on loopback, speed on the link, one joined table and figure."""
+    import datetime
+    import json
+
+    from shoal.bench import joined, report
+
+    run = args.run or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root = os.path.join(args.out, run)
+    quality_args = argparse.Namespace(**{**vars(_samples_args(args)), "out": root, "run": "quality"})
+    runs = []
+    for sub in (quality_args, _speed_args(args, root)):
+        rc, results = _run(sub)
+        if results is None:
+            return rc
+        runs.append(results)
+    quality, speed = runs
+    target = quality["target_loss"]
+    table = joined.join(quality["strategies"], speed["strategies"], target)
+    failed = {n: f"exit {r['returncode']} in the {kind} run (see {kind}/{r['log']})"
+              for kind, res in (("quality", quality), ("speed", speed))
+              for n, r in res["strategies"].items() if not r["ok"]}
+    out = {"run": run, "mode": "both", "quality_network": quality["network"], "speed_network": speed["network"],
+           "target_loss": target, "target_source": quality["target_source"],
+           "target_tolerance": quality.get("target_tolerance"),
+           "ideal_time_to_target_s": joined.ideal_time(quality["strategies"], speed["strategies"], target),
+           "joined": table, "failed": failed}
+    with open(os.path.join(root, "joined.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    report.plot_joined(quality, speed, out, os.path.join(root, "report.png"))
+    print(f"\nshoal bench {args.task}: quality at equal samples ({quality['network']}), "
+          f"speed on {speed['network']}")
+    print(report.format_rows(joined.table_rows(table, failed)))
+    print(report.target_line(quality))
+    print(f"\nwrote {root}/joined.json, {root}/report.png, {root}/quality/ and {root}/speed/")
+    return 0 if not failed else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.from_results:
+        return _from_results(args.from_results, args.target_loss, args.target, args.target_tolerance)
+    if args.mode == "both":
+        return _both(args)
+    rc, _ = _run(_samples_args(args) if args.mode == "samples" else args)
+    return rc
+
+
+def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
+    """One bench run from ``args``: (exit code, results or None when it did not run)."""
     from shoal.bench import report
     from shoal.bench.runner import run_bench
-
-    if args.from_results:
-        return _from_results(args.from_results, args.target_loss)
 
     try:
         cfg = config_from_args(args)
     except (ShoalError, ValueError) as e:
         print(f"shoal bench: {e}", file=sys.stderr)
-        return 2
+        return 2, None
     bar = _Bar(cfg, enabled=not args.no_progress)
     try:
         results = run_bench(cfg, on_progress=bar.update, on_strategy=bar.start)
     except ShoalError as e:  # e.g. the emulated cluster could not be built
         bar.close()
         print(f"shoal bench: {e}", file=sys.stderr)
-        return 1
+        return 1, None
     except KeyboardInterrupt as e:
         bar.close()
         print(f"shoal bench: stopped ({e or 'interrupted'}); workers stopped and the cluster removed", file=sys.stderr)
-        return 130
+        return 130, None
     finally:
         bar.close()
     run_dir = os.path.join(cfg.out_root, results["run"])
@@ -187,4 +261,4 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nshoal bench {cfg.task} on {results['network']}")
     print(report.format_table(results))
     print(f"\nwrote {os.path.join(run_dir, 'results.json')} and {os.path.join(run_dir, 'report.png')}")
-    return 0 if all(s["ok"] for s in results["strategies"].values()) else 1
+    return (0 if all(s["ok"] for s in results["strategies"].values()) else 1), results
