@@ -85,11 +85,12 @@ for _h in (20, 100):
 # (sp: top 2 % of each 4096-element chunk in 2 bits with error feedback; d95: residual decay 0.95).
 _OUTER = {"avg": OuterSGD(1.0, 0.0, False), "m5": OuterSGD(0.7, 0.5), "lr4": OuterSGD(0.4, 0.9),
           "n1m5": OuterSGD(1.0, 0.5), "n": OuterSGD(0.7, 0.9)}
-_SPARSE = {"sp": 1.0, "sp-d95": 0.95}   # the residual's decay
-_SPARSE_TEXT = {"sp": "SparseLoCo (top 2 %, 2 bits)", "sp-d95": "SparseLoCo (top 2 %, 2 bits, residual decay 0.95)"}
+_SPARSE = {"sp": (0.02, 1.0), "sp-d95": (0.02, 0.95), "sp4": (0.04, 1.0)}   # (ratio, residual decay)
+_SPARSE_TEXT = {"sp": "SparseLoCo (top 2 %, 2 bits)", "sp-d95": "SparseLoCo (top 2 %, 2 bits, residual decay 0.95)",
+                "sp4": "SparseLoCo (top 4 %, 2 bits)"}
 for _h, _sp, _o in ((20, None, "avg"), (20, None, "m5"), (20, None, "lr4"), (20, None, "n1m5"),
-                    (10, "sp", "n"), (10, "sp", "m5"), (10, "sp-d95", "avg")):
-    _codec = (lambda d: lambda: codecs.SparseLoCo(0.02, 2, decay=d))(_SPARSE[_sp]) if _sp else \
+                    (10, "sp", "n"), (10, "sp", "m5"), (10, "sp-d95", "avg"), (10, "sp", "n1m5"), (20, "sp4", "m5")):
+    _codec = (lambda rd: lambda: codecs.SparseLoCo(rd[0], 2, decay=rd[1]))(_SPARSE[_sp]) if _sp else \
         (lambda: codecs.Cast(torch.float16))
     _name = f"diloco-h{_h}-{_sp}-{_o}".replace("-sp-d95-avg", "-sp-avg-d95") if _sp else f"diloco-h{_h}-{_o}"
     _wrapped(_name, (lambda h, o, c: lambda: shoal.DiLoCo(inner_steps=h, outer_optimizer=o, codec=c()))(
