@@ -96,10 +96,10 @@ for _h, _sp, _o in ((20, None, "avg"), (20, None, "m5"), (20, None, "lr4"), (20,
     _wrapped(_name, (lambda h, o, c: lambda: shoal.DiLoCo(inner_steps=h, outer_optimizer=o, codec=c()))(
         _h, _OUTER[_o], _codec), f"DiLoCo, {_h} inner steps, {_SPARSE_TEXT[_sp] if _sp else 'fp16'} "
              f"pseudo-gradients, outer {_OUTER[_o]}")
-_wrapped("diloco-sparse", lambda: shoal.DiLoCo(inner_steps=10, outer_optimizer=OuterSGD(0.7, 0.5),
+_wrapped("diloco-sparse", lambda: shoal.DiLoCo(inner_steps=10, outer_optimizer=OuterSGD(1.0, 0.5),
                                                 codec=codecs.SparseLoCo(0.02, 2)),
-         "DiLoCo, 10 inner steps, SparseLoCo (top 2 % per 4096 in 2 bits, error feedback), outer Nesterov lr 0.7 "
-         "momentum 0.5: over 400x fewer bytes than DDP (the config of diloco-h10-sp-m5)")
+         "DiLoCo, 10 inner steps, SparseLoCo (top 2 % per 4096 in 2 bits, error feedback), outer Nesterov lr 1.0 "
+         "momentum 0.5: over 400x fewer bytes than DDP (the config of diloco-h10-sp-n1m5)")
 _wrapped("streaming-diloco",
          lambda: shoal.StreamingDiLoCo(inner_steps=100, fragments=4, codec=codecs.Cast(torch.float16)),
          "streaming DiLoCo, 100 inner steps, 4 staggered fragments, fp16")
