@@ -20,6 +20,7 @@ from shoal import codecs
 from shoal.bench.registry import OptimizerFactory, Trainer, register
 from shoal.comm.group import Group
 from shoal.comm.meter import CommCounters
+from shoal.strategies.outer import OuterSGD
 from shoal.errors import ConfigError
 
 
@@ -78,6 +79,27 @@ for _h in (20, 100):
              f"DiLoCo, {_h} inner steps, fp16 pseudo-gradients, outer Nesterov lr 0.7")
     _wrapped(f"diloco-h{_h}-int8", (lambda h: lambda: shoal.DiLoCo(inner_steps=h, codec=codecs.Int8Blockwise(256)))(_h),
              f"DiLoCo, {_h} inner steps, int8 pseudo-gradients, outer Nesterov lr 0.7")
+# Issue #22's outer-step and SparseLoCo measurements (docs/BENCHMARKS.md): the outer optimizer
+# (avg: lr 1 without momentum, i.e. parameter averaging; m5: Nesterov lr 0.7 momentum 0.5; lr4:
+# Nesterov lr 0.4 momentum 0.9; n1m5: Nesterov lr 1 momentum 0.5) and the SparseLoCo codec
+# (sp: top 2 % of each 4096-element chunk in 2 bits with error feedback; d95: residual decay 0.95).
+_OUTER = {"avg": OuterSGD(1.0, 0.0, False), "m5": OuterSGD(0.7, 0.5), "lr4": OuterSGD(0.4, 0.9),
+          "n1m5": OuterSGD(1.0, 0.5), "n": OuterSGD(0.7, 0.9)}
+_SPARSE = {"sp": (0.02, 1.0), "sp-d95": (0.02, 0.95), "sp4": (0.04, 1.0)}   # (ratio, residual decay)
+_SPARSE_TEXT = {"sp": "SparseLoCo (top 2 %, 2 bits)", "sp-d95": "SparseLoCo (top 2 %, 2 bits, residual decay 0.95)",
+                "sp4": "SparseLoCo (top 4 %, 2 bits)"}
+for _h, _sp, _o in ((20, None, "avg"), (20, None, "m5"), (20, None, "lr4"), (20, None, "n1m5"),
+                    (10, "sp", "n"), (10, "sp", "m5"), (10, "sp-d95", "avg"), (10, "sp", "n1m5"), (20, "sp4", "m5")):
+    _codec = (lambda rd: lambda: codecs.SparseLoCo(rd[0], 2, decay=rd[1]))(_SPARSE[_sp]) if _sp else \
+        (lambda: codecs.Cast(torch.float16))
+    _name = f"diloco-h{_h}-{_sp}-{_o}".replace("-sp-d95-avg", "-sp-avg-d95") if _sp else f"diloco-h{_h}-{_o}"
+    _wrapped(_name, (lambda h, o, c: lambda: shoal.DiLoCo(inner_steps=h, outer_optimizer=o, codec=c()))(
+        _h, _OUTER[_o], _codec), f"DiLoCo, {_h} inner steps, {_SPARSE_TEXT[_sp] if _sp else 'fp16'} "
+             f"pseudo-gradients, outer {_OUTER[_o]}")
+_wrapped("diloco-sparse", lambda: shoal.DiLoCo(inner_steps=10, outer_optimizer=OuterSGD(1.0, 0.5),
+                                                codec=codecs.SparseLoCo(0.02, 2)),
+         "DiLoCo, 10 inner steps, SparseLoCo (top 2 % per 4096 in 2 bits, error feedback), outer Nesterov lr 1.0 "
+         "momentum 0.5: over 400x fewer bytes than DDP (the config of diloco-h10-sp-n1m5)")
 _wrapped("streaming-diloco",
          lambda: shoal.StreamingDiLoCo(inner_steps=100, fragments=4, codec=codecs.Cast(torch.float16)),
          "streaming DiLoCo, 100 inner steps, 4 staggered fragments, fp16")

@@ -16,6 +16,7 @@ from shoal.codecs.hierarchical import Hierarchical
 from shoal.codecs.identity import Identity
 from shoal.codecs.int8 import Int8Blockwise
 from shoal.codecs.powersgd import PowerSGD
+from shoal.codecs.sparse import QuantizedTopK, SparseLoCo
 from shoal.codecs.topk import TopK
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "Cast",
     "Int8Blockwise",
     "TopK",
+    "QuantizedTopK",
+    "SparseLoCo",
     "PowerSGD",
     "ErrorFeedback",
     "SizeAdaptive",

@@ -35,6 +35,10 @@ class ErrorFeedback(Codec):
     no host sync inside the collectives, so it is safe on a communication
     thread; ``stats()["nonfinite_steps"]`` reads the device counter.
 
+    ``decay`` (default 1) scales the residual before it is added:
+    ``e <- (x + decay * e) - C_r(x + decay * e)``; below 1 the sum above is
+    no longer conserved (old errors fade), as in SparseLoCo.
+
     Example::
 
         codec = ErrorFeedback(TopK(ratio=0.01))
@@ -43,8 +47,11 @@ class ErrorFeedback(Codec):
 
     lossy = True
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, decay: float = 1.0) -> None:
         super().__init__()
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < float(decay) <= 1.0:
+            raise ConfigError(f"decay must be in (0, 1] (the weight of the carried residual), got {decay!r}")
+        self.decay = float(decay)
         if not isinstance(codec, LossyCodec):
             raise ConfigError(
                 f"ErrorFeedback wraps a lossy codec (Cast, Int8Blockwise, TopK, PowerSGD), got {type(codec).__name__}: "
@@ -73,7 +80,7 @@ class ErrorFeedback(Codec):
         new_res = flat_views(res_flat, tensors)
         old_res = [self._residual(n, t) for n, t in zip(names, tensors)]
         flatten_into(tensors, comp_flat)
-        torch._foreach_add_(comp, old_res)
+        torch._foreach_add_(comp, old_res, alpha=self.decay)
         self.codec.mean_with_residual(comp, names, group, tag, new_res)
         # Per tensor: the new residual where the mean and the residual are finite, else the old one.
         mean_ok = finite_flags(comp)

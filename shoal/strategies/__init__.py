@@ -12,6 +12,7 @@ from shoal.strategies.diloco import DiLoCo, DiLoCoConfig, default_outer_optimize
 from shoal.strategies.hierarchical import Hierarchical
 from shoal.strategies.localsgd import AveragingStrategy, LocalSGD, PostLocalSGD
 from shoal.strategies.nonblocking import NonBlocking, NonBlockingModule
+from shoal.strategies.outer import OuterSGD
 from shoal.strategies.streaming import StreamingDiLoCo
 from shoal.strategies.sync import Sync
 
@@ -27,6 +28,7 @@ __all__ = [
     "DiLoCoConfig",
     "StreamingDiLoCo",
     "default_outer_optimizer",
+    "OuterSGD",
     "NonBlocking",
     "NonBlockingModule",
     "DASO",

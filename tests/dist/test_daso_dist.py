@@ -73,3 +73,20 @@ def test_daso_hosts_agree_every_step_and_hosts_at_global_syncs() -> None:
     numel = res[0]["numel"]
     per_sync = expected_global_bytes(numel, 2, torch.bfloat16)
     assert [r["global"] for r in res] == [len(launches) * per_sync, 0, len(launches) * per_sync, 0]
+
+
+def _lone(rank: int, world: int) -> str:
+    os.environ["SHOAL_HOST_ID"] = f"host-{rank // 3}"   # ranks 0-2 on one host, rank 3 alone on another
+    net = nn.Linear(3, 1)
+    try:
+        shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), DASO(total_epochs=2, steps_per_epoch=2))
+    except shoal.errors.ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.timeout(120)
+def test_daso_refuses_a_host_of_one_worker_among_several_hosts() -> None:
+    """Between global syncs such a host takes single-worker steps (the lm bench's loss jump on 4 hosts x 1)."""
+    for msg in run_workers(_lone, 4, timeout=110):   # every rank refuses alike: no rank is left waiting
+        assert "at least 2 workers on every host" in msg and "rank(s) [3]" in msg

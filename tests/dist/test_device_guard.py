@@ -62,7 +62,8 @@ def _strategy(name: str) -> shoal.Strategy:
 
 
 def _wrap_case(rank: int, name: str) -> list[str]:
-    os.environ["SHOAL_HOST_ID"] = f"host{rank}"   # DASO and Hierarchical: one rank per pretend host
+    # Hierarchical: one rank per pretend host; DASO refuses hosts of one worker, so one host of two
+    os.environ["SHOAL_HOST_ID"] = "host0" if name == "daso" else f"host{rank}"
     torch.manual_seed(0)
     net = Net(width=16)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)

@@ -78,6 +78,10 @@ RESUME_CASES: dict[str, tuple[Callable[[], shoal.Strategy], int]] = {
     "diloco": (lambda: shoal.DiLoCo(4, codec=shoal.codecs.ErrorFeedback(shoal.codecs.Int8Blockwise(64))), 6),
     # fragment 0 launched after step 2, still in flight (overlap 1) when the checkpoint is taken
     "streaming": (lambda: shoal.StreamingDiLoCo(4, fragments=2, overlap_steps=1, codec=shoal.codecs.Cast()), 2),
+    # SparseLoCo pseudo-gradients (issue #22): residuals saved and resumed, plain and streaming (on the thread)
+    "diloco-sparse": (lambda: shoal.DiLoCo(4, codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 6),
+    "streaming-sparse": (lambda: shoal.StreamingDiLoCo(4, fragments=2, overlap_steps=1,
+                                                       codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 2),
     # local SGD with Adam moments averaged too (C4), stopped between averagings
     "localsgd": (lambda: shoal.LocalSGD(3, warmup_steps=1, average_optimizer_state=True), 5),
 }

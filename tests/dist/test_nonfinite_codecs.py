@@ -10,7 +10,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from shoal.codecs import Cast, ErrorFeedback, Hierarchical, Identity, Int8Blockwise, PowerSGD, SizeAdaptive, TopK
+from shoal.codecs import (Cast, ErrorFeedback, Hierarchical, Identity, Int8Blockwise, PowerSGD, SizeAdaptive, SparseLoCo,
+                          TopK)
 from shoal.comm import Group
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.testing import run_workers
@@ -28,6 +29,7 @@ CODECS: dict[str, Callable[[], Any]] = {
     "int8_scatter": lambda: Int8Blockwise(block_size=16, method="reduce_scatter"),
     "topk": lambda: TopK(0.01),   # 4 of 670 elements: the bad one must still travel
     "topk_ef": lambda: ErrorFeedback(TopK(0.01)),
+    "sparseloco": lambda: SparseLoCo(0.01, 2, 128),   # 2 of each 128-element chunk: the bad one among them
     "powersgd": lambda: PowerSGD(rank=1, min_compression_rate=1.0),   # low-rank for every matrix
     "powersgd_plain": lambda: PowerSGD(rank=4),                        # small ones go uncompressed
     "adaptive": lambda: SizeAdaptive(Identity(), ErrorFeedback(Int8Blockwise(16)), threshold=100),

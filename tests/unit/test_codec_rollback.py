@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shoal.codecs import ErrorFeedback, PowerSGD, TopK
+from shoal.codecs import ErrorFeedback, PowerSGD, SparseLoCo, TopK
 from shoal.comm import Group
 from shoal.testing import free_port
 
@@ -67,7 +67,8 @@ def _assert_same_state(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2, min_compression_rate=1.0),
                                   lambda: PowerSGD(rank=3, min_compression_rate=1.0, start_iter=2),
-                                  lambda: ErrorFeedback(TopK(0.3))], ids=["powersgd", "powersgd-start2", "ef-topk"])
+                                  lambda: ErrorFeedback(TopK(0.3)), lambda: SparseLoCo(0.05, 2, 64)],
+                         ids=["powersgd", "powersgd-start2", "ef-topk", "sparseloco"])
 def test_rollback_after_discards_equals_a_codec_that_saw_only_commits(group, make) -> None:
     rolled, ref = make(), make()
     for step, commit in enumerate(VERDICTS):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shoal.codecs import Cast, ErrorFeedback, Identity, Int8Blockwise, PowerSGD, SizeAdaptive, TopK
+from shoal.codecs import Cast, ErrorFeedback, Identity, Int8Blockwise, PowerSGD, SizeAdaptive, SparseLoCo, TopK
 from shoal.codecs.int8 import dequantize_blocks, quantize_blocks
 from shoal.codecs.powersgd import orthonormalize_
 from shoal.comm import Group, wire_bytes
@@ -237,6 +237,7 @@ def test_orthonormalize_zero_column_stays_finite():
         lambda: ErrorFeedback(Int8Blockwise(32)),
         lambda: ErrorFeedback(Cast(torch.bfloat16)),
         lambda: ErrorFeedback(PowerSGD(rank=1, error_feedback=False, min_compression_rate=1.0)),
+        lambda: SparseLoCo(0.05, 2, 256),
     ],
 )
 def test_error_feedback_conserves_the_sum(group, make):
@@ -286,6 +287,7 @@ def _roundtrip(state):
         lambda: ErrorFeedback(Int8Blockwise(16)),
         lambda: ErrorFeedback(Int8Blockwise(16, method="reduce_scatter")),
         lambda: SizeAdaptive(Identity(), ErrorFeedback(TopK(0.2)), threshold=100),
+        lambda: SparseLoCo(0.05, 2, 256, decay=0.9),
     ],
 )
 def test_state_dict_roundtrip_continues_exactly(group, make):
@@ -350,6 +352,7 @@ def test_integer_tensors_rejected(group, codec):
         lambda: ErrorFeedback(TopK(0.2)),
         lambda: ErrorFeedback(Int8Blockwise(16)),
         lambda: PowerSGD(rank=2),
+        lambda: SparseLoCo(0.05, 2, 256),
     ],
 )
 def test_nan_step_does_not_poison_state(group, make):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shoal.codecs import ErrorFeedback, Int8Blockwise, PowerSGD, TopK
+from shoal.codecs import ErrorFeedback, Int8Blockwise, PowerSGD, SparseLoCo, TopK
 from shoal.comm import Group
 from shoal.testing import free_port
 
@@ -88,6 +88,7 @@ def test_the_guard_catches_host_reads(no_tolist: None) -> None:
 STATEFUL: dict[str, Callable[[], Any]] = {
     "ef_topk": lambda: ErrorFeedback(TopK(0.2)),
     "ef_int8": lambda: ErrorFeedback(Int8Blockwise(16)),
+    "sparseloco": lambda: SparseLoCo(0.1, 2, 64),
     "powersgd": lambda: PowerSGD(rank=2),
     "powersgd_no_ef": lambda: PowerSGD(rank=2, error_feedback=False),
 }
