@@ -315,11 +315,9 @@ def _elastic_node_env(base: dict[str, str], spec: NodeSpec, elastic: ElasticLaun
                           "`shoal coordinator` on one of them and pass --coordinator HOST:PORT to every launcher")
     host, _, port = elastic.coordinator.rpartition(":")
     addr = spec.advertise_addr or route_address(host, int(port))
-    if spec.advertise_addr is None and spec.nnodes > 1 and addr.startswith("127."):
-        raise ConfigError(f"the coordinator {elastic.coordinator} is reached over loopback from this machine, so "
-                          "the other machines would be told 127.x: give --coordinator with the machine's network "
-                          "address, or --advertise-addr")
-    return _node_env(base, NodeLayout(0, 0, addr, interface_of(addr)))
+    env = _node_env(base, NodeLayout(0, 0, addr, interface_of(addr)))
+    env.setdefault("SHOAL_RUN_ID", spec.run_id)  # every machine's launcher must name the same run
+    return env
 
 
 def _launch_node(cmd: list[str], nprocs: int, spec: NodeSpec, kill: Sequence[tuple[int, float]],

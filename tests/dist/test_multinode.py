@@ -137,3 +137,38 @@ def test_cli_names_what_a_run_across_machines_lacks(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "shoal", "run", "--nnodes", "2", str(WORKER), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "needs --node-rank, --master-addr as well" in p.stderr, p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_started_by_torchrun_joins_an_elastic_run_of_shoal_run(tmp_path: Path) -> None:
+    # A standalone coordinator; one machine's worker comes from `shoal run --elastic --coordinator`, the
+    # other's from torchrun with the elastic variables in its environment (no shoal launcher at all).
+    from shoal.comm.membership import Coordinator
+
+    token, run = "torchrun-joins-token", "mixed-launchers"
+    coord = Coordinator(port=0, initial_workers=2, token=token).start()
+    worker = [str(ROOT / "tests" / "faults" / "elastic_worker.py"), "--out", str(tmp_path), "--steps", "6",
+              "--op", "20", "--min-workers", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONWARNINGS": "ignore", "SHOAL_TOKEN": token}
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "shoal", "run", "--elastic", "--coordinator", coord.address,
+                          "--node-rank", "1", "--run-id", run, "-n", "1", *worker], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "1", *worker],
+                         env={**env, "SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": run},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+    ]
+    try:
+        logs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        coord.stop()
+    assert [p.returncode for p in procs] == [0, 0], logs
+    a, b = (torch.load(tmp_path / f"{r}-0.pt", weights_only=False) for r in (0, 1))
+    assert a["log"][-1]["size"] == b["log"][-1]["size"] == 2, logs
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
