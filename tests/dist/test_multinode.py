@@ -172,3 +172,18 @@ def test_a_worker_started_by_torchrun_joins_an_elastic_run_of_shoal_run(tmp_path
     assert a["log"][-1]["size"] == b["log"][-1]["size"] == 2, logs
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
+
+
+@pytest.mark.timeout(60)
+def test_tasks_started_by_srun_take_their_ranks_from_slurm(tmp_path: Path) -> None:
+    # What `srun` gives each task: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the batch script adds MASTER_*.
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SLURM_NTASKS="2")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)],
+                              env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (1, 0)]
+    assert [p.wait(timeout=50) for p in procs] == [0, 0]
+    recs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert [(rec["rank"], rec["world"], rec["env"]["LOCAL_RANK"]) for rec in recs] == [(0, 2, "0"), (1, 2, "1")]
+    assert recs[0]["grad"] == recs[1]["grad"]

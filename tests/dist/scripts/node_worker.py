@@ -11,7 +11,7 @@ import shoal
 
 torch.set_num_threads(1)
 out = sys.argv[1]
-if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
+if os.environ.get("FAIL_RANK", "-") == os.environ.get("RANK"):
     sys.exit(3)  # before the first collective: the others' start-up or first all-reduce must not hang
 shoal.init(timeout=60)
 model = torch.nn.Linear(4, 2)
