@@ -38,7 +38,7 @@ from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.cli.elastic_launch import ElasticLaunch, ElasticSupervisor, NamespacedCoordinator
 from shoal.cli.nodes import NodeLayout, NodeRendezvous, NodeSpec, interface_of, route_address
 from shoal.cli.supervise import _free_port, _Output, _Supervisor, _trap_signals, _Worker
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, ShoalError
 
 __all__ = ["ClusterSpec", "LaunchResult", "NodeSpec", "launch"]
 
@@ -161,8 +161,8 @@ def launch(
             (:mod:`shoal.cli.nodes`): static runs meet the other launchers
             at ``nodes.master_addr`` first and take their ranks from the
             layout; elastic runs need ``elastic.coordinator`` and label their
-            workers ``node_rank * nprocs + local``. gloo and NCCL use the
-            interface of the advertised address.
+            workers ``local * nnodes + node_rank``. gloo (and NCCL, with
+            ``advertise_addr``) use the interface of the advertised address.
 
     Ctrl-C or SIGTERM to the launcher (main thread) stops every worker,
     removes the emulated cluster and returns ``128 + signal``.
@@ -267,8 +267,9 @@ def _start_all(sup: _Supervisor, cmd: list[str], world: int, emu: EmulatedCluste
 class _NodeSupervisor(_Supervisor):
     """The static failure policy across machines: a failure anywhere stops every machine's workers."""
 
-    def __init__(self, rdzv: NodeRendezvous, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
+    def __init__(self, rdzv: NodeRendezvous, kill: Sequence[tuple[int, float]], tolerate_kills: bool,
+                 grace_s: float, output: _Output, quiet: bool) -> None:
+        super().__init__(kill, tolerate_kills, grace_s, output, quiet)
         self.rdzv = rdzv
         self._next_poll = 0.0
 
@@ -283,10 +284,12 @@ class _NodeSupervisor(_Supervisor):
         if elapsed < self._next_poll:
             return
         self._next_poll = elapsed + 0.5
+        self.rdzv.beat()
         why = self.rdzv.failure()
         if why is not None and self.failed_rank is None:
             code, _, msg = why.partition(":")
             self.failed_rank, self.result_code = -1, int(code) if code.isdigit() else 1
+            self.rdzv.acknowledge()
             self.note(f"{msg or code}; stopping this machine's workers")
             self.stop()
 
@@ -296,13 +299,19 @@ def _interleave(spec: NodeSpec) -> Callable[[int], int]:
     return lambda i: i * spec.nnodes + spec.node_rank
 
 
-def _node_env(base: Mapping[str, str], layout: NodeLayout) -> dict[str, str]:
-    """The variables every worker of this machine shares in a run across machines."""
+def _node_env(base: Mapping[str, str], layout: NodeLayout, nccl: bool) -> dict[str, str]:
+    """The variables every worker of this machine shares in a run across machines.
+
+    gloo is pointed at the advertised address's interface (it would otherwise use the hostname's address,
+    often 127.0.1.1); NCCL only when ``--advertise-addr`` chose it (NCCL's own choice of interface already
+    avoids lo and docker, and may pick a faster network than the route to the master).
+    """
     env = dict(base)
     env.setdefault("SHOAL_HOST_ID", socket.gethostname())
-    if layout.interface is not None:  # gloo would otherwise use the hostname's address (often 127.0.1.1)
+    if layout.interface is not None:
         env.setdefault("GLOO_SOCKET_IFNAME", layout.interface)
-        env.setdefault("NCCL_SOCKET_IFNAME", layout.interface)
+        if nccl:
+            env.setdefault("NCCL_SOCKET_IFNAME", layout.interface)
     env["SHOAL_ADVERTISE_ADDR"] = layout.address
     return env
 
@@ -314,8 +323,8 @@ def _elastic_node_env(base: dict[str, str], spec: NodeSpec, elastic: ElasticLaun
         raise ConfigError("an elastic run across machines needs a coordinator every machine reaches: start "
                           "`shoal coordinator` on one of them and pass --coordinator HOST:PORT to every launcher")
     host, _, port = elastic.coordinator.rpartition(":")
-    addr = spec.advertise_addr or route_address(host, int(port))
-    env = _node_env(base, NodeLayout(0, 0, addr, interface_of(addr)))
+    addr = socket.gethostbyname(spec.advertise_addr) if spec.advertise_addr else route_address(host, int(port))
+    env = _node_env(base, NodeLayout(0, 0, addr, interface_of(addr)), nccl=spec.advertise_addr is not None)
     env.setdefault("SHOAL_RUN_ID", spec.run_id)  # every machine's launcher must name the same run
     return env
 
@@ -333,13 +342,18 @@ def _launch_node(cmd: list[str], nprocs: int, spec: NodeSpec, kill: Sequence[tup
     t0 = time.monotonic()
     with ExitStack() as stack:
         stack.enter_context(_trap_signals(sup.signals))
-        stack.callback(rdzv.finish)
-        layout = rdzv.join()
+        try:
+            layout = rdzv.join()
+        except ShoalError:
+            if signals:  # interrupted while meeting the others: the signal decides the exit code
+                sup.note(f"got signal {signals[0]} while waiting for the other machines")
+                return LaunchResult(128 + signals[0], time.monotonic() - t0, None, None, interrupted=True)
+            raise
         if not quiet:
-            sup.note(f"node {spec.node_rank}/{spec.nnodes}: ranks {layout.rank_offset}..{layout.rank_offset + nprocs - 1}"
-                     f" of {layout.world_size}, advertising {layout.address}"
+            sup.note(f"node {spec.node_rank}/{spec.nnodes}: ranks {layout.rank_offset}.."
+                     f"{layout.rank_offset + nprocs - 1} of {layout.world_size}, advertising {layout.address}"
                      + (f" on {layout.interface}" if layout.interface else ""))
-        base = _node_env(base_env, layout)
+        base = _node_env(base_env, layout, nccl=spec.advertise_addr is not None)
         base["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the workers meet on this launcher's store, as under torchrun
         try:
             for local in range(nprocs):
@@ -352,4 +366,7 @@ def _launch_node(cmd: list[str], nprocs: int, spec: NodeSpec, kill: Sequence[tup
             sup.supervise()
         finally:
             sup.stop()
+            if signals and sup.failed_rank is None:  # Ctrl-C here stops every machine, not only this one
+                rdzv.fail(f"{128 + signals[0]}:node {spec.node_rank}'s launcher got signal {signals[0]}")
+            rdzv.finish(sup.result_code, sup.note)
     return LaunchResult(sup.result_code, time.monotonic() - t0, None, sup.failed_rank, interrupted=bool(sup.signals))

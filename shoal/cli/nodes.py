@@ -49,7 +49,10 @@ from shoal.errors import ConfigError, ShoalError
 __all__ = ["NodeLayout", "NodeRendezvous", "NodeSpec", "interface_of", "route_address"]
 
 _SIOCGIFADDR = 0x8915
-_PROBE_S = 5.0
+_PROBE_S = 5.0   # a TCP connect to a peer's advertised address
+_TRY_S = 5.0     # one try to reach node 0 (and the store's timeout once the run is under way)
+_LOST_S = 60.0   # node 0 stops waiting for a launcher whose beat stalled this long
+_ACK_S = 10.0    # after a failure, node 0 serves this long for the others to read it
 
 
 def route_address(host: str, port: int) -> str:
@@ -118,7 +121,8 @@ class NodeSpec:
         """The address this machine advertises; ConfigError if it is loopback while peers are remote."""
         addr = self.advertise_addr or route_address(self.master_addr, self.master_port)
         try:
-            loop = ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+            addr = socket.gethostbyname(addr)  # a name given to --advertise-addr: peers and gloo need its address
+            loop = ipaddress.ip_address(addr).is_loopback
             master_loop = ipaddress.ip_address(socket.gethostbyname(self.master_addr)).is_loopback
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot resolve {addr!r} or the master {self.master_addr!r}: {e}") from e
@@ -146,21 +150,27 @@ class NodeRendezvous:
     def __init__(self, spec: NodeSpec, nproc: int, interrupted: Callable[[], bool] = lambda: False) -> None:
         self.spec, self.nproc, self.interrupted = spec, nproc, interrupted
         self.store: dist.TCPStore | None = None
+        self.joined = False
         self._probe: socket.socket | None = None
 
     def _key(self, name: str) -> str:
         return f"shoal_launch/{name}"
 
     def _connect(self) -> dist.TCPStore:
+        """Node 0 serves; the others retry in short tries (a signal is seen between them) until the timeout."""
         s = self.spec
-        try:
-            return dist.TCPStore(s.master_addr, s.master_port, is_master=s.node_rank == 0, wait_for_workers=False,
-                                 timeout=timedelta(seconds=s.join_timeout_s))
-        except Exception as e:  # torch raises RuntimeError/DistNetworkError with its own words
-            what = (f"serve the rendezvous on port {s.master_port} (is it in use?)" if s.node_rank == 0 else
-                    f"reach node 0's launcher at {s.master_addr}:{s.master_port} within {s.join_timeout_s:g} s "
-                    "(is `shoal run --node-rank 0` started there, and the port open?)")
-            raise ShoalError(f"node {s.node_rank} could not {what}: {e}") from e
+        deadline = time.monotonic() + s.join_timeout_s
+        while True:
+            try:
+                return dist.TCPStore(s.master_addr, s.master_port, is_master=s.node_rank == 0,
+                                     wait_for_workers=False, timeout=timedelta(seconds=_TRY_S))
+            except Exception as e:  # torch raises RuntimeError/DistNetworkError with its own words
+                if s.node_rank != 0 and time.monotonic() < deadline and not self.interrupted():
+                    continue
+                what = (f"serve the rendezvous on port {s.master_port} (is it in use?)" if s.node_rank == 0 else
+                        f"reach node 0's launcher at {s.master_addr}:{s.master_port} within {s.join_timeout_s:g} s "
+                        "(is `shoal run --node-rank 0` started there, and the port open?)")
+                raise ShoalError(f"node {s.node_rank} could not {what}: {e}") from e
 
     def _start_probe(self, addr: str) -> int:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -212,7 +222,16 @@ class NodeRendezvous:
         nodes = self._wait_all("node", "join")
         for n in nodes:
             self._check_run(n)
+        loops = [n for n in nodes if ipaddress.ip_address(str(n["address"])).is_loopback]
+        if loops and len(loops) < len(nodes):
+            n = loops[0]
+            raise ConfigError(f"node {n['node_rank']} ({n['host']}) advertises {n['address']}, a loopback address, "
+                              "while other machines are remote (its name for the master resolves to loopback, as "
+                              "/etc/hosts often maps the own hostname to 127.0.1.1): start it with --advertise-addr "
+                              "set to its network address, or give --master-addr as an IP address")
         self._check_reachable(nodes)
+        store.set_timeout(timedelta(seconds=_TRY_S))  # a vanished node 0 must not block the supervisor for long
+        self.joined = True
         world = sum(int(str(n["nproc"])) for n in nodes)
         offset = sum(int(str(n["nproc"])) for n in nodes[:s.node_rank])
         return NodeLayout(world, offset, addr, interface_of(addr), nodes)
@@ -301,18 +320,64 @@ class NodeRendezvous:
             return "node 0's launcher is gone (its store does not answer)"
         return None
 
-    def finish(self, grace_s: float = 30.0) -> None:
-        """Say this machine is done; node 0 keeps serving until every node said so (or ``grace_s``)."""
+    def beat(self) -> None:
+        """Tell node 0 this launcher lives (called from the supervisor's poll)."""
+        if self.joined and self.store is not None:
+            try:
+                self.store.add(self._key(f"beat/{self.spec.node_rank}"), 1)
+            except Exception:  # node 0 gone: failure() says so
+                pass
+
+    def acknowledge(self) -> None:
+        """Say this launcher read the failure (node 0 may stop serving once all did)."""
         if self.store is not None:
             try:
-                self.store.add(self._key("done"), 1)
-                if self.spec.node_rank == 0:
-                    deadline = time.monotonic() + grace_s
-                    while self.store.add(self._key("done"), 0) < self.spec.nnodes and time.monotonic() < deadline:
-                        if self.failure() is not None:
-                            break
-                        time.sleep(0.1)
+                self.store.set(self._key(f"ack/{self.spec.node_rank}"), "1")
             except Exception:
+                pass
+
+    def finish(self, code: int, note: Callable[[str], None]) -> None:
+        """This machine is done (its workers' verdict ``code``); node 0 serves until every machine is.
+
+        Node 0 keeps the store (the workers' too) until every node said done, or, after a failure,
+        until every node read it (or ``_ACK_S``), or until a launcher's beat stalled ``_LOST_S``
+        (that machine is gone), or until a signal.
+        """
+        if self.joined and self.store is not None:
+            try:
+                self.store.set(self._key(f"done/{self.spec.node_rank}"), str(code))
+                if self.spec.node_rank == 0:
+                    self._serve_until_all_done(note)
+            except Exception:  # noqa: BLE001 - node 0 gone: nothing left to tell
                 pass
         if self._probe is not None:
             self._probe.close()
+
+    def _serve_until_all_done(self, note: Callable[[str], None]) -> None:
+        assert self.store is not None  # finish() checked
+        n, st = self.spec.nnodes, self.store
+        beats: dict[int, tuple[int, float]] = {}
+        failed_at: float | None = None
+        told = False
+        while not self.interrupted():
+            now = time.monotonic()
+            waiting = [r for r in range(n) if not st.check([self._key(f"done/{r}")])]
+            if not waiting:
+                return
+            if failed_at is None and self.failure() is not None:
+                failed_at = now
+            if failed_at is not None:
+                if all(st.check([self._key(f"ack/{r}")]) for r in waiting) or now - failed_at > _ACK_S:
+                    return
+            for r in waiting:
+                b = st.add(self._key(f"beat/{r}"), 0)
+                last = beats.get(r)
+                if last is None or last[0] != b:
+                    beats[r] = (b, now)
+                elif now - last[1] > _LOST_S:
+                    note(f"node {r}'s launcher has been silent for {_LOST_S:g} s: not waiting for it any more")
+                    return
+            if not told:
+                note(f"this machine is done; serving the rendezvous until node(s) {waiting} finish")
+                told = True
+            time.sleep(0.2)

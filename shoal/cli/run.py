@@ -155,6 +155,10 @@ def _elastic(ns: argparse.Namespace) -> ElasticLaunch | None:
             joins.append(float(item.removeprefix("@")))
         except ValueError:
             raise ShoalError(f"--join expects @SECONDS such as @30, got {item!r}") from None
+    if ns.coordinator is not None:
+        host, sep, port = ns.coordinator.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ShoalError(f"--coordinator expects HOST:PORT such as 10.0.0.9:29400, got {ns.coordinator!r}")
     return ElasticLaunch(min_workers=1 if ns.min_workers is None else ns.min_workers,
                          max_restarts=3 if ns.max_restarts is None else ns.max_restarts,
                          joins=tuple(joins), coordinator=ns.coordinator, token=ns.token)
@@ -188,8 +192,11 @@ def _nodes(ns: argparse.Namespace) -> NodeSpec | None:
         if ns.master_addr is not None or ns.master_port is not None:
             raise ShoalError("an elastic run across machines meets at its coordinator: give --coordinator "
                              "HOST:PORT instead of --master-addr/--master-port")
-        nnodes = ns.nnodes or max(1, (ns.node_rank or 0) + 1)
-        return NodeSpec(nnodes, ns.node_rank or 0, "coordinator", advertise_addr=ns.advertise_addr,
+        if ns.nnodes is None or ns.node_rank is None:
+            raise ShoalError("an elastic run across machines needs both --nnodes (the most machines it will have) "
+                             "and --node-rank (this machine's index) on every launcher: they keep the workers' "
+                             "RANK labels apart")
+        return NodeSpec(ns.nnodes, ns.node_rank, "coordinator", advertise_addr=ns.advertise_addr,
                         run_id=ns.run_id or "shoal")
     missing = [f for f, v in (("--nnodes", ns.nnodes), ("--node-rank", ns.node_rank),
                               ("--master-addr", ns.master_addr)) if v is None]

@@ -18,7 +18,9 @@ _SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "S
 
 def _adopt_slurm() -> None:
     """A task started by ``srun`` (no launcher of ours): take RANK/WORLD_SIZE/LOCAL_RANK from SLURM's variables."""
-    if not os.environ.get("RANK") and os.environ.get("SLURM_PROCID"):
+    # SLURM_STEP_ID is a number in srun's tasks only: the batch script itself (SLURM_PROCID=0 there too)
+    # is no task of a parallel step and must not wait for SLURM_NTASKS ranks.
+    if not os.environ.get("RANK") and os.environ.get("SLURM_PROCID") and os.environ.get("SLURM_STEP_ID", "").isdigit():
         for ours, theirs in _SLURM.items():
             if os.environ.get(theirs):
                 os.environ.setdefault(ours, os.environ[theirs])

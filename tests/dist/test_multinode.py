@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,38 @@ def test_a_failed_worker_on_one_machine_stops_every_machine(tmp_path: Path) -> N
     assert "node 1 rank 2 exited with code 3; stopping this machine's workers" in res[0][1], res[0][1]
 
 
+@pytest.mark.timeout(120)
+def test_a_failed_worker_on_node_0_gives_every_machine_its_exit_code(tmp_path: Path) -> None:
+    port = _free_port()
+    res = _launchers(tmp_path, [_node(0, 2, port, 1), _node(1, 2, port, 1)], extra_env={"FAIL_RANK": "0"})
+    assert [c for c, _ in res] == [3, 3], res
+    assert "node 0 rank 0 exited with code 3; stopping this machine's workers" in res[1][1], res[1][1]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_one_machine_stops_every_machine(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONWARNINGS": "ignore", "SLEEP_AFTER": "60"}
+    procs = [subprocess.Popen([sys.executable, "-m", "shoal", "run", *sum(([f"--{k}", v] for k, v in
+                                                                             _node(r, 2, port, 1).items()), []),
+                               str(WORKER), str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.json"))) < 2:  # both workers trained their step and now sleep
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGINT)
+        logs = [p.communicate(timeout=45)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [130, 130], logs
+    assert "node 1's launcher got signal 2; stopping this machine's workers" in logs[0], logs[0]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("second, message", [
     ({"nnodes": "3"}, "was started with --nnodes"),
@@ -107,7 +141,7 @@ def test_a_second_launcher_with_a_taken_node_rank_is_refused(tmp_path: Path) -> 
     codes = [c for c, _ in res]
     refused = [log for c, log in res[:2] if "two launchers claim --node-rank 1" in log]
     assert len(refused) == 1 and sorted(codes[:2])[1] == 2, res
-    assert set(codes) <= {0, 2}, res
+    assert set(codes) <= {0, 2}, res    # the refused launcher's done never ends the others' run (no 1)
     assert len(list(tmp_path.glob("*.json"))) in (0, 2), res
 
 
@@ -132,11 +166,17 @@ def test_node_spec_is_validated(kw: dict[str, object], message: str) -> None:
         NodeSpec(**args)  # type: ignore[arg-type]
 
 
-def test_cli_names_what_a_run_across_machines_lacks(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "shoal", "run", "--nnodes", "2", str(WORKER), str(tmp_path)],
+@pytest.mark.parametrize("opts, message", [
+    (["--nnodes", "2"], "needs --node-rank, --master-addr as well"),
+    (["--elastic", "--coordinator", "10.0.0.9:29400", "--node-rank", "1"], "needs both --nnodes"),
+    (["--elastic", "--coordinator", "10.0.0.9", "--nnodes", "2", "--node-rank", "1"], "expects HOST:PORT"),
+    (["--elastic", "--coordinator", "10.0.0.9:29400", "--master-addr", "10.0.0.1"], "instead of --master-addr"),
+])
+def test_cli_names_what_a_run_across_machines_lacks(tmp_path: Path, opts: list[str], message: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SHOAL_TOKEN": "t" * 24}
+    p = subprocess.run([sys.executable, "-m", "shoal", "run", *opts, str(WORKER), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "needs --node-rank, --master-addr as well" in p.stderr, p.stderr
+    assert p.returncode == 2 and message in p.stderr, p.stderr
 
 
 @pytest.mark.timeout(120)
@@ -154,7 +194,7 @@ def test_a_worker_started_by_torchrun_joins_an_elastic_run_of_shoal_run(tmp_path
     torchrun = str(Path(sys.executable).parent / "torchrun")
     procs = [
         subprocess.Popen([sys.executable, "-m", "shoal", "run", "--elastic", "--coordinator", coord.address,
-                          "--node-rank", "1", "--run-id", run, "-n", "1", *worker], env=env,
+                          "--nnodes", "2", "--node-rank", "1", "--run-id", run, "-n", "1", *worker], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
         subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "1", *worker],
                          env={**env, "SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": run},
@@ -180,10 +220,24 @@ def test_tasks_started_by_srun_take_their_ranks_from_slurm(tmp_path: Path) -> No
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SLURM_NTASKS="2")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SLURM_NTASKS="2", SLURM_STEP_ID="0")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)],
                               env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (1, 0)]
     assert [p.wait(timeout=50) for p in procs] == [0, 0]
     recs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert [(rec["rank"], rec["world"], rec["env"]["LOCAL_RANK"]) for rec in recs] == [(0, 2, "0"), (1, 2, "1")]
     assert recs[0]["grad"] == recs[1]["grad"]
+
+
+def test_the_batch_script_itself_is_no_srun_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In the batch step SLURM_PROCID=0 and SLURM_NTASKS=N too, but no SLURM_STEP_ID: init() must not wait
+    # for N ranks there; it says what is missing instead.
+    from shoal.comm import world
+    from shoal.errors import ShoalError
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(ShoalError, match="RANK, WORLD_SIZE"):
+        world.init(timeout=5)

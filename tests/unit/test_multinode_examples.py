@@ -26,8 +26,10 @@ def _fakes(tmp: Path) -> dict[str, str]:
     bin_.mkdir(exist_ok=True)
     (bin_ / "shoal").write_text(f"#!{sys.executable}\nimport json, sys\n"
                                 f"open({str(tmp / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
-    # srun: drop its own --options, run the rest; scontrol: two hosts.
-    (bin_ / "srun").write_text("#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec \"$@\"\n")
+    # scontrol: two hosts.
+    # srun: drop its own --options, run the rest as the task of node 1 (the batch step itself is node 0).
+    (bin_ / "srun").write_text("#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+                               "export SLURM_NODEID=1\nexec \"$@\"\n")
     (bin_ / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n")
     for f in bin_.iterdir():
         f.chmod(0o755)
@@ -67,16 +69,18 @@ def test_cloud_elastic_needs_the_token_and_names_the_coordinator(tmp_path: Path)
     argv = _launch(tmp_path, ["bash", str(EXAMPLES / "cloud_elastic.sh")], SHOAL_TOKEN="t" * 24, **env)
     elastic, nodes, program = _parse(argv)
     assert elastic is not None and elastic.coordinator == "10.0.0.9:29400"  # type: ignore[attr-defined]
-    assert nodes is not None and nodes.node_rank == 3 and nodes.run_id == "spot-demo"
+    assert nodes is not None and (nodes.nnodes, nodes.node_rank, nodes.run_id) == (8, 3, "spot-demo")
     assert "--token" not in argv  # the token travels in the environment, not on the command line
     assert program[-1] == "--elastic"
 
 
 def test_slurm_batch_script_runs_one_launcher_per_node(tmp_path: Path) -> None:
     argv = _launch(tmp_path, ["bash", str(EXAMPLES / "slurm.sbatch")], SLURM_JOB_NODELIST="gpu-node-[07-08]",
-                   SLURM_JOB_NUM_NODES="2", SLURM_NODEID="1", SLURM_JOB_ID="42", SLURM_GPUS_ON_NODE="4")
+                   SLURM_JOB_NUM_NODES="2", SLURM_NODEID="0", SLURM_JOB_ID="42", SLURM_GPUS_ON_NODE="4",
+                   SLURM_CPUS_PER_TASK="8")
     elastic, nodes, program = _parse(argv)
-    assert elastic is None and nodes == NodeSpec(2, 1, "gpu-node-07", 29500, run_id="slurm-42")
+    # The node rank is the task's own $SLURM_NODEID (expanded inside srun's task, not in the batch step).
+    assert elastic is None and nodes == NodeSpec(2, 1, "gpu-node-07", 20042, run_id="slurm-42")
     assert argv[argv.index("-n") + 1] == "4"
     sbatch = (EXAMPLES / "slurm.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=1" in sbatch
@@ -93,5 +97,6 @@ def test_kubernetes_indexed_job_reaches_the_coordinator_service(tmp_path: Path) 
     argv = _launch(tmp_path, ["sh", "-c", command], JOB_COMPLETION_INDEX="2", SHOAL_TOKEN="t" * 24)
     elastic, nodes, _ = _parse(argv)
     assert elastic.coordinator == f"shoal-coordinator:{service_port.group(1)}"  # type: ignore[attr-defined]
-    assert nodes is not None and nodes.node_rank == 2
+    assert nodes is not None and (nodes.nnodes, nodes.node_rank) == (4, 2)
+    assert re.search(r"completions: 4\n\s+parallelism: 4", text)   # --nnodes 4 matches the Job's size
     assert "secretKeyRef" in text and "SHOAL_TOKEN" in text

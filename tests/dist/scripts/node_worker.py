@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,9 @@ keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "G
         "GLOO_SOCKET_IFNAME", "SHOAL_ADVERTISE_ADDR", "SHOAL_HOST_ID")
 rec = {"env": {k: os.environ.get(k) for k in keys}, "rank": dist.get_rank(), "world": dist.get_world_size(),
        "weight0": model.weight.detach().tolist(), "grad": model.weight.grad.tolist()}
-with open(os.path.join(out, f"{dist.get_rank()}.json"), "w") as f:
+with open(os.path.join(out, f"{dist.get_rank()}.json.tmp"), "w") as f:
     json.dump(rec, f)
+os.replace(os.path.join(out, f"{dist.get_rank()}.json.tmp"), os.path.join(out, f"{dist.get_rank()}.json"))
+time.sleep(float(os.environ.get("SLEEP_AFTER", "0")))  # a test stops the run from outside meanwhile
 dist.barrier()
 dist.destroy_process_group()
