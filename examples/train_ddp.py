@@ -4,6 +4,11 @@ Run on 2 local workers:
 
     torchrun --nproc-per-node 2 examples/train_ddp.py --steps 200
     shoal run -n 2 examples/train_ddp.py --steps 200
+    shoal run -n 2 --elastic examples/train_ddp.py --steps 200 --elastic
+
+With ``--elastic`` it builds an ElasticGroup from the launcher's environment
+(workers may die, restart and join; docs/elastic.md); across machines see
+docs/multinode.md and examples/multinode/.
 
 The only shoal-specific lines are `shoal.init()` and the wrapper; everything
 else is a plain PyTorch loop. Each rank reads its own shard of the batches.
@@ -14,6 +19,7 @@ model and batches go to `group.device` (the CPU under gloo).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -41,30 +47,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=64, help="per worker")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--elastic", action="store_true", help="an elastic run (shoal run --elastic)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    group = shoal.init()
+    if args.elastic:
+        from shoal.elastic import ElasticGroup, ElasticOptimizer
+        group = ElasticGroup()  # SHOAL_COORDINATOR, SHOAL_RUN_ID, SHOAL_TOKEN from the launcher
+    else:
+        group = shoal.init()
     device = group.device  # cuda:LOCAL_RANK under NCCL, the CPU under gloo
     data = torch.frombuffer(bytearray("".join(topics.values()).encode()), dtype=torch.uint8).long().to(device)
-    model = shoal.DistributedDataParallel(NextByte().to(device))
+    model = shoal.DistributedDataParallel(NextByte().to(device), process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.elastic:
+        opt = ElasticOptimizer(opt, group)  # a step commits everywhere or nowhere; newcomers heal from peers
 
-    g = torch.Generator().manual_seed(1234 + group.rank)  # each rank its own batches
+    g = torch.Generator().manual_seed(1234 + int(os.environ.get("RANK", "0")))  # each worker its own batches
     t0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    step = 0
+    while step < args.steps:
         starts = torch.randint(0, len(data) - CONTEXT - 1, (args.batch,), generator=g)
         window = data[starts.to(device).unsqueeze(1) + torch.arange(CONTEXT + 1, device=device)]
         loss = F.cross_entropy(model(window[:, :-1]), window[:, -1])
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if group.rank == 0 and (step % 50 == 0 or step == args.steps):
+        # Elastic: a discarded step is retried, and a healed newcomer continues from its peers' step.
+        step = group.step if args.elastic else step + 1
+        if step and group.rank == 0 and (step % 50 == 0 or step == args.steps):
             s = model.comm_stats()
             print(f"step {step}: loss {loss.item():.3f}  {(time.perf_counter() - t0) / step * 1e3:.1f} ms/step  "
                   f"{s.last.bytes_sent / 1e6:.2f} MB sent/step  {s.total.wait_seconds:.2f} s waiting in total",
                   flush=True)
-    torch.distributed.destroy_process_group()
+    if args.elastic:
+        group.leave()
+    else:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

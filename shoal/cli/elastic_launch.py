@@ -114,6 +114,7 @@ class ElasticSupervisor(_Supervisor):
         self.spec = spec
         self.spawns: dict[int, _Spawn] = {}
         self.pending_joins = sorted(spec.joins)
+        self.label: Callable[[int], int] = lambda i: i  # worker i's RANK label (interleaved across machines)
 
     def start(self, argv: list[str], env: dict[str, str], rank: int, host: int, local_rank: int) -> None:
         self.spawns.setdefault(rank, _Spawn(list(argv), dict(env), host, local_rank))
@@ -128,7 +129,8 @@ class ElasticSupervisor(_Supervisor):
             # The host's first worker carries its namespace prefix, interface and host variables.
             template = self.spawns[min(r for r, s in self.spawns.items() if s.host == host)]
             local = sum(1 for s in self.spawns.values() if s.host == host)
-            env = {**template.env, "RANK": str(rank), "LOCAL_RANK": str(local), "SHOAL_RESTART": "0"}
+            env = {**template.env, "RANK": str(self.label(rank)), "LOCAL_RANK": str(local),
+                   "SHOAL_RESTART": "0"}
             self.note(f"starting worker {rank} at {at:g} s as asked (--join)"
                       + (f" on host {host}" if len(hosts) > 1 else ""))
             self.spawns[rank] = _Spawn(template.argv, env, host, local)

@@ -36,10 +36,11 @@ from typing import TextIO
 
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.cli.elastic_launch import ElasticLaunch, ElasticSupervisor, NamespacedCoordinator
-from shoal.cli.supervise import _free_port, _Output, _Supervisor, _trap_signals
-from shoal.errors import ConfigError
+from shoal.cli.nodes import NodeLayout, NodeRendezvous, NodeSpec, interface_of, route_address
+from shoal.cli.supervise import _free_port, _Output, _Supervisor, _trap_signals, _Worker
+from shoal.errors import ConfigError, ShoalError
 
-__all__ = ["ClusterSpec", "LaunchResult", "launch"]
+__all__ = ["ClusterSpec", "LaunchResult", "NodeSpec", "launch"]
 
 
 @dataclass
@@ -123,6 +124,7 @@ def launch(
     tolerate_kills: bool = False,
     grace_s: float = 5.0,
     elastic: ElasticLaunch | None = None,
+    nodes: NodeSpec | None = None,
 ) -> LaunchResult:
     """Run ``cmd`` once per rank and wait for all; see the module docstring for the policy.
 
@@ -155,6 +157,12 @@ def launch(
             coordinator runs inside host 0's namespace (the hosts cannot
             reach the launcher's), restarts stay on their host and joiners
             are placed round-robin over the hosts.
+        nodes: this machine's place in a run launched on several machines
+            (:mod:`shoal.cli.nodes`): static runs meet the other launchers
+            at ``nodes.master_addr`` first and take their ranks from the
+            layout; elastic runs need ``elastic.coordinator`` and label their
+            workers ``local * nnodes + node_rank``. gloo (and NCCL, with
+            ``advertise_addr``) use the interface of the advertised address.
 
     Ctrl-C or SIGTERM to the launcher (main thread) stops every worker,
     removes the emulated cluster and returns ``128 + signal``.
@@ -165,9 +173,16 @@ def launch(
         assert res.returncode == 0      # prints "[0] 0" and "[1] 1"
     """
     world = _validate(cmd, nprocs, cluster, kill, grace_s)
+    if nodes is not None and elastic is None:
+        return _launch_node(cmd, nprocs, nodes, kill, env, prefix_output, stdout, quiet, tolerate_kills, grace_s)
     output = _Output(stdout, prefix_output)
     sup = _Supervisor(kill, tolerate_kills, grace_s, output, quiet)
     base_env = {**os.environ, **(env or {})}
+    if nodes is not None:
+        if cluster is not None:
+            raise ConfigError("--hosts emulates every machine of a run on this one; a run across machines "
+                              "(--nnodes/--node-rank) starts one launcher on each machine instead: use one or the other")
+        base_env = _elastic_node_env(base_env, nodes, elastic)
     host_bytes: list[dict[str, int]] | None = None
     if elastic is not None and cluster is not None and elastic.coordinator is not None:
         raise ConfigError(
@@ -178,6 +193,8 @@ def launch(
     with ExitStack() as stack:
         if elastic is not None:
             sup = ElasticSupervisor(elastic, list(kill), grace_s, output, quiet)
+            if nodes is not None:  # RANK labels a worker in elastic runs: unique across machines
+                sup.label = _interleave(nodes)
         stack.enter_context(_trap_signals(sup.signals))
         emu = stack.enter_context(EmulatedCluster(cluster)) if cluster is not None else None
         ready: Callable[[], None] = lambda: None
@@ -186,7 +203,7 @@ def launch(
             base_env.update(env_add)
         t0 = time.monotonic()
         try:
-            _start_all(sup, list(cmd), world, emu, base_env)
+            _start_all(sup, list(cmd), world, emu, base_env, nodes)
             ready()  # a coordinator in a namespace starts alongside the workers
             sup.supervise()
         finally:
@@ -227,17 +244,129 @@ def _elastic_env(stack: ExitStack, spec: ElasticLaunch, world: int, emu: Emulate
 
 
 def _start_all(sup: _Supervisor, cmd: list[str], world: int, emu: EmulatedCluster | None,
-               base_env: dict[str, str]) -> None:
-    hosts = emu.spec.hosts if emu else 1
+               base_env: dict[str, str], nodes: NodeSpec | None = None) -> None:
+    """Start the workers of this launch (an elastic machine of a run across machines: labels offset by node)."""
+    hosts = emu.spec.hosts if emu else (nodes.nnodes if nodes else 1)
     per_host = emu.spec.procs_per_host if emu else world
     addr = emu.address(0) if emu else "127.0.0.1"
     port = 29500 if emu else _free_port()  # a fresh namespace has every port free
-    host_id = socket.gethostname()
+    host_id = base_env.get("SHOAL_HOST_ID") or socket.gethostname() if nodes else socket.gethostname()
     for rank in range(world):
         if sup.signals:
             return
         host, local = divmod(rank, per_host)
         env = _worker_env(base_env, rank, host, local, world, hosts, per_host, addr, port,
                           emu.namespace(host) if emu else host_id, emu.interface(host) if emu else None)
+        if nodes is not None:  # RANK labels a worker in elastic runs: unique across machines
+            env.update(RANK=str(_interleave(nodes)(rank)), GROUP_RANK=str(nodes.node_rank),
+                       NODE_RANK=str(nodes.node_rank))
         argv = (emu.exec_prefix(host) if emu else []) + cmd
         sup.start(argv, env, rank, host, local)
+
+
+class _NodeSupervisor(_Supervisor):
+    """The static failure policy across machines: a failure anywhere stops every machine's workers."""
+
+    def __init__(self, rdzv: NodeRendezvous, kill: Sequence[tuple[int, float]], tolerate_kills: bool,
+                 grace_s: float, output: _Output, quiet: bool) -> None:
+        super().__init__(kill, tolerate_kills, grace_s, output, quiet)
+        self.rdzv = rdzv
+        self._next_poll = 0.0
+
+    def on_exit(self, w: _Worker) -> bool:
+        stop = super().on_exit(w)
+        if stop:
+            self.rdzv.fail(f"{self.result_code}:node {self.rdzv.spec.node_rank} rank {w.rank} exited with code "
+                           f"{w.code}")
+        return stop
+
+    def on_tick(self, elapsed: float) -> None:
+        if elapsed < self._next_poll:
+            return
+        self._next_poll = elapsed + 0.5
+        self.rdzv.beat()
+        why = self.rdzv.failure()
+        if why is not None and self.failed_rank is None:
+            code, _, msg = why.partition(":")
+            self.failed_rank, self.result_code = -1, int(code) if code.isdigit() else 1
+            self.rdzv.acknowledge()
+            self.note(f"{msg or code}; stopping this machine's workers")
+            self.stop()
+
+
+def _interleave(spec: NodeSpec) -> Callable[[int], int]:
+    """Worker ``i`` of node ``r`` is labelled ``i * nnodes + r``: unique however many workers a machine starts."""
+    return lambda i: i * spec.nnodes + spec.node_rank
+
+
+def _node_env(base: Mapping[str, str], layout: NodeLayout, nccl: bool) -> dict[str, str]:
+    """The variables every worker of this machine shares in a run across machines.
+
+    gloo is pointed at the advertised address's interface (it would otherwise use the hostname's address,
+    often 127.0.1.1); NCCL only when ``--advertise-addr`` chose it (NCCL's own choice of interface already
+    avoids lo and docker, and may pick a faster network than the route to the master).
+    """
+    env = dict(base)
+    env.setdefault("SHOAL_HOST_ID", socket.gethostname())
+    if layout.interface is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", layout.interface)
+        if nccl:
+            env.setdefault("NCCL_SOCKET_IFNAME", layout.interface)
+    env["SHOAL_ADVERTISE_ADDR"] = layout.address
+    return env
+
+
+def _elastic_node_env(base: dict[str, str], spec: NodeSpec, elastic: ElasticLaunch | None) -> dict[str, str]:
+    """An elastic machine of a run across machines: no launcher rendezvous (machines come and go), the
+    coordinator every machine reaches, and the interface of the route towards it."""
+    if elastic is None or elastic.coordinator is None:
+        raise ConfigError("an elastic run across machines needs a coordinator every machine reaches: start "
+                          "`shoal coordinator` on one of them and pass --coordinator HOST:PORT to every launcher")
+    host, _, port = elastic.coordinator.rpartition(":")
+    addr = socket.gethostbyname(spec.advertise_addr) if spec.advertise_addr else route_address(host, int(port))
+    env = _node_env(base, NodeLayout(0, 0, addr, interface_of(addr)), nccl=spec.advertise_addr is not None)
+    env.setdefault("SHOAL_RUN_ID", spec.run_id)  # every machine's launcher must name the same run
+    return env
+
+
+def _launch_node(cmd: list[str], nprocs: int, spec: NodeSpec, kill: Sequence[tuple[int, float]],
+                 env: Mapping[str, str] | None, prefix_output: bool, stdout: TextIO | None, quiet: bool,
+                 tolerate_kills: bool, grace_s: float) -> LaunchResult:
+    """One machine's share of a run launched on several machines (see :mod:`shoal.cli.nodes`)."""
+    output = _Output(stdout, prefix_output)
+    base_env = {**os.environ, **(env or {})}
+    signals: list[int] = []
+    rdzv = NodeRendezvous(spec, nprocs, interrupted=lambda: bool(signals))
+    sup = _NodeSupervisor(rdzv, kill, tolerate_kills, grace_s, output, quiet)
+    sup.signals = signals
+    t0 = time.monotonic()
+    with ExitStack() as stack:
+        stack.enter_context(_trap_signals(sup.signals))
+        try:
+            layout = rdzv.join()
+        except ShoalError:
+            if signals:  # interrupted while meeting the others: the signal decides the exit code
+                sup.note(f"got signal {signals[0]} while waiting for the other machines")
+                return LaunchResult(128 + signals[0], time.monotonic() - t0, None, None, interrupted=True)
+            raise
+        if not quiet:
+            sup.note(f"node {spec.node_rank}/{spec.nnodes}: ranks {layout.rank_offset}.."
+                     f"{layout.rank_offset + nprocs - 1} of {layout.world_size}, advertising {layout.address}"
+                     + (f" on {layout.interface}" if layout.interface else ""))
+        base = _node_env(base_env, layout, nccl=spec.advertise_addr is not None)
+        base["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the workers meet on this launcher's store, as under torchrun
+        try:
+            for local in range(nprocs):
+                if sup.signals:
+                    break
+                rank = layout.rank_offset + local
+                wenv = _worker_env(base, rank, spec.node_rank, local, layout.world_size, spec.nnodes, nprocs,
+                                   spec.master_addr, spec.master_port, base["SHOAL_HOST_ID"], None)
+                sup.start(list(cmd), wenv, rank, spec.node_rank, local)
+            sup.supervise()
+        finally:
+            sup.stop()
+            if signals and sup.failed_rank is None:  # Ctrl-C here stops every machine, not only this one
+                rdzv.fail(f"{128 + signals[0]}:node {spec.node_rank}'s launcher got signal {signals[0]}")
+            rdzv.finish(sup.result_code, sup.note)
+    return LaunchResult(sup.result_code, time.monotonic() - t0, None, sup.failed_rank, interrupted=bool(sup.signals))

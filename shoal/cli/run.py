@@ -10,6 +10,8 @@ Examples::
     shoal run -n 4 --elastic --min-workers 2 --max-restarts 3 --kill 1@10 --join @30 train.py
     SHOAL_TOKEN=... shoal run -n 2 --elastic --coordinator 10.0.0.1:29400 train.py
     shoal run --hosts 4 --bandwidth 20mbit --elastic --min-workers 2 --kill 1@30 train.py
+    shoal run --nnodes 2 --node-rank 0 -n 4 --master-addr 10.0.0.1 train.py    # on each machine
+    SHOAL_TOKEN=... shoal run --node-rank 1 -n 2 --elastic --coordinator 10.0.0.1:29400 train.py
     shoal run --cleanup
 """
 
@@ -21,6 +23,7 @@ import sys
 from shoal.cli.cluster import ClusterSpec, cleanup_stale
 from shoal.cli.elastic_launch import ElasticLaunch
 from shoal.cli.launcher import LaunchResult, launch
+from shoal.cli.nodes import NodeSpec
 from shoal.errors import ShoalError
 
 _EPILOG = """\
@@ -28,6 +31,17 @@ environment of each worker (as torchrun): RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, GROUP_RANK/NODE_RANK (host index), GROUP_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT; plus SHOAL_HOST_ID (names the host) and, on an
 emulated cluster, GLOO_SOCKET_IFNAME.
+
+several machines (docs/multinode.md): one `shoal run` on each machine with
+--nnodes N --node-rank R --master-addr HOST [--master-port PORT] (torchrun's
+names). Static runs meet at HOST:PORT (node 0's launcher serves it) before any
+worker starts, check that they agree (--nnodes, --run-id, one launcher per node
+rank) and that every machine's advertised address (--advertise-addr, else the
+local address of the route to HOST) is reachable from the others, then lay
+ranks out node by node; a failed worker anywhere stops all machines. Elastic
+runs across machines give every launcher --coordinator HOST:PORT (a
+`shoal coordinator`) and the token; machines may start at different times and
+come and go, and --node-rank keeps their workers' RANK labels apart.
 
 emulated cluster (root, `ip` and `tc` needed): --hosts H network namespaces
 joined by a bridge; each host's link is shaped to its --bandwidth in both
@@ -76,6 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None,
                    help="elastic: the run token (default $SHOAL_TOKEN; else a fresh one for the embedded "
                         "coordinator); visible in `ps`, so prefer $SHOAL_TOKEN on shared machines")
+    p.add_argument("--nnodes", type=int, default=None, help="machines in the run, one `shoal run` on each")
+    p.add_argument("--node-rank", type=int, default=None, help="this machine's index in [0, nnodes)")
+    p.add_argument("--master-addr", default=None, help="node 0's address, reachable from every machine")
+    p.add_argument("--master-port", type=int, default=None, help="the rendezvous port on node 0 (default 29500)")
+    p.add_argument("--advertise-addr", default=None,
+                   help="the address other machines reach this one on (default: the route towards the master "
+                        "or coordinator); gloo and NCCL use its interface")
+    p.add_argument("--run-id", default=None, help="the same on every machine of one run (default 'shoal')")
     p.add_argument("--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]")
     p.add_argument("--quiet", action="store_true", help="silence shoal run's own messages")
@@ -88,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _VALUE_OPTS = {"-n", "--nproc-per-node", "--nprocs", "--hosts", "--procs-per-host", "--bandwidth", "--kill", "--grace",
-               "--min-workers", "--max-restarts", "--join", "--coordinator", "--token"}
+               "--min-workers", "--max-restarts", "--join", "--coordinator", "--token", "--nnodes", "--node-rank",
+               "--master-addr", "--master-port", "--advertise-addr", "--run-id"}
 
 
 def _split_argv(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
@@ -132,6 +155,10 @@ def _elastic(ns: argparse.Namespace) -> ElasticLaunch | None:
             joins.append(float(item.removeprefix("@")))
         except ValueError:
             raise ShoalError(f"--join expects @SECONDS such as @30, got {item!r}") from None
+    if ns.coordinator is not None:
+        host, sep, port = ns.coordinator.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ShoalError(f"--coordinator expects HOST:PORT such as 10.0.0.9:29400, got {ns.coordinator!r}")
     return ElasticLaunch(min_workers=1 if ns.min_workers is None else ns.min_workers,
                          max_restarts=3 if ns.max_restarts is None else ns.max_restarts,
                          joins=tuple(joins), coordinator=ns.coordinator, token=ns.token)
@@ -153,6 +180,31 @@ def _cluster(ns: argparse.Namespace) -> ClusterSpec | None:
     if ns.nprocs is not None and ns.nprocs != ns.hosts * per_host:
         raise ShoalError(f"-n {ns.nprocs} differs from --hosts {ns.hosts} x --procs-per-host {per_host}")
     return ClusterSpec(ns.hosts, per_host, rates)
+
+
+def _nodes(ns: argparse.Namespace) -> NodeSpec | None:
+    given = [f for f, v in (("--nnodes", ns.nnodes), ("--node-rank", ns.node_rank), ("--master-addr", ns.master_addr),
+                            ("--master-port", ns.master_port), ("--advertise-addr", ns.advertise_addr),
+                            ("--run-id", ns.run_id)) if v is not None]
+    if not given:
+        return None
+    if ns.elastic:
+        if ns.master_addr is not None or ns.master_port is not None:
+            raise ShoalError("an elastic run across machines meets at its coordinator: give --coordinator "
+                             "HOST:PORT instead of --master-addr/--master-port")
+        if ns.nnodes is None or ns.node_rank is None:
+            raise ShoalError("an elastic run across machines needs both --nnodes (the most machines it will have) "
+                             "and --node-rank (this machine's index) on every launcher: they keep the workers' "
+                             "RANK labels apart")
+        return NodeSpec(ns.nnodes, ns.node_rank, "coordinator", advertise_addr=ns.advertise_addr,
+                        run_id=ns.run_id or "shoal")
+    missing = [f for f, v in (("--nnodes", ns.nnodes), ("--node-rank", ns.node_rank),
+                              ("--master-addr", ns.master_addr)) if v is None]
+    if missing:
+        raise ShoalError(f"a run across machines needs {', '.join(missing)} as well (given: {', '.join(given)}); "
+                         "e.g. --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 on node 0")
+    return NodeSpec(ns.nnodes, ns.node_rank, ns.master_addr, 29500 if ns.master_port is None else ns.master_port,
+                    advertise_addr=ns.advertise_addr, run_id=ns.run_id or "shoal")
 
 
 def _report_bytes(res: LaunchResult, spec: ClusterSpec) -> None:
@@ -186,7 +238,7 @@ def main(argv: list[str]) -> int:
         spec = _cluster(ns)
         res = launch(cmd, nprocs=ns.nprocs or 1, cluster=spec, kill=[_parse_kill(k) for k in ns.kill],
                      prefix_output=not ns.no_prefix, quiet=ns.quiet, tolerate_kills=ns.tolerate_kills,
-                     grace_s=ns.grace, elastic=_elastic(ns))
+                     grace_s=ns.grace, elastic=_elastic(ns), nodes=_nodes(ns))
     except ShoalError as e:
         print(f"shoal run: error: {e}", file=sys.stderr)
         return 2
