@@ -372,13 +372,9 @@ class CollaborativeOptimizer:
         deadline = time.monotonic() + self.config.load_state_timeout
         zeros = self._zeros()
         while time.monotonic() < deadline:
-            if not self.group.live_peers():    # everybody left: nothing to load, and nobody to wait for
-                self._left_behind(self.local_epoch)
-                self._reset_accumulators()
-                return None
             epoch = self._swarm_epoch()
             report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, deadline - time.monotonic())
-            if not self._fresh:      # nobody left to load from: it trains on alone (_left_behind)
+            if report.outcome == "behind" and not self._fresh:   # nobody left to load from: trains alone
                 self._reset_accumulators()
                 return report
             if report.outcome == "loaded":

@@ -146,19 +146,14 @@ class RoundGroup(ElasticGroup):
             time.sleep(0.05)
 
     def first_open_epoch(self, epoch: int) -> int:
-        """The first epoch from ``epoch`` on that no group averaged (what a lone late peer starts at)."""
-        while self._averaged(epoch):
+        """The first epoch from ``epoch`` on whose round nobody closed yet (what a lone late peer starts at).
+
+        A round closed with no members (by a peer that gave up waiting) counts as closed too: its
+        attempt could never be joined again.
+        """
+        while self.mm_store.check([self.key(f"mm/{epoch}/0/members")]):
             epoch += 1
         return epoch
-
-    def _averaged(self, epoch: int) -> bool:
-        """Whether some attempt of ``epoch``'s round closed with members (one closed empty by a peer that gave up does not count)."""
-        attempt = 0
-        while self.mm_store.check([self.key(f"mm/{epoch}/{attempt}/members")]):
-            if self._signed(self.mm_store.get(self.key(f"mm/{epoch}/{attempt}/members")), "member list").get("members"):
-                return True
-            attempt += 1
-        return False
 
     def _unlisted(self) -> set[int]:
         """Members admitted after the newest member of the coordinator's latest list: ids are given

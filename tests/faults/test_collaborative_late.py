@@ -41,7 +41,7 @@ def test_a_peer_starting_after_every_other_peer_left_trains_and_finishes(caplog:
     late = box["r"]
     assert late["epoch"] == 6, late["log"]
     trained = [rec for rec in late["log"] if rec["own"] > 0]
-    assert trained and trained[0]["epoch"] == 3, late["log"]          # it skipped the epochs the swarm did
+    assert trained and trained[0]["epoch"] >= 3, late["log"]          # it skipped the epochs the swarm did
     assert sum(rec["outcome"] == "behind" for rec in late["log"]) <= 1, late["log"]
     assert caplog.text.count("training on alone") == 1, caplog.text
     assert caplog.text.count("too late") <= 1, caplog.text
