@@ -32,13 +32,9 @@ from torch import nn
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
+from shoal.comm.start import broadcast_module  # noqa: F401 - re-exported: its home was here
 from shoal.errors import ConfigError, ShoalError
 from shoal.nonfinite import verdict_for
-
-
-def broadcast_module(module: nn.Module, group: Group, tag: str) -> None:
-    """Overwrite ``module``'s parameters and buffers with rank 0's (one flat broadcast per dtype)."""
-    group.broadcast_coalesced(list(module.parameters()) + list(module.buffers()), src=0, tag=tag)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
