@@ -80,7 +80,7 @@ class Rounds:
         rounds = Rounds(group, "diloco", reduce, apply)
         rounds.register(model, opt, codec, get_state, load_state)
         rounds.join()
-        committed = rounds.run("frag:0")
+        committed = rounds.run("fragment:0")
     """
 
     def __init__(self, group: Group, name: str, reduce: Callable[[str, bool], None],
