@@ -373,7 +373,7 @@ class Levels(ModelAverager):
     def __init__(self, hierarchy: Hierarchy, group: Group, codec: Codec | None, who: str = "Hierarchical") -> None:
         super().__init__(group, codec)
         self.hierarchy = hierarchy
-        if self.group.elastic:
+        if self.group.traits.members_change:
             check_slots(hierarchy, who)
         else:
             hierarchy.check_world(self.group.size)

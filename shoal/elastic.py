@@ -142,7 +142,7 @@ class ElasticSampler:
 
     def next_batch(self) -> list[int]:
         """This worker's indices for the current step (starts the step: may rebuild and heal)."""
-        if self._pending and not self.group.elastic:
+        if self._pending and not self.group.traits.members_change:
             self._advance()   # a static group's step always commits, whether or not anything voted it
         self.group.begin_step()
         self._pending = self.group.size * self.batch_size

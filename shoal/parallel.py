@@ -26,9 +26,10 @@ from shoal.codecs.base import Codec
 from shoal.codecs.hierarchical import Hierarchical, reduction_codec
 from shoal.comm.topology import Topology
 from shoal.comm.meter import CommStats, StepMeter
+from shoal.comm.start import check_same_model  # noqa: F401 - re-exported: its home was here
 from shoal.ddp_args import torch_ddp_options
 from shoal.ddp_join import JoinableDDP
-from shoal.errors import ConfigError, ModelMismatchError, ShoalError
+from shoal.errors import ConfigError, ShoalError
 from shoal.reducer import BucketStepper, CommHook, Reducer
 
 
@@ -49,31 +50,6 @@ def _single_device(module: nn.Module) -> torch.device:
             "DistributedDataParallel replicates a module on one device per process: move it with .to(device)"
         )
     return next(iter(devices), torch.device("cpu"))
-
-
-def check_same_model(group: Group, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Raise :class:`ModelMismatchError` on every rank if any rank's parameters differ.
-
-    Every rank receives every rank's list, so all reach the same verdict and
-    none is left waiting in a later collective.
-    """
-    mine = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named_params]
-    everyone = group.all_gather_object(mine, tag="ddp/control")
-    ref = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs == ref:
-            continue
-        for k in range(max(len(ref), len(theirs))):
-            a = ref[k] if k < len(ref) else None
-            b = theirs[k] if k < len(theirs) else None
-            if a != b:
-                def show(x: Any) -> str:
-                    return "nothing" if x is None else f"{x[0]!r} shape {list(x[1])} dtype {x[2]}"
-                raise ModelMismatchError(
-                    f"rank 0 and rank {rank} hold different models: parameter #{k} is {show(a)} on rank 0 "
-                    f"but {show(b)} on rank {rank} ({len(ref)} vs {len(theirs)} trainable parameters). "
-                    "Every rank must build the same model before wrapping it."
-                )
 
 
 class DistributedDataParallel(nn.Module, JoinableDDP):
@@ -255,10 +231,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the module has no parameter that requires grad: nothing to synchronise")
-        self.elastic = self.group.elastic
-        if not self.elastic and opts.init_sync:  # elastic: no members yet, the first quorum's heal does this
-            check_same_model(self.group, named)
-            self._broadcast_state(opts.init_sync_buffers)
+        self.elastic = self.group.traits.members_change
+        if opts.init_sync:   # elastic: nothing, its first heal does it
+            self.group.start_state(module, named, tag="ddp/init", buffers=opts.init_sync_buffers)
         self.reducer = Reducer(named, self.group, int(bucket_cap_mb * 1024 * 1024),
                                find_unused_parameters, gradient_as_bucket_view)
         self.reducer.skip_nonfinite = skip_nonfinite
@@ -268,8 +243,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self._auto_hierarchical = False
         self._per_quorum: Hierarchical | None = None   # elastic automatic choice, re-made at each quorum
         reducer_codec = self._reduction_codec(codec, hierarchical)
-        if self.elastic:  # after every check, so that a refused model leaves nothing registered
-            self._register_heal_state(codec)
+        self._register_heal_state(codec)  # after every check, so that a refused model leaves nothing registered
         if reducer_codec is not None:
             self.reducer.set_codec(reducer_codec)
         self._steps = StepMeter(self.group.meter, "ddp")
@@ -298,17 +272,19 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         """Where the ranks are (hosts, leaders), if it was discovered; on an elastic group with a
         two-level reduction (or the automatic choice), the current quorum's (``None`` before the
         first forward)."""
-        if self._two_level is not None and self.elastic:
+        if self._two_level is not None and self._topology is None:   # elastic: known per quorum
             return self._two_level.current_topology(self.group)
         return self._topology
 
     def _register_heal_state(self, codec: Codec | None) -> None:
         # No collective here: a newcomer's peers are mid-training, not constructing.
         # The first quorum's heal broadcasts everything from one member instead (A2).
+        # A static group keeps the registration and never uses it.
         group = self.group
-        group.register_state("ddp/module", self.module.state_dict, self.module.load_state_dict)
+        key = group.unique_name("ddp")   # two models on one group register apart
+        group.register_state(f"{key}/module", self.module.state_dict, self.module.load_state_dict)
         if codec is not None:  # a failed step may have half-updated it: roll back on discard
-            group.register_state("ddp/codec", codec.state_dict, codec.load_state_dict, rollback=True,
+            group.register_state(f"{key}/codec", codec.state_dict, codec.load_state_dict, rollback=True,
                                  heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)),
                                  snapshot=codec.rollback_state)
 
@@ -325,11 +301,6 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             want = first if isinstance(first, torch.device) else torch.device(device.type, first)
             if want != device:
                 raise ConfigError(f"device_ids={list(device_ids)} but the module lives on {device}")
-
-    # --- state broadcast ------------------------------------------------------
-    def _broadcast_state(self, buffers: bool = True) -> None:
-        tensors = list(self.module.parameters()) + (list(self.module.buffers()) if buffers else [])
-        self.group.broadcast_coalesced(tensors, src=0, tag="ddp/init")
 
     # --- training ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -390,7 +361,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         """
         if not callable(hook):
             raise ConfigError(f"hook must be callable, got {type(hook).__name__}")
-        if self.elastic:
+        if self.group.traits.members_change:
             raise ShoalError("communication hooks cannot run on an elastic group (they would talk to a "
                              "process group that is replaced at each quorum); pass codec= instead")
         if self.reducer.comm_hook is not None:

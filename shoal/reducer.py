@@ -360,7 +360,7 @@ class Reducer:
     def _nonfinite(self) -> bool:
         """Whether the averaged gradients hold a NaN/Inf: one fused check, one host read,
         after the step's last collective. Same buffers on every rank, so the same verdict."""
-        if getattr(self.group, "error", None) is not None:
+        if self.group.error is not None:
             return False  # an elastic step that already failed: its vote discards it anyway
         return read_flag(nonfinite_flag([b.buffer for b in self.buckets]))
 

@@ -103,7 +103,7 @@ class Hierarchical(LossyCodec):
 
         ``topology``: an already discovered layout (saves a collective).
         """
-        if group.elastic:
+        if group.traits.members_change:
             raise ConfigError("an elastic group's layout changes with each quorum: use attach(group) (no "
                               "collective) and levels(group) inside a step")
         if topology is not None and id(group) not in self._levels:
@@ -237,9 +237,10 @@ def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None
             raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
         codec.attach(group)
         return codec, codec.current_topology(group)
-    if hierarchical is False or (group.size == 1 and not group.elastic):
+    changing = group.traits.members_change
+    if hierarchical is False or (group.size == 1 and not changing):
         return codec, None
-    if group.elastic:    # no collective: the layout is the quorum's, known at each step
+    if changing:    # no collective: the layout is the quorum's, known at each step
         if hierarchical is None and (codec is not None or not per_quorum):
             return codec, None
         two_level = Hierarchical(codec)

@@ -37,12 +37,14 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shoal.comm.group import (_REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op,
                               start_gather_into)
 from shoal.comm.membership import MemberClient, Timeouts
 from shoal.comm.meter import Meter
 from shoal.comm.elastic_vote import Failures
+from shoal.comm.start import ELASTIC
 from shoal.comm.objects import all_gather_object
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 
@@ -209,6 +211,7 @@ class ElasticCollectives(Group, metaclass=abc.ABCMeta):
     """
 
     elastic = True
+    traits = ELASTIC
     link: Link
     meter: Meter
     timeout: float | None
@@ -242,6 +245,10 @@ class ElasticCollectives(Group, metaclass=abc.ABCMeta):
     def report_error(self, err: BaseException) -> None:
         """Make this step fail on every member (e.g. a NaN found outside shoal)."""
         self._record(err)
+
+    def start_state(self, module: nn.Module, named_params: list[tuple[str, Any]] | None = None,
+                    tag: str = "init", buffers: bool = True) -> None:
+        """Nothing: an elastic group has no members yet; its first quorum's heal gives newcomers the state."""
 
     # --- collectives ---------------------------------------------------------------
     def _issue(self, tag: str, result: Any, launch: Callable[[Any], Any],

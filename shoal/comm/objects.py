@@ -70,7 +70,7 @@ def from_bytes(blob: torch.Tensor) -> Any:
 
 def failed(group: Any) -> bool:
     """Whether ``group`` recorded a failure this step (elastic groups; a static group raises instead)."""
-    return getattr(group, "error", None) is not None
+    return group.error is not None
 
 
 def all_gather_bytes(group: Any, payload: torch.Tensor, tag: str) -> list[torch.Tensor] | None:
@@ -129,9 +129,7 @@ def broadcast_bytes(group: Any, blob: torch.Tensor | None, src: int, tag: str, m
     size = int(n.item())
     if max_bytes is not None and not 0 < size <= max_bytes:
         err = PeerLostError(f"rank {src} announced {size} bytes, outside (0, max_bytes={max_bytes}]")
-        if not hasattr(group, "report_error"):
-            raise err
-        group.report_error(err)
+        group.report_error(err)   # a static group raises it at once
         return None
     buf = blob.to(dev) if mine and blob is not None else torch.empty(size, dtype=torch.uint8, device=dev)
     group.broadcast(buf, src=src, tag=tag).wait(timeout=timeout)

@@ -19,6 +19,16 @@ same code on static and elastic groups, and only
 ``register_state(name, get, load, rollback=...)``
     State that newcomers receive when they heal and, with ``rollback=True``,
     that a discarded step restores (static: kept, never used).
+``error`` / ``report_error(err)``
+    This step's first failure (static: always None) / make the step fail on
+    every member (static: raises ``err`` at once, as a failed collective does).
+``start_state(module, named_params, tag)``
+    Give every member the same starting model (static: check that every rank
+    built the same model, then broadcast rank 0's; elastic: nothing, the first
+    quorum's heal does it).
+``traits``
+    The few real differences (:class:`~shoal.comm.start.Traits`), read only
+    where a feature refuses a kind of group.
 ``subgroup(rule, name)`` / ``host_groups(name)``
     Subgroups by a partition rule (:mod:`shoal.comm.rules`), and the two
     levels of a host-aware mean, recomputed with each quorum on an elastic
@@ -38,7 +48,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from torch import nn
+
 from shoal.comm.rules import MemberInfo, Partition
+from shoal.comm.start import STATIC, Traits, broadcast_module, check_same_model
 from shoal.comm.topology import HostGroups, discover
 from shoal.errors import ConfigError, ShoalError
 
@@ -118,6 +131,7 @@ class Stepping:
     """
 
     elastic = False       # True on groups whose members change between steps
+    traits: Traits = STATIC
     newcomers: tuple[int, ...] = ()
     rank: int
     size: int
@@ -149,6 +163,33 @@ class Stepping:
     def quorum_pending(self) -> bool:
         """Whether the next :meth:`begin_step` adopts a new membership (never, on a static group)."""
         return False
+
+    @property
+    def error(self) -> BaseException | None:
+        """This step's first failure; always None on a static group (a failed collective raises there)."""
+        return None
+
+    def report_error(self, err: BaseException) -> None:
+        """Make this step fail on every member; a static group cannot vote, so ``err`` is raised at once."""
+        raise err
+
+    def start_state(self, module: nn.Module, named_params: list[tuple[str, Any]] | None = None,
+                    tag: str = "init", buffers: bool = True) -> None:
+        """Give every member rank 0's model (collective): check that every rank built the same model, then broadcast.
+
+        ``named_params`` (default: the module's parameters that require grad)
+        are the ones compared; ``buffers=False`` broadcasts parameters only
+        (torch DDP's ``broadcast_buffers=False`` at start). An elastic group does nothing here: it has no
+        members yet, and its first quorum's heal gives newcomers the state.
+
+        Example::
+
+            group.start_state(model, tag="mystrategy/init")
+        """
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad] \
+            if named_params is None else named_params
+        check_same_model(self._as_group(), named)
+        broadcast_module(module, self._as_group(), tag=tag, buffers=buffers)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""

@@ -17,8 +17,8 @@ The step is the same on every group (:mod:`shoal.optim.zero_shards`): it
 begins with ``group.begin_step()`` and ends with ``group.commit()``, and what
 a step changes is registered rollback state on the group. On a static group
 those are trivial (commit is always True, nothing is copied); on an
-:class:`~shoal.elastic.ElasticGroup` (with DDP on the same group) ``step()``
-returns the step's verdict and shards follow the quorum; see docs/zero.md.
+:class:`~shoal.elastic.ElasticGroup` (with DDP on the same group)
+``last_step_committed`` holds the step's verdict and shards follow the quorum; see docs/zero.md.
 Overlapped with DDP, see :mod:`shoal.optim.zero_overlap`.
 
 The consolidated state dict has torch's optimizer format, keyed by the global
@@ -164,12 +164,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                               "parameters through flat buffers of its own")
         defaults.pop("overlap_with_ddp", None)
         defaults.pop("parameters_as_bucket_view", None)
-        if replicate and not (isinstance(process_group, Group) and process_group.elastic):
+        if replicate and not (isinstance(process_group, Group) and process_group.traits.members_change):
             raise ConfigError("replicate=True keeps a copy of a ring neighbour's optimizer state so that an elastic "
                               "run loses none when a member dies; it needs an ElasticGroup (process_group=group)")
         groups = _normalise_params(params)
         group = _as_group(process_group)
         self._initialized = False
+        self.last_step_committed: bool | None = None   # of the last step() (None before the first)
         super().__init__(groups, defaults)
         self.group = group
         self._consolidated: dict[str, Any] | None = None
@@ -225,7 +226,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
-        if self.group.elastic:
+        if self.group.traits.members_change:
             raise ShoalError("add_param_group is not supported on an elastic group (shards are laid out per "
                              "quorum); build the optimizer with every parameter group")
         self.wait_for_params()
@@ -245,13 +246,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then broadcast every shard's updated parameters.
 
-        When attached to DDP and the last backward already stepped every
-        bucket, there is nothing left to do and ``None`` is returned.
-        On an elastic group it ends the elastic step (re-shard if the quorum
-        changed, step, exchange parameters, vote) and returns whether the
-        step committed; on False nothing changed and gradients are cleared.
-        Elastic and attached to DDP, backward did all but the vote: ``step()``
-        waits for the parameter broadcasts, votes, and applies or undoes them.
+        Returns what a torch optimizer's ``step`` does on every group: the
+        closure's loss, or ``None`` (also when attached to DDP and the last
+        backward already stepped every bucket). Whether the step committed is
+        :attr:`last_step_committed` (always True on a static group, where a
+        failure raises). On an elastic group ``step()`` ends the elastic step
+        (re-shard if the quorum changed, step, exchange parameters, vote); on
+        a discard nothing changed and gradients are cleared. Elastic and
+        attached to DDP, backward did all but the vote: ``step()`` waits for
+        the parameter broadcasts, votes, and applies or undoes them.
+
+        Example::
+
+            zero.step()
+            if zero.last_step_committed:
+                sched.step()
         """
         if self._overlap is not None and "found_inf" in self.__dict__:
             raise ShoalError("torch.amp.GradScaler cannot drive a ZeroRedundancyOptimizer overlapped with DDP "
@@ -261,19 +270,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                              "train in bf16 autocast without a scaler")
         if verdict_for(self._all_params()):  # shoal's DDP found NaN/Inf (counted there): every rank steps nothing
             self.zero_grad(set_to_none=True)
-        elastic = self.group.elastic
-        if elastic and (closure is not None or kwargs):
+        ends_here = not self.group.traits.work_in_flight   # no step may stay open past step(): it votes here
+        if ends_here and (closure is not None or kwargs):
             raise ConfigError("step(closure) is not supported on an elastic group: the closure's forward "
                               "would run outside the step's vote")
         if self._overlap is not None:
             # A static group's verdict is known (commit): its step ends lazily, at the next forward, so
             # the broadcasts overlap the loop's work in between. An elastic one's is what step() returns.
-            verdict = self._overlap.claim(end=elastic)
+            verdict = self._overlap.claim(end=ends_here)
             if verdict is not None:
                 if closure is not None:
                     raise ConfigError("a closure cannot be used when the step overlaps backward "
                                       "(DistributedDataParallel(..., optimizer=zero)): backward already stepped")
-                return verdict if elastic else None
+                self.last_step_committed = verdict
+                return None
             self._overlap.end_step()
         return self._step(closure, kwargs)
 
@@ -287,8 +297,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if shard is not None and not nonfinite and not failed(group):
             loss = shards.step(shard, closure, kwargs)
             handles = shards.broadcast(shard, group)
-        commit = shards.end(shard, handles, None, nonfinite)
-        return commit if group.elastic else loss
+        self.last_step_committed = shards.end(shard, handles, None, nonfinite)
+        return loss
 
     def _nonfinite_grads(self) -> bool:
         """Whether the (averaged, hence identical on every rank) gradients hold a NaN/Inf; counts
@@ -332,8 +342,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._buckets is not None:
             raise ConfigError("this ZeroRedundancyOptimizer is already attached to a DistributedDataParallel")
         group = self.group
-        if reducer.group is not group and (group.elastic or reducer.group.pg is not group.pg):
-            what = "ElasticGroup (process_group=group on both)" if group.elastic else "process group"
+        elastic = group.traits.members_change
+        if reducer.group is not group and (elastic or reducer.group.pg is not group.pg):
+            what = "ElasticGroup (process_group=group on both)" if elastic else "process group"
             raise ConfigError(f"the optimizer and DistributedDataParallel must use the same {what}: "
                               "gradient buckets are assigned to the optimizer's ranks")
         if reducer.on_bucket_reduced is not None:
@@ -350,7 +361,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         managed = set(self._all_params())
         busy = {r for r, b in zip(owners, buckets) if any(p in managed for p in b)}
         idle = sorted(set(range(self.world_size)) - busy)
-        if idle and not group.elastic:   # elastic: the quorum's size is known only per quorum
+        if idle and not group.traits.members_change:   # elastic: the quorum's size is known only per quorum
             warnings.warn(f"only {len(busy)} rank(s) own a gradient bucket for {self.world_size} ranks: "
                           f"rank(s) {idle} hold no optimizer state; lower bucket_cap_mb for a finer split",
                           stacklevel=3)
@@ -415,7 +426,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             zero.load_state_dict(torch.load("opt.pt"))   # saved at another world size
         """
         saved = _check_state_dict(state_dict, self.param_groups)
-        if self.group.elastic:
+        if self.group.traits.members_change:   # no layout to load into: shards are laid out per quorum
             self._shards.load_whole(state_dict)
             return
         self.wait_for_params()

@@ -46,7 +46,7 @@ def membership_id(group: Any) -> int | None:
 
     A layout made for another id is stale: the next step re-shards.
     """
-    if not group.elastic:
+    if not group.traits.members_change:
         return STATIC
     q = group.quorum
     return None if q is None else int(q.qid)

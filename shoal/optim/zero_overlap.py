@@ -162,8 +162,6 @@ class Overlap:
         if st is None:
             return None
         if st.done != self.nbuckets and not failed(self.group):   # pragma: no cover - backward raised mid-way
-            report = getattr(self.group, "report_error", None)
-            if report is not None:
-                report(ShoalError(f"only {st.done} of {self.nbuckets} gradient buckets were stepped"))
+            self.group.report_error(ShoalError(f"only {st.done} of {self.nbuckets} gradient buckets were stepped"))
         self.verdict = self.shards.end(st.shard, st.handles, st.stepped, st.nonfinite)
         return self.verdict

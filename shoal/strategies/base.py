@@ -7,17 +7,40 @@ around each optimizer step by :class:`StrategyOptimizer`, the optimizer proxy
 that :func:`shoal.wrap` returns. The user's loop stays
 ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
 
-Writing a strategy::
+Writing a strategy (elastic-safe: every collective runs inside a round of
+:class:`~shoal.strategies.rounds.Rounds`, which begins the step, votes and
+retries; ``tests/dist/test_strategy_template.py`` runs this very code on a
+static and on an elastic group)::
+
+    import torch
+    from shoal.codecs import Identity
+    from shoal.strategies.base import Strategy
+    from shoal.strategies.rounds import Rounds
 
     class EveryStep(Strategy):
+        # Average the parameters after every optimizer step.
         name = "every-step"
+
         def setup(self, model, optimizer, group):
             self._bind(model, optimizer, group)
-            broadcast_module(model, group, tag=f"{self.name}/init")
+            self.scratch = [p.detach().clone() for p in self.params]
+            self.rounds = Rounds(group, self.name, self._reduce, self._apply)
+            self.rounds.register(model, optimizer)   # what a newcomer heals
+            self.rounds.join()   # static: check the model, broadcast rank 0's; elastic: the first heal
             return model
+
         def after_step(self):
-            with torch.no_grad():
-                shoal.codecs.Identity().mean(self.params, self.names, self.group, "every-step/params")
+            self.rounds.run("params")
+
+        def _reduce(self, kind, contributes):   # collectives into scratch only
+            if kind == "params":
+                torch._foreach_copy_(self.scratch, [p.detach() for p in self.params])
+                self.rounds.mean(self.scratch, self.names, Identity(), f"{self.name}/params")
+
+        def _apply(self, kind):                 # after the round committed on every member
+            if kind == "params":
+                with torch.no_grad():
+                    torch._foreach_copy_(self.params, self.scratch)
 """
 
 from __future__ import annotations
@@ -32,13 +55,9 @@ from torch import nn
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
+from shoal.comm.start import broadcast_module  # noqa: F401 - re-exported: its home was here
 from shoal.errors import ConfigError, ShoalError
 from shoal.nonfinite import verdict_for
-
-
-def broadcast_module(module: nn.Module, group: Group, tag: str) -> None:
-    """Overwrite ``module``'s parameters and buffers with rank 0's (one flat broadcast per dtype)."""
-    group.broadcast_coalesced(list(module.parameters()) + list(module.buffers()), src=0, tag=tag)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],

@@ -68,9 +68,9 @@ from shoal.comm.objects import broadcast_bytes, from_bytes, to_bytes
 from shoal.comm.rules import by_host, host_leaders
 from shoal.comm.streams import SideStream
 from shoal.errors import ConfigError, ShoalError
-from shoal.parallel import DistributedDataParallel, check_same_model
-from shoal.strategies.base import Strategy, broadcast_module
-from shoal.strategies.daso_schedule import DASOConfig, DASOSchedule, check_hosts
+from shoal.parallel import DistributedDataParallel
+from shoal.strategies.base import Strategy
+from shoal.strategies.daso_schedule import DASOConfig, DASOSchedule, check_hosts  # noqa: F401 - public here too
 from shoal.strategies.rounds import ADOPT, Rounds
 
 TAG = "daso/global"
@@ -294,10 +294,9 @@ class DASO(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
-        if not group.elastic:   # an elastic group has no members yet: its first round's heal does this
+        if not group.traits.members_change:   # an elastic group has no members yet: nothing to check
             check_hosts(group.member_infos())
-            check_same_model(group, list(zip(self.names, self.params)))
-            broadcast_module(model, group, tag="daso/init")
+        group.start_state(model, list(zip(self.names, self.params)), tag="daso/init")
         dtype = self.config.downcast_type
         codec: Codec = Identity() if dtype == torch.float32 else Cast(dtype)
         self.host = group.subgroup(by_host, "daso/host")
@@ -364,7 +363,7 @@ class DASO(Strategy):
             self._shared = t
         elif kind.startswith("global"):
             sync.launch()
-            if sync.group.elastic and sync.active:   # no reduction may outlive the round's vote
+            if not sync.group.traits.work_in_flight and sync.active:   # no reduction may outlive the round's vote
                 sync.finish()
 
     def _apply(self, kind: str) -> None:

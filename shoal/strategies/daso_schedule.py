@@ -1,4 +1,13 @@
-"""DASO's configuration, its communication-free schedule, and the layouts it accepts."""
+"""DASO's configuration, its schedule (when a global synchronisation runs, how many batches it may lag), and the layouts it accepts.
+
+Split from :mod:`shoal.strategies.daso` (the strategy, its rounds and the
+global averaging), which re-exports both. Pure bookkeeping: no collective.
+
+Example::
+
+    sched = DASOSchedule(DASOConfig(total_epochs=10, steps_per_epoch=100))
+    launch, land = sched.after_step()   # after each optimizer step
+"""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from shoal.comm.streams import SideStream
 from shoal.comm.group import Group
 from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
-from shoal.strategies.base import Strategy, broadcast_module
+from shoal.strategies.base import Strategy
 from shoal.strategies.rounds import ADOPT, Rounds
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -259,10 +259,10 @@ class DiLoCo(Strategy):
         return model
 
     def _first_state(self) -> None:
-        """A static group's start: rank 0's module everywhere, and the global copies made from it."""
+        """The start: rank 0's module everywhere (static; elastic: the first heal), the global copies made from it."""
         if self.module is None or self.group is None:  # pragma: no cover - bound in setup
             raise ShoalError("not set up")
-        broadcast_module(self.module, self.group, tag=f"{self.name}/init")
+        self.group.start_state(self.module, tag=f"{self.name}/init")
         with torch.no_grad():
             for f in self.fragments:
                 torch.cat([p.detach().reshape(-1).float() for p in f.params], out=f.delta)
@@ -310,7 +310,7 @@ class DiLoCo(Strategy):
         overlap on an elastic group. Never on a static group: its quorum does
         not change and nothing rolls back.
         """
-        if self.group is not None and self.group.elastic:
+        if self.group is not None and not self.group.traits.work_in_flight:
             for f in self.fragments:
                 self._land(f)
 
@@ -395,7 +395,7 @@ class DiLoCo(Strategy):
             return
         self._land(f)
         f.redo = True   # until this round commits: a retry reduces in the foreground
-        if self.group is not None and self.group.elastic:
+        if self.group is not None and not self.group.traits.work_in_flight:
             self._check_landed(f, self.group)
 
     def _check_landed(self, f: _Fragment, group: Any) -> None:   # an elastic group (report_error)

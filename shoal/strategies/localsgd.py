@@ -166,7 +166,7 @@ class AveragingStrategy(Strategy):
             return True
         if self.averager is not None:
             self.averager.last_left_out = contributors - finite
-        if finite == 0 and not self.group_.elastic:
+        if finite == 0 and not self.group_.traits.members_change:
             raise ShoalError(
                 f"every one of the {group.size} members averaging under {self.name!r} holds non-finite (NaN/Inf) "
                 "parameters: training has diverged on all of them and there is nothing finite to average; lower "
@@ -295,12 +295,12 @@ class PostLocalSGD(AveragingStrategy):
         self._bind(model, optimizer, group)
         size = self.local_group_size
         if size is not None:
-            if group.elastic:
+            if group.traits.members_change:
                 check_slot("PostLocalSGD with local_group_size")
             elif group.size % size:
                 raise ConfigError(f"local_group_size {size} does not divide the {group.size} ranks")
             self.local_group = group.subgroup(by_slot(size), f"{self.name}/local")
-        if group.elastic:
+        if group.traits.members_change:
             # DDP's comm hooks cannot run on an elastic group: gradient means are rounds at opt.step().
             return self._start(model, model)
         ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=self.bucket_cap_mb)

@@ -39,8 +39,8 @@ from shoal.comm.group import Group
 from shoal.comm.meter import CommStats, StepMeter
 from shoal.comm.topology import Topology
 from shoal.errors import ConfigError, ShoalError
-from shoal.parallel import DistributedDataParallel, check_same_model
-from shoal.strategies.base import Strategy, StrategyOptimizer, broadcast_module
+from shoal.parallel import DistributedDataParallel
+from shoal.strategies.base import Strategy, StrategyOptimizer
 from shoal.strategies.nonblocking_exchange import TAG, Exchange, find_layers
 
 __all__ = ["NonBlocking", "NonBlockingModule", "find_layers", "TAG"]
@@ -202,9 +202,7 @@ class NonBlocking(Strategy):
         if single is None:
             return self._fall_back(model, [optimizer], group, reason)
         self._bind(model, single, group)
-        if not group.elastic:  # an elastic group has no members yet: its first quorum's heal does this
-            check_same_model(group, list(zip(self.names, self.params)))
-            broadcast_module(model, group, tag="nonblocking/init")
+        group.start_state(model, list(zip(self.names, self.params)), tag="nonblocking/init")
         codec, self.topology = reduction_codec(group, self.codec, self.hierarchical)
         key = group.unique_name("nonblocking")   # two models on one group register apart
         group.register_state(f"{key}/module", model.state_dict, model.load_state_dict)

@@ -80,7 +80,7 @@ class Rounds:
         rounds = Rounds(group, "diloco", reduce, apply)
         rounds.register(model, opt, codec, get_state, load_state)
         rounds.join()
-        committed = rounds.run("frag:0")
+        committed = rounds.run("fragment:0")
     """
 
     def __init__(self, group: Group, name: str, reduce: Callable[[str, bool], None],
@@ -137,20 +137,19 @@ class Rounds:
 
         For the first workers it is an empty round whose heal copies rank 0's
         state everywhere. A newcomer waits here until its peers reach a
-        round, and runs that round with them. A static group heals no one:
-        ``first()`` gives every member rank 0's starting state instead
-        (default: the module given to :meth:`register`, broadcast from rank 0
-        under ``<name>/init``).
+        round, and runs that round with them. ``first()`` runs before that
+        round on every group (default: :meth:`~shoal.comm.Group.start_state`
+        of the module given to :meth:`register`, under ``<name>/init``: a
+        static group, which heals no one, checks the model and gives every
+        member rank 0's; an elastic group does nothing there).
         """
-        if not self.group.elastic:
-            (first or self._broadcast_module)()
+        (first or self._start_state)()
         self.run(ADOPT)
         return self.last_kind
 
-    def _broadcast_module(self) -> None:
+    def _start_state(self) -> None:
         if self.module is not None:
-            ts = list(self.module.parameters()) + list(self.module.buffers())
-            self.group.broadcast_coalesced(ts, src=0, tag=f"{self.name}/init")
+            self.group.start_state(self.module, tag=f"{self.name}/init")
 
     def run(self, kind: str, policy: FailurePolicy | None = None, admit: bool = True) -> bool:
         """Run round ``kind`` until it commits (True) or its attempts failed (False).

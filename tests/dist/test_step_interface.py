@@ -37,7 +37,20 @@ def _steps(group: Group) -> dict[str, Any]:
     group.register_state("counter", lambda: 1, lambda _: None)
     return {"calls": calls, "verdicts": verdicts, "sums": sums, "newcomers": group.newcomers,
             "pending": group.quorum_pending, "elastic": group.elastic, "member": group.member,
-            "duplicate": _error(lambda: group.register_state("counter", lambda: 2, lambda _: None))}
+            "duplicate": _error(lambda: group.register_state("counter", lambda: 2, lambda _: None)),
+            "traits": group.traits, "error": group.error,
+            "report": _error(lambda: group.report_error(ShoalError("found outside shoal"))),
+            "start": _start_state(group)}
+
+
+def _start_state(group: Group) -> tuple[list[float], bool]:
+    """start_state on a static group: every rank ends with rank 0's parameters and buffers."""
+    net = torch.nn.BatchNorm1d(2)
+    with torch.no_grad():
+        net.weight.fill_(float(group.rank + 1))
+        net.running_mean.fill_(float(10 * (group.rank + 1)))
+    group.start_state(net, tag="test/init")
+    return net.weight.tolist() + net.running_mean.tolist(), group.error is None
 
 
 def _rules(group: Group) -> dict[str, Any]:
@@ -90,6 +103,10 @@ def test_static_step_interface_on_two_gloo_ranks() -> None:
         assert s["newcomers"] == () and s["pending"] is False and s["elastic"] is False and s["member"] is True
         assert s["duplicate"] is not None and s["duplicate"][0] == ConfigError.__name__, s
         assert "'counter' is already registered" in s["duplicate"][1], s
+        # The rest of the interface: no failure recorded, a reported one raises at once, start_state broadcasts.
+        assert s["traits"].members_change is False and s["traits"].work_in_flight is True, s
+        assert s["error"] is None and s["report"] == (ShoalError.__name__, "found outside shoal"), s
+        assert s["start"] == ([1.0, 1.0, 10.0, 10.0], True), s
 
         # One host per rank: each rank is its own host and its host's leader.
         a = r["apart"]

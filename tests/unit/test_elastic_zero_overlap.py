@@ -61,11 +61,11 @@ def test_discarded_step_undoes_the_buckets_stepped_in_backward(group: ElasticGro
         if step == 3:   # a failure reported after backward stepped every bucket: the vote drops them all
             assert any(not torch.equal(a, p) for a, p in zip(before, net.parameters()))
             group.report_error(PeerLostError("injected"))
-            assert zero.step() is False
+            assert zero.step() is None and zero.last_step_committed is False
             assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
             assert all(p.grad is None for p in net.parameters())
             continue
-        assert zero.step() is True
+        assert zero.step() is None and zero.last_step_committed is True
         zero.zero_grad()
         F.mse_loss(ref(x), y).backward()
         opt.step()
@@ -123,7 +123,7 @@ def test_zero_step_after_another_caller_voted_returns_that_verdict_and_steps_not
         else:
             with torch.no_grad():
                 model(x)
-        assert zero.step() is True
+        assert zero.step() is None and zero.last_step_committed is True
         zero.zero_grad()
         F.mse_loss(ref(x), y).backward()
         opt.step()
@@ -151,12 +151,12 @@ def test_nonfinite_gradients_skip_the_step_as_a_commit_not_a_discard(group: Elas
             with pytest.warns(RuntimeWarning, match="NaN/Inf"):
                 F.mse_loss(model(x), y).backward()
             handle.remove()
-            assert zero.step() is True   # not a failure: the same verdict on every member, nothing to vote
+            assert zero.step() is None and zero.last_step_committed is True   # not a failure: the same verdict on every member, nothing to vote
             zero.zero_grad()
             assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
             continue
         F.mse_loss(model(x), y).backward()
-        assert zero.step() is True
+        assert zero.step() is None and zero.last_step_committed is True
         zero.zero_grad()
         F.mse_loss(ref(x), y).backward()
         opt.step()
