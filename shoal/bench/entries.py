@@ -204,10 +204,10 @@ def _collaborative(module: nn.Module, make_optimizer: OptimizerFactory, group: G
     # so counting one unit per step and a target of `world` units is the same weighting.
     cfg = shoal.CollaborativeConfig(run_id="bench", target_batch_size=g.size, batch_size_per_step=1,
                                     coordinator=f"{host}:{int(setup[0])}", token=f"bench-{int(setup[1]):016x}",
-                                    matchmaking_time=1.0, average_state_every=0,
-                                    min_peers=g.size, start_timeout=60.0)   # all ranks joined: nobody races ahead
+                                    matchmaking_time=1.0, average_state_every=0)
     opt = shoal.CollaborativeOptimizer(lambda ps: make_optimizer(cast(list[nn.Parameter], ps)),
                                        module.named_parameters(), config=cfg)
+    opt.group.client.wait_quorum(after=0, timeout=60.0)   # all ranks joined: nobody races ahead alone
     left = False
 
     def close() -> None:   # the worker's end of run; at exit too if the loop raised before it
