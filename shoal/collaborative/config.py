@@ -65,10 +65,6 @@ class CollaborativeConfig:
         verbose: log one line per epoch.
         max_state_bytes: size bound of a state blob received from a peer.
         heartbeat_timeout: a peer silent this long is dropped from the swarm.
-        min_peers: the constructor waits until this many peers (itself included) are live in the
-            run, up to ``start_timeout`` (ShoalError then): a start barrier, so that the first peer
-            does not train several epochs alone while the others start. 1: no wait.
-        start_timeout: how long the constructor waits for ``min_peers``.
 
     Example::
 
@@ -99,8 +95,6 @@ class CollaborativeConfig:
     verbose: bool = False
     max_state_bytes: int = 1 << 34       # 16 GiB: a bound against a peer announcing absurd sizes
     heartbeat_timeout: float = 5.0       # a GC pause must not evict a peer
-    min_peers: int = 1                   # no barrier: hivemind's peers also start training at once
-    start_timeout: float = 300.0         # machines of a swarm may start minutes apart
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
@@ -108,9 +102,7 @@ class CollaborativeConfig:
         _positive_int("target_batch_size", self.target_batch_size)
         _positive_int("batch_size_per_step", self.batch_size_per_step, allow_none=True)
         check_token(self.token)
-        _positive_int("min_peers", self.min_peers)
-        for name in ("matchmaking_time", "averaging_timeout", "load_state_timeout", "heartbeat_timeout",
-                     "start_timeout"):
+        for name in ("matchmaking_time", "averaging_timeout", "load_state_timeout", "heartbeat_timeout"):
             _seconds(name, getattr(self, name))
         if self.matchmaking_time >= self.averaging_timeout:
             raise ConfigError(f"CollaborativeConfig.matchmaking_time ({self.matchmaking_time} s) must be < "

@@ -135,38 +135,6 @@ class CollaborativeOptimizer:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="shoal-collab") if cfg.delay_optimizer_step else None
         self._side = SideStream(self._device)   # CUDA: the delayed step's own stream, events both ways
         self._pending: cf.Future[tuple[None, Any]] | None = None
-        self._warned: dict[str, tuple[float, int]] = {}   # rate limit of repeated warnings (_warn)
-        if cfg.min_peers > 1:
-            try:
-                self.wait_for_peers(cfg.min_peers, cfg.start_timeout)
-            except ShoalError:
-                self.group.leave()   # not a member of the swarm after all
-                raise
-
-    def wait_for_peers(self, n: int, timeout: float) -> int:
-        """Block until ``n`` peers, this one included, are live in the run; returns how many are.
-
-        A start barrier (``CollaborativeConfig(min_peers=n)`` calls it in the constructor). Raises
-        ShoalError, naming how many came, if fewer than ``n`` joined within ``timeout`` seconds.
-
-        Example::
-
-            opt = shoal.CollaborativeOptimizer(make_opt, model.named_parameters(), config=cfg)
-            opt.wait_for_peers(4, timeout=600)     # all four machines up before the first epoch
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"wait_for_peers needs a number of peers >= 1, got {n!r}")
-        return self.group.wait_for_peers(n, timeout)
-
-    def _warn(self, key: str, msg: str, *args: Any) -> None:
-        """A warning that may repeat every step: logged at most once per 30 s, with the count held back."""
-        now = time.monotonic()
-        last, held = self._warned.get(key, (-1e9, 0))
-        if now - last < 30.0:
-            self._warned[key] = (last, held + 1)
-            return
-        self._warned[key] = (now, 0)
-        log.warning(msg + (f" ({held} more like it in the last 30 s)" if held else ""), *args)
 
     # --- construction helpers --------------------------------------------------
     @staticmethod
@@ -374,9 +342,6 @@ class CollaborativeOptimizer:
         while time.monotonic() < deadline:
             epoch = self._swarm_epoch()
             report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, deadline - time.monotonic())
-            if report.outcome == "behind" and not self._fresh:   # nobody left to load from: trains alone
-                self._reset_accumulators()
-                return report
             if report.outcome == "loaded":
                 self._reset_accumulators()
                 self._apply(report, averaged, zeros, 0)
@@ -384,8 +349,8 @@ class CollaborativeOptimizer:
                 return report
             while self._swarm_epoch() == epoch and time.monotonic() < deadline:
                 time.sleep(0.01)     # that round closed without this peer: wait for the swarm's next one
-        self._warn("load", "could not load the swarm's state within load_state_timeout=%.1f s; will retry at the "
-                   "next step", self.config.load_state_timeout)
+        log.warning("could not load the swarm's state within load_state_timeout=%.1f s; will retry at the next step",
+                    self.config.load_state_timeout)
         self._reset_accumulators()
         return None
 
@@ -421,7 +386,9 @@ class CollaborativeOptimizer:
             q = self.group.matchmake(epoch, attempt, weight > 0, excluded, deadline)
             attempt += 1
             if q is None and not self.group.gave_up:
-                self._left_behind(epoch)
+                log.warning("epoch %d: the swarm averaged without this peer (too late); it will load the "
+                            "swarm's state", epoch)
+                self._fresh = self._left_out = True
                 return RoundReport(epoch, "behind", 0, 0, time.monotonic() - t0), None
             if q is None:
                 log.warning("epoch %d: no averaging group formed within %.1f s; stepping with local gradients",
@@ -436,21 +403,6 @@ class CollaborativeOptimizer:
             log.warning("epoch %d: averaging did not finish within %.1f s; stepping with local gradients",
                         epoch, timeout)
         return RoundReport(epoch, "local", 1, weight, time.monotonic() - t0, own_samples=weight), None
-
-    def _left_behind(self, epoch: int) -> None:
-        """``epoch``'s round closed without this peer: load the swarm's state, or, with no live peer
-        left to load it from, train on alone from the first epoch nobody averaged (said once)."""
-        if self.group.live_peers():
-            self._warn("late", "epoch %d: the swarm averaged without this peer (too late); it will load the "
-                       "swarm's state", epoch)
-            self._fresh = self._left_out = True
-            return
-        start = self.group.first_open_epoch(epoch)
-        log.warning("epoch %d: the swarm averaged epochs up to %d without this peer and no live peer is left to "
-                    "load its state from: training on alone from epoch %d with this peer's own parameters",
-                    epoch, start - 1, start)
-        self.local_epoch = start
-        self._fresh = self._left_out = False
 
     def _header(self, my_epoch: int, weight: int, finite: bool) -> torch.Tensor:
         flags = (FLAG_AUX if self.config.auxiliary else 0) | (FLAG_CLIENT if self.config.client_mode else 0) \

@@ -65,10 +65,7 @@ class RoundReport:
     """What one epoch's averaging did (``CollaborativeOptimizer.last_round``)."""
 
     epoch: int
-    # "averaged": the round ran with the peers ready (``peers`` of them; 1 when this peer was alone);
-    # "local": averaging failed or timed out, this peer stepped with its own gradients;
-    # "loaded": this peer received the swarm's state; "behind": the round closed without this peer.
-    outcome: str
+    outcome: str                 # "averaged", "local" (timed out or alone), "loaded" (state received)
     peers: int = 1
     samples: int = 0
     seconds: float = 0.0
@@ -127,33 +124,6 @@ class RoundGroup(ElasticGroup):
             if b.strip() == b"-1":
                 out.add(i)
         return out
-
-    def live_peers(self) -> set[int]:
-        """The other peers that are live now: listed or admitted since, and not silent or gone."""
-        others = (self.live_members() | self._unlisted()) - {self.client.member_id}
-        return others - self._silent(others, time.monotonic())
-
-    def wait_for_peers(self, n: int, timeout: float) -> int:
-        """Wait until ``n`` peers, this one included, are live in the run; how many are. ShoalError after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            live = len(self.live_peers()) + 1
-            if live >= n:
-                return live
-            if time.monotonic() > deadline:
-                raise ShoalError(f"only {live} of {n} peers joined run {self.client.run_id!r} within {timeout:g} s: "
-                                 "start the others (same run_id, coordinator and token), or lower min_peers")
-            time.sleep(0.05)
-
-    def first_open_epoch(self, epoch: int) -> int:
-        """The first epoch from ``epoch`` on whose round nobody closed yet (what a lone late peer starts at).
-
-        A round closed with no members (by a peer that gave up waiting) counts as closed too: its
-        attempt could never be joined again.
-        """
-        while self.mm_store.check([self.key(f"mm/{epoch}/0/members")]):
-            epoch += 1
-        return epoch
 
     def _unlisted(self) -> set[int]:
         """Members admitted after the newest member of the coordinator's latest list: ids are given

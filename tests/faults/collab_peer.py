@@ -215,15 +215,11 @@ def train(spec: Spec, run_id: str, coordinator: str, token: str, life: int = 0,
     t_end = time.monotonic() + spec.max_seconds
     stop_at, seen_fewer = spec.epochs, life > 0
     reuse = bool(spec.options.get("reuse_grad_buffers"))
-    steps, first_round = 0, None   # step() calls, and how many came before its first averaged/loaded round
     while opt.local_epoch < stop_at and time.monotonic() < t_end:
         if role != "aux":
             x = torch.randn(spec.batch, 16, generator=g)
             F.mse_loss(net(x), torch.tanh(x @ w_true)).backward()
         report = opt.step()
-        steps += 1
-        if first_round is None and report is not None and report.outcome in ("averaged", "loaded"):
-            first_round = steps
         if role not in ("aux",) and not reuse:
             opt.zero_grad()
         if spec.pace:
@@ -239,7 +235,7 @@ def train(spec: Spec, run_id: str, coordinator: str, token: str, life: int = 0,
               "params": [p.detach().clone() for p in net.parameters()],
               "opt_params": [p.detach().clone() for p in opt.opt_params],
               "state_dict": opt.state_dict(), "progress": opt.swarm_progress(),
-              "extra": [t.clone() for t in extra], "steps": steps, "first_round": first_round}
+              "extra": [t.clone() for t in extra]}
     if on_result is not None:
         on_result(result)
     time.sleep(spec.linger)
