@@ -33,7 +33,7 @@ def test_a_peer_killed_mid_round_leaves_the_others_training_and_its_restart_catc
     # (collab_worker.py) that is SIGKILLed inside epoch 2's averaging. The harness restarts it, and
     # the new incarnation is a late joiner: it must load the swarm's state, then contribute.
     # Epochs 0 and 1 are ordinary 3-peer rounds.
-    common = {"target": TARGET, "epochs": 1000, "until_peers": 3, "pace": 0.02, "max_seconds": 60}
+    common = {"target": TARGET, "epochs": 1000, "until_peers": 3, "pace": 0.02, "max_seconds": 60, "start_peers": 3}
     coord = Coordinator(port=0, initial_workers=3, token=TOKEN).start()
     run_id = uuid.uuid4().hex[:8]
     spec = json.dumps({"common": common, "ranks": {"2": {"batch": 24, "role": "die"}}})

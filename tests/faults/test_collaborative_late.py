@@ -38,7 +38,7 @@ def test_a_peer_starting_after_all_others_left_trains_alone_and_finishes(caplog:
                                      hard_limit=50, coordinator=coord, run_id=run_id))
         assert all(r["epoch"] == 3 for r in first)
         with caplog.at_level(logging.WARNING, logger="shoal.collaborative"):
-            [alone] = finished(run_threads([Spec(rank=2, role="late", epochs=6, max_seconds=25, **common)], TOKEN,
+            [alone] = finished(run_threads([Spec(rank=2, start_peers=1, epochs=6, max_seconds=25, **common)], TOKEN,
                                            hard_limit=35, coordinator=coord, run_id=run_id))
     finally:
         coord.stop()
