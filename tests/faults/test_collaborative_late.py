@@ -54,28 +54,29 @@ def test_a_peer_starting_after_all_others_left_trains_alone_and_finishes(caplog:
 
 @pytest.mark.timeout(120)
 def test_a_late_joiner_wastes_at_most_one_round_before_loading_state() -> None:
-    # Two peers train; a third starts once they reached epoch 2. It finds epoch 0's round long
-    # closed: within one round it must load the swarm's state, then train with the others.
+    # A coordinator expecting two initial workers: the first peer (no start barrier) trains alone (its list is not out
+    # yet), the second starts once the first reached epoch 2. The second finds epoch 0's round long
+    # closed: within one round it must load the first peer's state, then train with it.
     coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
     run_id = uuid.uuid4().hex[:8]
-    common = {"target": TARGET, "epochs": 9, "pace": 0.02, "max_seconds": 60, "matchmaking": 2.0}
+    common = {"target": TARGET, "epochs": 7, "pace": 0.02, "max_seconds": 60, "matchmaking": 2.0, "linger": 3.0}
     try:
         with cf.ThreadPoolExecutor(1) as pool:
-            early = pool.submit(run_threads, [Spec(rank=0, **common), Spec(rank=1, **common)], TOKEN,
+            early = pool.submit(run_threads, [Spec(rank=0, role="late", **common)], TOKEN,
                                 hard_limit=100, coordinator=coord, run_id=run_id)
             t_end = time.monotonic() + 60
-            while time.monotonic() < t_end and not _reached(coord, run_id, 2):
+            while time.monotonic() < t_end and not _reached(coord, run_id, 2) and not early.done():
                 time.sleep(0.05)
-            [late] = finished(run_threads([Spec(rank=2, role="late", **common)], TOKEN, hard_limit=100,
+            [late] = finished(run_threads([Spec(rank=1, role="late", **common)], TOKEN, hard_limit=100,
                                           coordinator=coord, run_id=run_id))
-            others = finished(early.result())
+            [first] = finished(early.result())
     finally:
         coord.stop()
-    assert _behind(late) <= 1, f"the late peer threw away {_behind(late)} rounds: {late['log'][:5]}"
-    first = next(rec for rec in late["log"] if rec["outcome"] != "behind")
-    assert first["outcome"] == "loaded" and first["epoch"] >= 2, late["log"][:5]
-    assert late["epoch"] == 9
-    assert_equal_after_each_round([*others, late])
+    assert _behind(late) <= 1, f"the late peer threw away {_behind(late)} rounds: {late['log'][:3]}"
+    joined = next(rec for rec in late["log"] if rec["outcome"] != "behind")
+    assert joined["outcome"] == "loaded" and joined["epoch"] >= 2, late["log"][:3]
+    assert late["epoch"] == 7
+    assert_equal_after_each_round([first, late])
 
 
 def _reached(coord: Coordinator, run_id: str, epoch: int) -> bool:
