@@ -46,7 +46,7 @@ def dataset() -> tuple[torch.Tensor, torch.Tensor, str]:
         return x, y, "synthetic"
 
 
-def peer(rank: int, address: str, run_id: str, seconds: float, out: str) -> None:
+def peer(rank: int, address: str, run_id: str, seconds: float, out: str, peers: int) -> None:
     import shoal
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def peer(rank: int, address: str, run_id: str, seconds: float, out: str) -> None
     cfg = shoal.CollaborativeConfig(run_id=run_id, target_batch_size=512, batch_size_per_step=32,
                                     coordinator=address, token=TOKEN)
     opt = shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=1e-3), net.named_parameters(), config=cfg)
-    opt.group.client.wait_quorum(after=0, timeout=60)       # start together, as the hivemind run does
+    opt.wait_for_peers(peers, timeout=60)       # start together, as the hivemind run does
     g = torch.Generator().manual_seed(rank)
     t_end, losses, log = time.monotonic() + seconds, [], []
     while time.monotonic() < t_end:
@@ -106,14 +106,14 @@ def main() -> None:
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.peer is not None:
-        peer(a.peer, a.address, a.run_id, a.seconds, a.out)
+        peer(a.peer, a.address, a.run_id, a.seconds, a.out, a.peers)
         return
     from shoal.comm.membership import Coordinator
     coord = Coordinator(port=0, token=TOKEN, initial_workers=a.peers).start()
     out = tempfile.mkdtemp(prefix="shoal-collab-bench-")
     run_id = uuid.uuid4().hex[:8]
     procs = [subprocess.Popen([sys.executable, "-m", "shoal.bench.collaborative", "--peer", str(r), "--address",
-                               coord.address, "--run-id", run_id, "--out", out, "--seconds", str(a.seconds)],
+                               coord.address, "--run-id", run_id, "--out", out, "--seconds", str(a.seconds), "--peers", str(a.peers)],
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
              for r in range(a.peers)]
     killed_at = None

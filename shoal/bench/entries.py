@@ -207,7 +207,7 @@ def _collaborative(module: nn.Module, make_optimizer: OptimizerFactory, group: G
                                     matchmaking_time=1.0, average_state_every=0)
     opt = shoal.CollaborativeOptimizer(lambda ps: make_optimizer(cast(list[nn.Parameter], ps)),
                                        module.named_parameters(), config=cfg)
-    opt.group.client.wait_quorum(after=0, timeout=60.0)   # all ranks joined: nobody races ahead alone
+    opt.wait_for_peers(g.size, timeout=60.0)   # all ranks joined: nobody races ahead alone
     left = False
 
     def close() -> None:   # the worker's end of run; at exit too if the loop raised before it

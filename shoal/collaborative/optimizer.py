@@ -49,7 +49,6 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from shoal.comm.flat import flat_views
 from shoal.comm.streams import SideStream
 
 from shoal.codecs.base import Codec
@@ -57,9 +56,9 @@ from shoal.codecs.identity import Identity
 from shoal.collaborative.config import CollaborativeConfig
 from shoal.collaborative.progress import ProgressTracker, SwarmProgress
 from shoal.collaborative.records import RecordBook
+from shoal.collaborative.loading import StateMixin, Throttle
 from shoal.collaborative.rounds import RoundGroup, RoundReport
-from shoal.collaborative.state import average_tensors, decode_state, encode_state, exchange_state, stat_tensors
-from shoal.collaborative.validate import (FLAG_AUX, FLAG_CLIENT, FLAG_FRESH, HEADER_LEN, Verdict, encode_header,
+from shoal.collaborative.validate import (FLAG_AUX, FLAG_CLIENT, FLAG_FRESH, HEADER_LEN, encode_header,
                                           judge_headers, layout_digest)
 from shoal.errors import ConfigError, ShoalError
 
@@ -68,7 +67,7 @@ log = logging.getLogger("shoal.collaborative")
 OptimizerOrFactory = torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
-class CollaborativeOptimizer:
+class CollaborativeOptimizer(StateMixin):
     """Wraps a torch optimizer for training with peers that come and go; see the module docstring.
 
     Args:
@@ -120,6 +119,8 @@ class CollaborativeOptimizer:
         self._micro = 0
         self._fresh = True           # holds no swarm state yet (its header says so)
         self._left_out = False       # a round it tried to join closed without it: the swarm is ahead
+        self._alone = False          # said that it trains alone (once, until a round with others)
+        self._throttle = Throttle()  # repeated warnings: one line per 10 s
         self._scaler_good = 0
         self._digest = layout_digest(self.names, self.params)
         role = {"aux": cfg.auxiliary, "client": cfg.client_mode, "pid": os.getpid()}
@@ -157,12 +158,6 @@ class CollaborativeOptimizer:
                               "CollaborativeOptimizer sums their gradients in one flat buffer: move the model first")
         return [n for n, _ in named], [p for _, p in named]
 
-    def _zeros(self) -> torch.Tensor:
-        return torch.zeros(self._numel, dtype=torch.float32, device=self._device)
-
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return flat_views(flat, self.params)
-
     # --- the user's API ----------------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -179,6 +174,28 @@ class CollaborativeOptimizer:
                     p.grad = None
                 else:
                     p.grad.zero_()
+
+    def wait_for_peers(self, n: int, timeout: float = 60.0) -> int:
+        """Wait until at least ``n`` peers (this one included) are in the swarm; returns how many are.
+
+        A start barrier: without one the first peer to start trains alone until the others come
+        (each later one then loads its state). ShoalError if fewer than ``n`` are there after ``timeout`` s.
+
+        Example::
+
+            opt.wait_for_peers(4, timeout=120)   # all four peers start training together
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"wait_for_peers(n=...) must be an integer >= 1 (this peer included), got {n!r}")
+        deadline = time.monotonic() + timeout
+        while True:
+            count = len(self.group.live_others()) + 1
+            if count >= n:
+                return count
+            if time.monotonic() > deadline:
+                raise ShoalError(f"only {count} of {n} peers are in run {self.config.run_id!r} after {timeout} s: "
+                                 "start the others (same run_id, coordinator and token), or wait for fewer")
+            time.sleep(0.05)
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None,
              grad_scaler: Any = None) -> RoundReport | None:
@@ -285,7 +302,9 @@ class CollaborativeOptimizer:
         """Step with the round's mean (or, after a failed round, this peer's own gradients); advance the epoch."""
         if report.outcome == "local" and averaged is None and weight > 0:
             averaged = contrib / weight
-        if report.outcome != "behind":
+        if report.outcome == "behind":
+            self._left_behind(report.epoch)
+        else:
             if averaged is not None:
                 for p, g in zip(self.opt_params, self._views(averaged)):
                     p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
@@ -309,21 +328,6 @@ class CollaborativeOptimizer:
                 for p, q in zip(self.params, self.opt_params):
                     p.copy_(q)
 
-    def _swarm_epoch(self) -> int:
-        """The swarm's epoch as a majority of the live settled peers' signed records say (progress.py)."""
-        return self.tracker.global_epoch(sorted(self.group.live_members()))[0]
-
-    def _catch_up_epoch(self) -> int:
-        """The epoch a fresh peer should load state for, or its own epoch if it should just train.
-
-        A claim that a single settled peer makes (everybody else fresh, as at the start of a run)
-        is not reason enough to stop training and wait for state: that peer may be lying. The
-        fresh peer trains at its own epoch, and follows a lone claim only once a round it tried
-        to join closed without it.
-        """
-        epoch, witnesses = self.tracker.global_epoch(sorted(self.group.live_members()))
-        return epoch if witnesses >= 2 or self._left_out else self.local_epoch
-
     def _after_epoch(self, report: RoundReport) -> None:
         self.tracker.on_step(0, self.local_epoch, self._samples, force=True)
         self.tracker.ema.pause()
@@ -334,45 +338,6 @@ class CollaborativeOptimizer:
             log.info("epoch %d: %d peers, %d/%d samples, %.0f samples/s, %s with %d peers in %.1f s",
                      report.epoch, view.num_peers, report.samples, self.config.target_batch_size,
                      view.samples_per_second, report.outcome, report.peers, report.seconds)
-
-    def _catch_up(self) -> RoundReport | None:
-        """This peer is behind: take part in the swarm's next round with weight 0 and load its state."""
-        deadline = time.monotonic() + self.config.load_state_timeout
-        zeros = self._zeros()
-        while time.monotonic() < deadline:
-            epoch = self._swarm_epoch()
-            report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, deadline - time.monotonic())
-            if report.outcome == "loaded":
-                self._reset_accumulators()
-                self._apply(report, averaged, zeros, 0)
-                self._copy_back()
-                return report
-            while self._swarm_epoch() == epoch and time.monotonic() < deadline:
-                time.sleep(0.01)     # that round closed without this peer: wait for the swarm's next one
-        log.warning("could not load the swarm's state within load_state_timeout=%.1f s; will retry at the next step",
-                    self.config.load_state_timeout)
-        self._reset_accumulators()
-        return None
-
-    def _aux_step(self) -> RoundReport | None:
-        """An auxiliary peer: wait for the swarm to reach the target, then average with weight 0."""
-        deadline = time.monotonic() + self.config.averaging_timeout
-        while time.monotonic() < deadline:
-            epoch = max(self._catch_up_epoch(), self.local_epoch)   # a lone claim alone does not move it
-            if self.tracker.add_samples(epoch, 0) >= self.config.target_batch_size:
-                zeros = self._zeros()
-                report, averaged = self._round(epoch, self.local_epoch, zeros, 0, True, self.config.averaging_timeout)
-                if report.outcome in ("averaged", "loaded"):
-                    self._apply(report, averaged, zeros, 0)
-                    self._copy_back()
-                elif report.outcome == "behind":
-                    self._fresh = self._left_out = True
-                else:
-                    self.local_epoch = max(self.local_epoch, epoch + 1)   # nothing to apply: follow the swarm
-                return report
-            self.tracker.on_step(0, self.local_epoch, 0)
-            time.sleep(0.01)
-        return None
 
     # --- rounds ---------------------------------------------------------------------
     def _round(self, epoch: int, my_epoch: int, contrib: torch.Tensor, weight: int, finite: bool,
@@ -386,8 +351,7 @@ class CollaborativeOptimizer:
             q = self.group.matchmake(epoch, attempt, weight > 0, excluded, deadline)
             attempt += 1
             if q is None and not self.group.gave_up:
-                log.warning("epoch %d: the swarm averaged without this peer (too late); it will load the "
-                            "swarm's state", epoch)
+                log.debug("epoch %d: the round closed without this peer", epoch)
                 self._fresh = self._left_out = True
                 return RoundReport(epoch, "behind", 0, 0, time.monotonic() - t0), None
             if q is None:
@@ -455,84 +419,10 @@ class CollaborativeOptimizer:
             log.info("epoch %d: loaded the parameters of member %d (this peer started fresh)", epoch,
                      members[verdict.source or 0])
         self._fresh = self._left_out = False
-        return RoundReport(verdict.epoch, "averaged", g.size, samples, took, ex, verdict.weights[g.rank], src), averaged
-
-    def _robust_mean(self, contrib: torch.Tensor, weights: list[int], codec: Codec,
-                     tag: str) -> tuple[torch.Tensor | None, list[int]]:
-        """Weighted mean of the members' ``contrib`` (each a weight-scaled sum); see validate.py for the checks."""
-        g, total = self.group, sum(weights)
-        if total == 0:
-            return None, []
-        w, dev = weights[g.rank], g.device   # staged on the group's device, wherever contrib lives
-        work = contrib.to(dev, copy=True).mul_(g.size / total) if w > 0 \
-            else torch.zeros(self._numel, dtype=torch.float32, device=dev)
-        with torch.no_grad():
-            codec.mean(self._views(work), self.names, g, tag)
-        if g.error is not None or bool(torch.isfinite(work).all()):
-            return work, []
-        # Someone sent NaN/Inf into the sum: gather everyone's raw contribution to find them.
-        mine = contrib.to(dev) if w > 0 else torch.zeros(self._numel, dtype=torch.float32, device=dev)
-        everyone = torch.empty(g.size * self._numel, dtype=torch.float32, device=dev)
-        g.all_gather_into(everyone, mine, tag=tag + "/check").wait()
-        rows = everyone.view(g.size, self._numel)
-        finite = torch.isfinite(rows).all(dim=1).tolist()
-        bad = [r for r in range(g.size) if not finite[r] or (weights[r] == 0 and bool(rows[r].any()))]
-        good = [r for r in range(g.size) if r not in bad and weights[r] > 0]
-        members = g.quorum.members if g.quorum else ()
-        for r in bad:
-            log.warning("member %d sent non-finite or unweighted data in %s; excluded from this round's mean",
-                        members[r], tag)
-        if not good:
-            return None, bad
-        return rows[good].sum(dim=0) / sum(weights[r] for r in good), bad
-
-    # --- state: loading and averaging (wire format and collectives in state.py) ---------------
-    def _exchange_state(self, verdict: Verdict) -> bool:
-        """The source sends its state to the members that are behind or fresh; True if this peer loaded it."""
-        blob = exchange_state(self.group, verdict, self._state_blob, self.config.max_state_bytes,
-                              self.config.load_state_timeout)
-        if blob is None:
-            return False
-        q = self.group.quorum
-        return self._load_blob(blob, q.members[verdict.source] if q is not None and verdict.source is not None else -1,
-                               verdict.epoch)
-
-    def _full_state(self) -> dict[str, Any]:
-        return {"params": [p.detach() for p in self.opt_params], "extra": [t.detach() for t in self.extra],
-                "optimizer": self.optimizer.state_dict(), "local_epoch": self.local_epoch,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {}}
-
-    def _state_blob(self) -> torch.Tensor:
-        """This peer's full state as sent to a peer that loads it (through ``state_loading_codec``)."""
-        return encode_state(self._full_state(), self.config.state_loading_codec)
-
-    def _load_blob(self, blob: torch.Tensor, source: int, epoch: int) -> bool:
-        """Check a received state blob and, if usable, make it this peer's state; whether it was loaded.
-
-        ``epoch`` is the round's: the source's state must be of that epoch (or the next one, when the
-        source already advanced its epoch for a round it averages in the background).
-        """
-        state = decode_state(blob, self._full_state(), source, epochs=(epoch, epoch + 1))
-        if state is None:
-            return False
-        with torch.no_grad():
-            for p, v in zip(self.opt_params + self.extra, state["params"] + state["extra"]):
-                p.copy_(v)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"]:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.local_epoch = int(state["local_epoch"])
-        log.info("loaded state of epoch %d from member %d", self.local_epoch, source)
-        return True
-
-    def _average_state(self, skip: Sequence[int] = ()) -> bool:
-        """Average parameters, chosen optimizer statistics and extra tensors (equal weights); applied on commit.
-
-        ``skip``: ranks caught sending bad data earlier in the round, whose tensors are left out.
-        """
-        tensors, names = stat_tensors(self.opt_params, self.names, self.extra, self.optimizer,
-                                      self.config.average_opt_statistics)
-        return average_tensors(self.group, tensors, names, self.state_codec, skip)
+        if g.size == 1:    # nobody else was ready: honest about it (see RoundReport.outcome)
+            self._say_alone("no other peer was ready for the round")
+        self._alone = g.size == 1
+        return RoundReport(verdict.epoch, "averaged" if g.size > 1 else "local", g.size, samples, took, ex, verdict.weights[g.rank], src), averaged
 
     # --- progress, checkpoints, shutdown -------------------------------------------------
     def swarm_progress(self) -> SwarmProgress:

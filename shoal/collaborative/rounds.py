@@ -65,7 +65,8 @@ class RoundReport:
     """What one epoch's averaging did (``CollaborativeOptimizer.last_round``)."""
 
     epoch: int
-    outcome: str                 # "averaged", "local" (timed out or alone), "loaded" (state received)
+    outcome: str                 # "averaged" (with other peers), "local" (timed out, or no other peer was
+                                 # ready: peers == 1), "loaded" (state received), "behind" (closed without it)
     peers: int = 1
     samples: int = 0
     seconds: float = 0.0
@@ -124,6 +125,27 @@ class RoundGroup(ElasticGroup):
             if b.strip() == b"-1":
                 out.add(i)
         return out
+
+    def live_others(self) -> set[int]:
+        """The other peers that may still be in the swarm: listed, admitted since the list, or in the
+        last committed round, and heartbeating (a peer that left says so at once)."""
+        others = (self.live_members() | self._unlisted() | self._last_members()) - {self.client.member_id}
+        return others - self._silent(others, time.monotonic())
+
+    def first_open_epoch(self, start: int) -> int:
+        """The first epoch from ``start`` on whose round has no member list yet (rounds close in epoch order)."""
+        def closed(e: int) -> bool:
+            return bool(self.mm_store.check([self.key(f"mm/{e}/0/members")]))
+        if not closed(start):
+            return start
+        lo, step = start, 1              # lo is closed; find an open one by doubling, then bisect
+        while closed(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if closed(mid) else (lo, mid)
+        return hi
 
     def _unlisted(self) -> set[int]:
         """Members admitted after the newest member of the coordinator's latest list: ids are given

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -63,6 +63,7 @@ class Spec:
     loading_codec: str | None = None                        # "fp16": state_loading_codec=Cast(float16)
     state_shift: float = 0.0                                # added to the parameters before state averaging
     options: dict[str, Any] = field(default_factory=dict)  # further CollaborativeConfig fields
+    start_peers: int = 0            # wait for this many peers before training (run_threads: the coordinator's initial workers)
 
 
 def digest(tensors: list[torch.Tensor]) -> float:
@@ -207,9 +208,8 @@ def train(spec: Spec, run_id: str, coordinator: str, token: str, life: int = 0,
     log: list[dict[str, Any]] = []
     _record_epochs(opt, spec, log)
     if role != "late":
-        # A start barrier for the test only: the coordinator publishes its first quorum once all
-        # initial peers joined, so no peer races through epochs alone while the others start.
-        opt.group.client.wait_quorum(after=0, timeout=30.0)
+        # The public start barrier: no peer races through epochs alone while the others start.
+        opt.wait_for_peers(max(spec.start_peers, 1), timeout=30.0)
     g = torch.Generator().manual_seed(1000 + spec.rank)
     w_true = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
     t_end = time.monotonic() + spec.max_seconds
@@ -254,6 +254,7 @@ def run_threads(specs: list[Spec], token: str, hard_limit: float = 60.0, coordin
     """
     torch.set_num_threads(1)
     coord = coordinator or Coordinator(port=0, initial_workers=len(specs), token=token).start()
+    specs = [s if s.start_peers else replace(s, start_peers=coord.initial_workers) for s in specs]
     run_id = run_id or uuid.uuid4().hex[:8]
     out: list[dict[str, Any] | BaseException | None] = [None] * len(specs)
 

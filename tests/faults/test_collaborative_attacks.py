@@ -40,7 +40,7 @@ def test_a_peer_lying_about_its_epoch_is_excluded_and_never_loaded_from(tmp_path
     # Without the header rule the liar is the only member at the round's (claimed) epoch, hence the
     # source every honest peer loads its +100-shifted parameters from; without the majority rule
     # the honest peers' view of the swarm's epoch is a million.
-    common = {"target": 96, "epochs": 4, "max_seconds": 40}
+    common = {"target": 96, "epochs": 4, "max_seconds": 40, "start_peers": 3}
     coord = Coordinator(port=0, initial_workers=3, token=TOKEN).start()
     run_id = uuid.uuid4().hex[:8]
     spec = json.dumps({"common": common, "ranks": {"2": {"batch": 16, "role": "epochlie", "max_seconds": 12,

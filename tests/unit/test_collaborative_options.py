@@ -140,7 +140,7 @@ def test_delay_optimizer_step_applies_the_update_at_the_next_step(coord: Coordin
     _backward(net, 1)
     report = opt.step()
     opt.zero_grad()
-    assert report is not None and report.outcome == "averaged" and opt.local_epoch == 1
+    assert report is not None and report.outcome == "local" and report.peers == 1 and opt.local_epoch == 1
     assert opt._pending is not None
     opt._pending.result()                          # the background step is done...
     assert _same(list(net.parameters()), before), "...but the model must not change before the next step()"
@@ -266,7 +266,7 @@ def test_verbose_logs_one_line_per_epoch_in_the_documented_format(coord: Coordin
         matched = [m for m in epochs if m is not None]
         assert [int(m.group(1)) for m in matched] == [0, 1, 2], lines
         for m in matched:
-            assert m.group(2) == "1" and m.group(3) == m.group(4) == "8" and m.group(6) == "averaged", m.group(0)
+            assert m.group(2) == "1" and m.group(3) == m.group(4) == "8" and m.group(6) == "local", m.group(0)
     finally:
         logger.setLevel(level)
 
