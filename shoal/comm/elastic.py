@@ -238,6 +238,8 @@ class ElasticGroup(ElasticCollectives):
             self.step += 1
             self._healed_since_commit = False
             self.stats.commits += 1
+            if self.stats.commits == 1:   # once per life: the launcher reads it (shoal.cli.elastic_launch)
+                self._mark("trained")
             self.discards.reset()
             for fn in hooks.on_commit:
                 fn()
@@ -338,6 +340,11 @@ class ElasticGroup(ElasticCollectives):
         plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit)
         if plan is None:
             return
+        if plan.from_scratch and self._store_add("finished", 0) > 0:
+            self._depart()
+            raise ShoalError(f"run {self.client.run_id!r} is over: every worker that trained it has finished "
+                                "and left, and this quorum holds none of its state; this worker would train "
+                                "from scratch alone, so it stops (start a new run with a new run id instead)")
         self.quorum = replace(q, max_step=plan.top)
         if plan.needy:
             blob = send_state(self, plan, self._blob, self.heal_chunk)
@@ -360,7 +367,7 @@ class ElasticGroup(ElasticCollectives):
     def _load_blob(self, blob: torch.Tensor, src: int) -> None:
         """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it."""
         member = self.quorum.members[src] if self.quorum is not None else "?"
-        load_blob(self._hooks().states, blob, src, member, self.leave)
+        load_blob(self._hooks().states, blob, src, member, self._depart)
 
     def _abandon(self) -> None:
         self.link.retire(self.pg)
@@ -372,9 +379,42 @@ class ElasticGroup(ElasticCollectives):
         self.link.release()
 
     def leave(self) -> None:
-        """Leave the run: the others go on without this worker (at most one step is discarded)."""
+        """Leave the run: the others go on without this worker (at most one step is discarded).
+
+        A worker that committed a step in this life is marked as having finished
+        its part of the run (``finished/<RANK>-<SHOAL_RESTART>`` in the store):
+        ``shoal run --elastic`` does not restart it, and a run whose every
+        trained worker finished is over (docs/elastic.md, "When the run is over").
+        """
+        if self.stats.commits > 0:
+            self._mark("finished")
+            self._store_add("finished", 1)
+        self._depart()
+
+    def _depart(self) -> None:
+        """Leave without the finished mark (a refused heal: the launcher may restart this worker)."""
         self.client.leave()
         self._abandon()
+
+    def _label(self) -> str:
+        """This life's launcher label, ``RANK-SHOAL_RESTART`` (``m<member id>`` outside a launcher)."""
+        rank = os.environ.get("RANK")
+        return f"{rank}-{os.environ.get('SHOAL_RESTART', '0')}" if rank else f"m{self.client.member_id}"
+
+    def _mark(self, what: str) -> None:
+        self._store_set(f"{what}/{self._label()}", "1")
+
+    def _store_set(self, key: str, value: str) -> None:
+        try:
+            self.client.store.set(self.client.key(key), value)
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody is left to read it
+            pass
+
+    def _store_add(self, key: str, n: int) -> int:
+        try:
+            return int(self.client.store.add(self.client.key(key), n))
+        except Exception:  # noqa: BLE001 - as above
+            return 0
 
     def __repr__(self) -> str:
         qid = self.quorum.qid if self.quorum else None

@@ -5,9 +5,9 @@ buffer of -inf above the diagonal (the form torch's
 ``nn.Transformer.generate_square_subsequent_mask`` returns), so every heal
 sends legitimately non-finite state. shoal DDP on an ElasticGroup trains
 ``--steps`` steps; each life writes ``<out>/<rank>-<life>.pt`` (parameters,
-committed steps, heals) and leaves. ``--fail-after-leave RANK``: that rank's
-first life exits 1 right after its last step and its leave (a crash at the
-very end of the run).
+committed steps, heals) and leaves. ``--crash-at-end RANK``: that rank's
+first life exits 1 right after its last step, after its leave
+(``--crash-before-leave``: instead of it): a crash at the very end of the run.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--fail-after-leave", type=int, default=-1)
+    ap.add_argument("--crash-at-end", type=int, default=-1)
+    ap.add_argument("--crash-before-leave", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -65,8 +66,12 @@ def main() -> None:
     params = [p.detach().clone() for p in net.parameters()]
     result = {"rank": rank, "life": life, "params": params, "step": group.step, "heals": group.stats.heals_received,
               "mask_ok": torch.equal(net.mask, torch.triu(torch.full((T, T), float("-inf")), 1))}
+    crash = rank == a.crash_at_end and life == 0
+    if crash and a.crash_before_leave:
+        torch.save(result, os.path.join(a.out, f"{rank}-{life}.pt"))
+        os._exit(1)
     save_and_leave(a.out, rank, life, result, group)
-    if rank == a.fail_after_leave and life == 0:
+    if crash:
         sys.exit(1)
 
 
