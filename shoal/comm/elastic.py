@@ -73,7 +73,7 @@ from shoal.comm.elastic_heal import (CONTROL_TAG, HEAL_CHUNK, HEAL_TAG, healed_b
 from shoal.comm.elastic_pg import BackendFactory, BackendSpec, ElasticCollectives, ElasticStats, Link, gloo_backend
 from shoal.comm.elastic_sub import ElasticHostGroups, ElasticSubgroup
 from shoal.comm.elastic_vote import Ballot, DiscardStreak, Failures
-from shoal.comm.group import Group
+from shoal.comm.group import Group, Handle
 from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.rules import Partition
@@ -155,6 +155,9 @@ class ElasticGroup(ElasticCollectives):
         self.stats = ElasticStats()
         self._snapshots: dict[str, Any] = {}
         self._in_step = False
+        self._loose: list[Handle] = []   # collectives issued outside a step on this quorum, not yet told
+        self._loose_n = 0                # how many such collectives this quorum has had (told at the next
+        #                                  begin_step or leave: see _tell_loose)
         self._after = 0              # adopt a quorum newer than this one at the next begin_step
         self._fresh = True           # holds no state received from the run yet
         self._healed_since_commit = False  # loaded a heal since this member's last committed step
@@ -207,6 +210,7 @@ class ElasticGroup(ElasticCollectives):
             fn()
         if self._in_step:
             return
+        self._tell_loose()
         self.newcomers = ()
         self.link.release()
         if self.client.member_id == 0:
@@ -215,6 +219,7 @@ class ElasticGroup(ElasticCollectives):
             t0 = time.monotonic()
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
+            self._loose, self._loose_n = [], 0   # the heal's collectives (not the same on every member)
         self._snapshots = snapshot(hooks.states)
         self.error = None
         self._in_step = True
@@ -389,7 +394,49 @@ class ElasticGroup(ElasticCollectives):
         if self.stats.commits > 0:
             self._mark("finished")
             self._store_add("finished", 1)
+        self._await_loose()
         self._depart()
+
+    # --- collectives outside a step ---------------------------------------------------------
+    # A collective issued outside a step (ZeroRedundancyOptimizer.consolidate_state_dict's gather, a
+    # logged metric) is voted on by nobody: a member that finished it may leave at once, and its leave
+    # makes the coordinator abort the quorum under a slower member still inside it. So each member tells
+    # the quorum (a store count per collective total) once it is past such collectives, at its next
+    # begin_step or leave, and leave() waits until every member has, before departing.
+    def _issue(self, tag: str, result: Any, launch: Callable[[Any], Any],
+               post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
+        handle = super()._issue(tag, result, launch, post, whole)
+        if not self._in_step and self.size > 1:
+            self._loose.append(handle)
+            self._loose_n += 1
+        return handle
+
+    def _tell_loose(self) -> str | None:
+        """Wait for this quorum's collectives outside a step and count this member past them;
+        the count's store key (None: there were none, or they failed)."""
+        if not self._loose or self.quorum is None:
+            return None
+        for h in self._loose:
+            h.wait()
+        self._loose = []
+        if self.error is not None:
+            return None
+        key = f"{self.quorum.prefix}loose/{self._loose_n}"
+        self.client.store.add(key, 1)
+        return key
+
+    def _await_loose(self) -> None:
+        """Before leaving: wait until every member is past this quorum's collectives outside a step
+        (bounded by ``Timeouts.quorum``; a failure or a newer quorum ends the wait)."""
+        key = self._tell_loose()
+        if key is None or self.quorum is None:
+            return
+        qid, deadline = self.quorum.qid, time.monotonic() + self.timeouts.quorum
+        st = self.client.store
+        while st.add(key, 0) < self.size and time.monotonic() < deadline:
+            if self.link.failures.aborted or self.client.latest() > qid:
+                return
+            time.sleep(0.002)
 
     def _depart(self) -> None:
         """Leave without the finished mark (a refused heal: the launcher may restart this worker)."""
