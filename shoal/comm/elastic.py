@@ -386,6 +386,10 @@ class ElasticGroup(ElasticCollectives):
     def leave(self) -> None:
         """Leave the run: the others go on without this worker (at most one step is discarded).
 
+        An orderly departure: after collectives issued outside a step (e.g.
+        ``consolidate_state_dict``) it first waits until every member of the
+        quorum is past them (bounded by ``Timeouts.quorum``; docs/elastic.md, "Leaving").
+
         A worker that committed a step in this life is marked as having finished
         its part of the run (``finished/<RANK>-<SHOAL_RESTART>`` in the store):
         ``shoal run --elastic`` does not restart it, and a run whose every
