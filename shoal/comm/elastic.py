@@ -155,9 +155,8 @@ class ElasticGroup(ElasticCollectives):
         self.stats = ElasticStats()
         self._snapshots: dict[str, Any] = {}
         self._in_step = False
-        self._loose: list[Handle] = []   # collectives issued outside a step on this quorum, not yet told
-        self._loose_n = 0                # how many such collectives this quorum has had (told at the next
-        #                                  begin_step or leave: see _tell_loose)
+        self._pending: list[Handle] = []  # collectives issued on this quorum since the last _tell
+        self._issued = self._told = 0     # collectives issued on this quorum; the count last published
         self._after = 0              # adopt a quorum newer than this one at the next begin_step
         self._fresh = True           # holds no state received from the run yet
         self._healed_since_commit = False  # loaded a heal since this member's last committed step
@@ -210,7 +209,7 @@ class ElasticGroup(ElasticCollectives):
             fn()
         if self._in_step:
             return
-        self._tell_loose()
+        self._tell()
         self.newcomers = ()
         self.link.release()
         if self.client.member_id == 0:
@@ -219,7 +218,7 @@ class ElasticGroup(ElasticCollectives):
             t0 = time.monotonic()
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
-            self._loose, self._loose_n = [], 0   # the heal's collectives (not the same on every member)
+            self._pending, self._issued, self._told = [], 0, 0   # the heal's collectives differ per member
         self._snapshots = snapshot(hooks.states)
         self.error = None
         self._in_step = True
@@ -237,6 +236,7 @@ class ElasticGroup(ElasticCollectives):
                              "(shoal's DistributedDataParallel does so in forward)")
         self._in_step = False
         q, hooks = self.quorum, self._hooks()
+        self._tell()   # a member leaving in this step waits for it (see _await_peers)
         verdict = self._vote(q)
         self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
         if verdict.startswith("commit"):
@@ -386,9 +386,10 @@ class ElasticGroup(ElasticCollectives):
     def leave(self) -> None:
         """Leave the run: the others go on without this worker (at most one step is discarded).
 
-        An orderly departure: after collectives issued outside a step (e.g.
-        ``consolidate_state_dict``) it first waits until every member of the
-        quorum is past them (bounded by ``Timeouts.quorum``; docs/elastic.md, "Leaving").
+        An orderly departure: it first waits until every member of the quorum
+        is past the collectives this member went through (e.g.
+        ``consolidate_state_dict``'s gather after the last step; bounded by
+        ``Timeouts.quorum``; docs/elastic.md, "Leaving").
 
         A worker that committed a step in this life is marked as having finished
         its part of the run (``finished/<RANK>-<SHOAL_RESTART>`` in the store):
@@ -398,47 +399,52 @@ class ElasticGroup(ElasticCollectives):
         if self.stats.commits > 0:
             self._mark("finished")
             self._store_add("finished", 1)
-        self._await_loose()
+        self._await_peers()
         self._depart()
 
-    # --- collectives outside a step ---------------------------------------------------------
-    # A collective issued outside a step (ZeroRedundancyOptimizer.consolidate_state_dict's gather, a
-    # logged metric) is voted on by nobody: a member that finished it may leave at once, and its leave
-    # makes the coordinator abort the quorum under a slower member still inside it. So each member tells
-    # the quorum (a store count per collective total) once it is past such collectives, at its next
-    # begin_step or leave, and leave() waits until every member has, before departing.
+    # --- an orderly leave ----------------------------------------------------------------------
+    # Collectives that no vote covers (ZeroRedundancyOptimizer.consolidate_state_dict's gather after the
+    # last step) end at different times on different members: one that finished may leave at once, and its
+    # leave makes the coordinator abort the quorum under a slower member still inside. So each member
+    # publishes how many collectives it has been through on this quorum (``past/<member id>`` under the
+    # quorum's prefix) before each vote, at each begin_step and at its leave, and leave() waits until every
+    # member has published at least its own count.
     def _issue(self, tag: str, result: Any, launch: Callable[[Any], Any],
                post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
         handle = super()._issue(tag, result, launch, post, whole)
-        if not self._in_step and self.size > 1:
-            self._loose.append(handle)
-            self._loose_n += 1
+        if self.size > 1:
+            self._pending.append(handle)
+            self._issued += 1
         return handle
 
-    def _tell_loose(self) -> str | None:
-        """Wait for this quorum's collectives outside a step and count this member past them;
-        the count's store key (None: there were none, or they failed)."""
-        if not self._loose or self.quorum is None:
-            return None
-        for h in self._loose:
-            h.wait()
-        self._loose = []
-        if self.error is not None:
-            return None
-        key = f"{self.quorum.prefix}loose/{self._loose_n}"
-        self.client.store.add(key, 1)
-        return key
+    def _tell(self) -> None:
+        """Publish this member's collective count on this quorum, if it grew since the last time."""
+        if self._issued > self._told and self.quorum is not None:
+            self._pending = []
+            try:
+                self.client.store.set(f"{self.quorum.prefix}past/{self.client.member_id}", str(self._issued))
+            except Exception:  # noqa: BLE001 - the coordinator is gone: the step fails on its own
+                pass
+            self._told = self._issued
 
-    def _await_loose(self) -> None:
-        """Before leaving: wait until every member is past this quorum's collectives outside a step
-        (bounded by ``Timeouts.quorum``; a failure or a newer quorum ends the wait)."""
-        key = self._tell_loose()
-        if key is None or self.quorum is None:
+    def _await_peers(self) -> None:
+        """Before leaving: wait until every member is past this member's collectives on this quorum
+        (bounded by ``Timeouts.quorum``; a failure, an abort or a newer quorum ends the wait)."""
+        q = self.quorum
+        if q is None or self._issued == 0 or self.size == 1:
             return
-        qid, deadline = self.quorum.qid, time.monotonic() + self.timeouts.quorum
-        st = self.client.store
-        while st.add(key, 0) < self.size and time.monotonic() < deadline:
-            if self.link.failures.aborted or self.client.latest() > qid:
+        for h in self._pending:
+            h.wait()
+        mine = self._issued
+        self._tell()
+        if self.error is not None:
+            return
+        st, deadline = self.client.store, time.monotonic() + self.timeouts.quorum
+        keys = [f"{q.prefix}past/{m}" for m in q.members]
+        while time.monotonic() < deadline:
+            if st.check(keys) and all(int(v) >= mine for v in st.multi_get(keys)):
+                return
+            if self.link.failures.aborted or self.client.latest() > q.qid:
                 return
             time.sleep(0.002)
 
