@@ -14,7 +14,14 @@ launcher's supervisor through its ``on_exit`` and ``on_tick`` hooks:
   ``r % H``), and the coordinator is a :class:`NamespacedCoordinator` in host
   0's namespace (the hosts cannot reach the launcher's);
 - the run goes on while at least ``min_workers`` workers live; it ends when
-  all have exited, with code 0 if every last incarnation exited 0.
+  all have exited, with code 0 if every last incarnation exited 0;
+- the run is over once a worker finished its part (it left the group after
+  committing steps: ``ElasticGroup.leave`` marks it in the coordinator's
+  store, see :class:`RunEnd`) and no live worker has trained: a worker that
+  exits non-zero after finishing its part, or once the run is over, is not
+  restarted and fails nothing, and workers still waiting to join a run that
+  is over are stopped (a restart would wait for a quorum that cannot form,
+  or train alone from scratch).
 
 In elastic mode ``RANK`` labels a worker; its place in the group is
 ``group.rank``, which changes with each quorum.
@@ -105,6 +112,41 @@ class _Spawn:
     restarts: int = 0
 
 
+class RunEnd:
+    """What the workers' marks in the coordinator's store say about the run's end.
+
+    An elastic worker marks ``<run>/trained/<RANK>-<life>`` at its first
+    committed step and, when it leaves after training,
+    ``<run>/finished/<RANK>-<life>`` (and counts ``<run>/finished``).
+
+    Example::
+
+        end = RunEnd("127.0.0.1:29400", "a1b2c3")
+        end.finished(2, 0)        # did rank 2's first life finish its part?
+    """
+
+    def __init__(self, address: str, run_id: str) -> None:
+        from shoal.comm.membership import connect
+
+        self.store = connect(address, 30.0)
+        self.run_id = run_id
+
+    def _has(self, key: str) -> bool:
+        return bool(self.store.check([f"{self.run_id}/{key}"]))
+
+    def finished(self, rank: int, life: int) -> bool:
+        """Whether this life of ``rank`` left the run after committing steps."""
+        return self._has(f"finished/{rank}-{life}")
+
+    def trained(self, rank: int, life: int) -> bool:
+        """Whether this life of ``rank`` committed a step."""
+        return self._has(f"trained/{rank}-{life}")
+
+    def any_finished(self) -> bool:
+        """Whether some worker left the run after committing steps."""
+        return int(self.store.add(f"{self.run_id}/finished", 0)) > 0
+
+
 class ElasticSupervisor(_Supervisor):
     """Restarts crashed workers and starts joiners; see the module docstring."""
 
@@ -115,12 +157,46 @@ class ElasticSupervisor(_Supervisor):
         self.spawns: dict[int, _Spawn] = {}
         self.pending_joins = sorted(spec.joins)
         self.label: Callable[[int], int] = lambda i: i  # worker i's RANK label (interleaved across machines)
+        self.end: RunEnd | None = None   # set by the launcher once the coordinator serves
+        self.clean_exit = False          # some worker exited 0
+        self.over = False                # the run is over (see the module docstring)
+        self._next_check = 0.0
 
     def start(self, argv: list[str], env: dict[str, str], rank: int, host: int, local_rank: int) -> None:
         self.spawns.setdefault(rank, _Spawn(list(argv), dict(env), host, local_rank))
         super().start(argv, env, rank, host, local_rank)
 
+    def _life(self, w: _Worker) -> int:
+        return self.spawns[w.rank].restarts
+
+    def _run_over(self) -> bool:
+        """Some worker finished its part and no live worker has trained (checked in the store)."""
+        if self.end is None or self.over:
+            return self.over
+        try:
+            if not (self.clean_exit or self.end.any_finished()):
+                return False
+            self.over = not any(self.end.trained(w.rank, self._life(w)) for w in self.workers if w.code is None)
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the workers will fail on their own
+            return False
+        return self.over
+
+    def _stop_if_over(self, elapsed: float) -> None:
+        if elapsed < self._next_check or not self.clean_exit or self.over:
+            return
+        self._next_check = elapsed + 0.2
+        if self._run_over():
+            for w in self.workers:
+                if w.code is None:
+                    self.note(f"the run is over (its workers finished); stopping rank {w.rank}, which has not "
+                              "trained in it")
+                    try:
+                        os.killpg(w.proc.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+
     def on_tick(self, elapsed: float) -> None:
+        self._stop_if_over(elapsed)
         while self.pending_joins and elapsed >= self.pending_joins[0]:
             at = self.pending_joins.pop(0)
             rank = len(self.workers)
@@ -138,9 +214,12 @@ class ElasticSupervisor(_Supervisor):
 
     def on_exit(self, w: _Worker) -> bool:
         if w.code == 0:
+            self.clean_exit = True
             return False
         spawn = self.spawns[w.rank]
         how = "killed as scheduled" if w.injected_kill else f"exited with code {w.code}"
+        if self.end is not None and self._ended_for(w, how):
+            return False
         if spawn.restarts < self.spec.max_restarts:
             spawn.restarts += 1
             self.note(f"rank {w.rank} {how}; restarting it ({spawn.restarts}/{self.spec.max_restarts})")
@@ -159,6 +238,23 @@ class ElasticSupervisor(_Supervisor):
         self.note(f"rank {w.rank} {how}; only {alive} workers left (< --min-workers "
                   f"{self.spec.min_workers}): stopping the run")
         return True
+
+    def _ended_for(self, w: _Worker, how: str) -> bool:
+        """True (and noted) when ``w``'s non-zero exit needs no restart and fails nothing: it had
+        finished its part of the run, or the run is over."""
+        assert self.end is not None
+        try:
+            done = self.end.finished(w.rank, self._life(w))
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the usual policy applies
+            return False
+        if done:
+            self.note(f"rank {w.rank} {how} after it finished its part of the run (it left after training); "
+                      "not restarting it")
+            return True
+        if self._run_over():
+            self.note(f"rank {w.rank} {how}; the run is over (its workers finished): not restarting it")
+            return True
+        return False
 
 
 class NamespacedCoordinator:
@@ -286,4 +382,4 @@ class NamespacedCoordinator:
             self._pump.join(timeout=5)
 
 
-__all__ = ["COORDINATOR_PORT", "ElasticLaunch", "ElasticSupervisor", "NamespacedCoordinator"]
+__all__ = ["COORDINATOR_PORT", "ElasticLaunch", "ElasticSupervisor", "NamespacedCoordinator", "RunEnd"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
-from shoal.cli.elastic_launch import ElasticLaunch, ElasticSupervisor, NamespacedCoordinator
+from shoal.cli.elastic_launch import ElasticLaunch, ElasticSupervisor, NamespacedCoordinator, RunEnd
 from shoal.cli.nodes import NodeLayout, NodeRendezvous, NodeSpec, interface_of, route_address
 from shoal.cli.supervise import _free_port, _Output, _Supervisor, _trap_signals, _Worker
 from shoal.errors import ConfigError, ShoalError
@@ -240,6 +240,12 @@ def _elastic_env(stack: ExitStack, spec: ElasticLaunch, world: int, emu: Emulate
         address = coord.address
     env = {"SHOAL_COORDINATOR": address, "SHOAL_MIN_WORKERS": str(spec.min_workers), "SHOAL_TOKEN": token,
            "SHOAL_RUN_ID": base_env.get("SHOAL_RUN_ID") or uuid.uuid4().hex[:12]}
+    if emu is None and isinstance(sup, ElasticSupervisor):   # (a namespace's address is out of our reach)
+        try:
+            sup.end = RunEnd(address, env["SHOAL_RUN_ID"])
+        except Exception as e:  # noqa: BLE001 - the run still works; only its end is not seen
+            sup.note(f"cannot read the run's end from the coordinator at {address} ({e}); a worker that "
+                     "crashes after finishing will be restarted")
     return env, ready
 
 

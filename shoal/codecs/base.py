@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from shoal.comm.finite import finite_flags as comm_finite_flags
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
@@ -155,8 +156,9 @@ def check_inputs(tensors: Sequence[torch.Tensor], names: Sequence[str], who: str
     for t, n in zip(tensors, names):
         if not t.is_floating_point():
             raise TypeError(
-                f"{who}: tensor {n!r} has dtype {t.dtype}; codecs average floating tensors "
-                "(fp32, bf16, fp16), an integer mean is not representable"
+                f"{who}: tensor {n!r} has dtype {t.dtype}; codecs average real floating-point tensors "
+                "(fp64, fp32, bf16, fp16): an integer mean is not representable, and a complex tensor must "
+                "travel as its real pairs (torch.view_as_real); plain DDP and Sync average complex gradients"
             )
         if t.device != device:
             raise ConfigError(f"{who}: tensor {n!r} is on {t.device} but the first tensor is on {device}")
@@ -209,20 +211,16 @@ def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 def finite_flags(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per tensor, on the tensors' device: is every element finite? (a bool vector, no host sync).
 
-    One fused L2 norm per call, accumulated in fp32 (``torch._foreach_norm``;
-    see :func:`shoal.comm.finite.nonfinite_flag` for why L2 and its one
-    overflow case). Codecs use it to keep their
-    state where a mean went non-finite with ``torch.where``, never reading
-    the result on the host between collectives.
+    One fused L2 norm per dtype (:func:`shoal.comm.finite.finite_flags`; see
+    :func:`shoal.comm.finite.nonfinite_flag` for the accumulation dtypes and
+    the one overflow case). Codecs use it to keep their state where a mean
+    went non-finite with ``torch.where``, never reading the result on the
+    host between collectives.
 
     >>> finite_flags([torch.ones(2), torch.tensor([float("inf")]), torch.ones(0)]).tolist()
     [True, False, True]
     """
-    if not tensors:
-        return torch.ones(0, dtype=torch.bool, device="cpu")
-    empty = torch.zeros(1, device=tensors[0].device)   # an empty tensor is finite
-    norms = torch._foreach_norm([t.detach() if t.numel() else empty for t in tensors], 2.0, dtype=torch.float32)
-    return torch.stack(norms).isfinite()
+    return comm_finite_flags(tensors)
 
 
 class NonfiniteCounter:

@@ -73,7 +73,7 @@ from shoal.comm.elastic_heal import (CONTROL_TAG, HEAL_CHUNK, HEAL_TAG, healed_b
 from shoal.comm.elastic_pg import BackendFactory, BackendSpec, ElasticCollectives, ElasticStats, Link, gloo_backend
 from shoal.comm.elastic_sub import ElasticHostGroups, ElasticSubgroup
 from shoal.comm.elastic_vote import Ballot, DiscardStreak, Failures
-from shoal.comm.group import Group
+from shoal.comm.group import Group, Handle
 from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.rules import Partition
@@ -155,6 +155,8 @@ class ElasticGroup(ElasticCollectives):
         self.stats = ElasticStats()
         self._snapshots: dict[str, Any] = {}
         self._in_step = False
+        self._pending: list[Handle] = []  # collectives issued on this quorum since the last _tell
+        self._issued = self._told = 0     # collectives issued on this quorum; the count last published
         self._after = 0              # adopt a quorum newer than this one at the next begin_step
         self._fresh = True           # holds no state received from the run yet
         self._healed_since_commit = False  # loaded a heal since this member's last committed step
@@ -207,6 +209,7 @@ class ElasticGroup(ElasticCollectives):
             fn()
         if self._in_step:
             return
+        self._tell()
         self.newcomers = ()
         self.link.release()
         if self.client.member_id == 0:
@@ -215,6 +218,7 @@ class ElasticGroup(ElasticCollectives):
             t0 = time.monotonic()
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
+            self._pending, self._issued, self._told = [], 0, 0   # the heal's collectives differ per member
         self._snapshots = snapshot(hooks.states)
         self.error = None
         self._in_step = True
@@ -232,12 +236,15 @@ class ElasticGroup(ElasticCollectives):
                              "(shoal's DistributedDataParallel does so in forward)")
         self._in_step = False
         q, hooks = self.quorum, self._hooks()
+        self._tell()   # a member leaving in this step waits for it (see _await_peers)
         verdict = self._vote(q)
         self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
         if verdict.startswith("commit"):
             self.step += 1
             self._healed_since_commit = False
             self.stats.commits += 1
+            if self.stats.commits == 1:   # once per life: the launcher reads it (shoal.cli.elastic_launch)
+                self._mark("trained")
             self.discards.reset()
             for fn in hooks.on_commit:
                 fn()
@@ -338,6 +345,11 @@ class ElasticGroup(ElasticCollectives):
         plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit)
         if plan is None:
             return
+        if plan.from_scratch and self._store_add("finished", 0) > 0:
+            self._depart()
+            raise ShoalError(f"run {self.client.run_id!r} is over: every worker that trained it has finished "
+                                "and left, and this quorum holds none of its state; this worker would train "
+                                "from scratch alone, so it stops (start a new run with a new run id instead)")
         self.quorum = replace(q, max_step=plan.top)
         if plan.needy:
             blob = send_state(self, plan, self._blob, self.heal_chunk)
@@ -360,7 +372,7 @@ class ElasticGroup(ElasticCollectives):
     def _load_blob(self, blob: torch.Tensor, src: int) -> None:
         """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it."""
         member = self.quorum.members[src] if self.quorum is not None else "?"
-        load_blob(self._hooks().states, blob, src, member, self.leave)
+        load_blob(self._hooks().states, blob, src, member, self._depart)
 
     def _abandon(self) -> None:
         self.link.retire(self.pg)
@@ -372,9 +384,94 @@ class ElasticGroup(ElasticCollectives):
         self.link.release()
 
     def leave(self) -> None:
-        """Leave the run: the others go on without this worker (at most one step is discarded)."""
+        """Leave the run: the others go on without this worker (at most one step is discarded).
+
+        An orderly departure: it first waits until every member of the quorum
+        is past the collectives this member went through (e.g.
+        ``consolidate_state_dict``'s gather after the last step; bounded by
+        ``Timeouts.quorum``; docs/elastic.md, "Leaving").
+
+        A worker that committed a step in this life is marked as having finished
+        its part of the run (``finished/<RANK>-<SHOAL_RESTART>`` in the store):
+        ``shoal run --elastic`` does not restart it, and a run whose every
+        trained worker finished is over (docs/elastic.md, "When the run is over").
+        """
+        if self.stats.commits > 0:
+            self._mark("finished")
+            self._store_add("finished", 1)
+        self._await_peers()
+        self._depart()
+
+    # --- an orderly leave ----------------------------------------------------------------------
+    # Collectives that no vote covers (ZeroRedundancyOptimizer.consolidate_state_dict's gather after the
+    # last step) end at different times on different members: one that finished may leave at once, and its
+    # leave makes the coordinator abort the quorum under a slower member still inside. So each member
+    # publishes how many collectives it has been through on this quorum (``past/<member id>`` under the
+    # quorum's prefix) before each vote, at each begin_step and at its leave, and leave() waits until every
+    # member has published at least its own count.
+    def _issue(self, tag: str, result: Any, launch: Callable[[Any], Any],
+               post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
+        handle = super()._issue(tag, result, launch, post, whole)
+        if self.size > 1:
+            self._pending.append(handle)
+            self._issued += 1
+        return handle
+
+    def _tell(self) -> None:
+        """Publish this member's collective count on this quorum, if it grew since the last time."""
+        if self._issued > self._told and self.quorum is not None:
+            self._pending = []
+            try:
+                self.client.store.set(f"{self.quorum.prefix}past/{self.client.member_id}", str(self._issued))
+            except Exception:  # noqa: BLE001 - the coordinator is gone: the step fails on its own
+                pass
+            self._told = self._issued
+
+    def _await_peers(self) -> None:
+        """Before leaving: wait until every member is past this member's collectives on this quorum
+        (bounded by ``Timeouts.quorum``; a failure, an abort or a newer quorum ends the wait)."""
+        q = self.quorum
+        if q is None or self._issued == 0 or self.size == 1:
+            return
+        for h in self._pending:
+            h.wait()
+        mine = self._issued
+        self._tell()
+        if self.error is not None:
+            return
+        st, deadline = self.client.store, time.monotonic() + self.timeouts.quorum
+        keys = [f"{q.prefix}past/{m}" for m in q.members]
+        while time.monotonic() < deadline:
+            if st.check(keys) and all(int(v) >= mine for v in st.multi_get(keys)):
+                return
+            if self.link.failures.aborted or self.client.latest() > q.qid:
+                return
+            time.sleep(0.002)
+
+    def _depart(self) -> None:
+        """Leave without the finished mark (a refused heal: the launcher may restart this worker)."""
         self.client.leave()
         self._abandon()
+
+    def _label(self) -> str:
+        """This life's launcher label, ``RANK-SHOAL_RESTART`` (``m<member id>`` outside a launcher)."""
+        rank = os.environ.get("RANK")
+        return f"{rank}-{os.environ.get('SHOAL_RESTART', '0')}" if rank else f"m{self.client.member_id}"
+
+    def _mark(self, what: str) -> None:
+        self._store_set(f"{what}/{self._label()}", "1")
+
+    def _store_set(self, key: str, value: str) -> None:
+        try:
+            self.client.store.set(self.client.key(key), value)
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody is left to read it
+            pass
+
+    def _store_add(self, key: str, n: int) -> int:
+        try:
+            return int(self.client.store.add(self.client.key(key), n))
+        except Exception:  # noqa: BLE001 - as above
+            return 0
 
     def __repr__(self) -> str:
         qid = self.quorum.qid if self.quorum else None

@@ -60,6 +60,7 @@ class HealPlan:
     src: int
     needy: tuple[int, ...]
     recent: tuple[int, ...] = ()
+    from_scratch: bool = False   # no member holds the run's state: every one is fresh at step ``top``
 
     @property
     def newcomers(self) -> tuple[int, ...]:
@@ -99,7 +100,8 @@ def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = 
     ready = [r for r in range(group.size) if steps[r] == top and not news[r]]
     src = min(ready or [r for r in range(group.size) if steps[r] == top])
     needy = tuple(r for r in range(group.size) if r != src and (steps[r] < top or news[r]))
-    return HealPlan(top, src, needy, tuple(r for r in range(group.size) if recents[r] and r not in needy))
+    return HealPlan(top, src, needy, tuple(r for r in range(group.size) if recents[r] and r not in needy),
+                    from_scratch=not ready)
 
 
 def send_state(group: ElasticCollectives, plan: HealPlan, make_blob: Callable[[], torch.Tensor],

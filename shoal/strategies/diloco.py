@@ -234,6 +234,10 @@ class DiLoCo(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
+        for n, p in zip(self.names, self.params):   # the global copies and outer state are fp32
+            if p.is_complex():
+                raise TypeError(f"{self.name}: parameter {n!r} is {p.dtype}; DiLoCo keeps real fp32 global "
+                                "copies: train complex parameters as real pairs (torch.view_as_real) or use Sync")
         cfg = self.config
         offload = cfg.offload if cfg.offload is not None else self.params[0].device.type == "cuda"
         # Background reductions get a process group of their own: a collective the training thread

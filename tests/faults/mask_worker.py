@@ -1,0 +1,79 @@
+"""A worker for ``shoal run --elastic`` tests: a tiny causal attention model whose state holds -inf.
+
+Started by harness.run_launcher. The model keeps an additive causal mask
+buffer of -inf above the diagonal (the form torch's
+``nn.Transformer.generate_square_subsequent_mask`` returns), so every heal
+sends legitimately non-finite state. shoal DDP on an ElasticGroup trains
+``--steps`` steps; each life writes ``<out>/<rank>-<life>.pt`` (parameters,
+committed steps, heals) and leaves. ``--crash-at-end RANK``: that rank's
+first life exits 1 right after its last step, after its leave
+(``--crash-before-leave``: instead of it): a crash at the very end of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+from shoal.elastic import ElasticGroup, ElasticOptimizer, Timeouts
+from harness import save_and_leave
+
+T, D = 6, 8
+
+
+class MaskedAttention(nn.Module):
+    """One head of causal self-attention over a (T, D) sequence with an additive -inf mask buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.out = nn.Linear(D, D)
+        self.register_buffer("mask", torch.triu(torch.full((T, T), float("-inf")), 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(D, dim=-1)
+        att = torch.softmax(q @ k.transpose(-2, -1) / D ** 0.5 + self.mask, dim=-1)
+        return self.out(att @ v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--crash-at-end", type=int, default=-1)
+    ap.add_argument("--crash-before-leave", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
+    timeouts = Timeouts(op=10.0, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=5.0, quorum=20.0, join=30.0)
+    group = ElasticGroup(timeouts=timeouts)
+    torch.manual_seed(rank)            # different initial weights: only a heal makes them equal
+    net = MaskedAttention()
+    model = shoal.DistributedDataParallel(net, process_group=group)
+    opt = ElasticOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), group)
+    g = torch.Generator().manual_seed(10 + rank)
+    while group.step < a.steps:
+        x = torch.randn(4, T, D, generator=g)
+        F.mse_loss(model(x), x.flip(1)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = [p.detach().clone() for p in net.parameters()]
+    result = {"rank": rank, "life": life, "params": params, "step": group.step, "heals": group.stats.heals_received,
+              "mask_ok": torch.equal(net.mask, torch.triu(torch.full((T, T), float("-inf")), 1))}
+    crash = rank == a.crash_at_end and life == 0
+    if crash and a.crash_before_leave:
+        torch.save(result, os.path.join(a.out, f"{rank}-{life}.pt"))
+        os._exit(1)
+    save_and_leave(a.out, rank, life, result, group)
+    if crash:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
