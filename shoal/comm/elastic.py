@@ -319,8 +319,7 @@ class ElasticGroup(ElasticCollectives):
                 return False
             time.sleep(0.002)
         self.trace("barrier", qid=q.qid)
-        self.client.remote_abort.clear()
-        self.client.watched_prefix = q.prefix
+        self.client.abort.watch(q.prefix)
         self.quorum, self.rank, self.size = q, q.rank_of(self.client.member_id), len(q.members)
         self._global_ranks = list(range(self.size))
         self.error = None

@@ -59,8 +59,8 @@ class Failures:
 
     @property
     def aborted(self) -> bool:
-        """Whether another member raised this quorum's abort flag."""
-        return self.client.remote_abort.is_set()
+        """Whether another member raised this quorum's abort flag (never an older quorum's: see AbortWatch)."""
+        return self.client.abort.raised(self._prefix())
 
     def record(self, err: BaseException) -> None:
         """Keep ``err`` if it is this step's first failure, and raise the quorum's abort flag."""

@@ -434,6 +434,58 @@ def _quorum_text(qid: int, members: tuple[int, ...] | list[int], prefix: str) ->
     return f"{qid}|{','.join(str(m) for m in members)}|{prefix}"
 
 
+class AbortWatch:
+    """Which quorum's abort flag (``<prefix>abort``) a member watches, and whether it saw it raised.
+
+    Keyed by the quorum's store prefix, so that a flag of an old quorum can
+    never abort a step of a newer one: the heartbeat thread may read the old
+    prefix, the training thread then move the watch to the new quorum, and
+    the heartbeat thread only afterwards find the old flag set. That sighting
+    is dropped (:meth:`saw` records it only for the prefix still watched),
+    and :meth:`raised` answers for one quorum, never "any quorum".
+
+    Example::
+
+        watch = AbortWatch()
+        watch.watch(q.prefix)          # the training thread, on entering quorum q
+        watch.poll(store)              # the heartbeat thread, every beat
+        if watch.raised(q.prefix): ...  # give up q's step at once
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._prefix: str | None = None
+        self._raised: str | None = None   # the prefix whose flag was seen raised (at most the watched one)
+
+    @property
+    def prefix(self) -> str | None:
+        """The prefix of the quorum being watched (None before the first quorum)."""
+        return self._prefix
+
+    def watch(self, prefix: str | None) -> None:
+        """Watch the quorum under ``prefix`` from now on; a sighting for any other quorum is forgotten."""
+        with self._lock:
+            self._prefix = prefix
+            if self._raised != prefix:
+                self._raised = None
+
+    def saw(self, prefix: str) -> None:
+        """Record that ``prefix``'s abort flag is raised; ignored unless ``prefix`` is still watched."""
+        with self._lock:
+            if prefix == self._prefix:
+                self._raised = prefix
+
+    def raised(self, prefix: str | None) -> bool:
+        """Whether the abort flag of the quorum under ``prefix`` was seen raised."""
+        return prefix is not None and self._raised == prefix
+
+    def poll(self, store: Any) -> None:
+        """One look at the watched quorum's flag through ``store`` (the heartbeat thread's own client)."""
+        prefix = self._prefix
+        if prefix is not None and store.check([prefix + "abort"]):
+            self.saw(prefix)
+
+
 class MemberClient:
     """A worker's side of the protocol: join, heartbeat thread, quorums, leave.
 
@@ -459,8 +511,7 @@ class MemberClient:
         self.token = auth.check_token(token)
         self.store = connect(address, timeouts.quorum)
         self.member_id = 0
-        self.watched_prefix: str | None = None   # the heartbeat thread watches <prefix>abort
-        self.remote_abort = threading.Event()
+        self.abort = AbortWatch()   # the heartbeat thread watches the current quorum's <prefix>abort
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         self._hb_error: BaseException | None = None
@@ -521,9 +572,7 @@ class MemberClient:
             st = connect(self.address, self.timeouts.heartbeat_timeout)
             while not stop.wait(self.timeouts.heartbeat_interval):
                 st.add(self.key(f"hb/{member_id}"), 1)
-                prefix = self.watched_prefix
-                if prefix is not None and st.check([prefix + "abort"]):
-                    self.remote_abort.set()
+                self.abort.poll(st)
         except Exception as e:  # noqa: BLE001 - the coordinator is gone; the loop reports it
             self._hb_error = e
 
