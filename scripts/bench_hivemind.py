@@ -92,7 +92,7 @@ def shoal_optimizer(net: nn.Module, a: argparse.Namespace) -> Peer:
     cfg = shoal.CollaborativeConfig(run_id=a.run_id, target_batch_size=TARGET, batch_size_per_step=BATCH,
                                     coordinator=a.address, token=TOKEN)
     opt = shoal.CollaborativeOptimizer(lambda ps: torch.optim.Adam(ps, lr=LR), net.named_parameters(), config=cfg)
-    opt.group.client.wait_quorum(after=0, timeout=120)
+    opt.wait_for_peers(2, timeout=120)   # the comparison runs 2 peers (module docstring)
 
     def step() -> dict[str, Any] | None:
         rep = opt.step()

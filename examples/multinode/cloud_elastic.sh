@@ -5,6 +5,7 @@
 # Every training machine (they may start late, vanish and come back) runs this script:
 #   SHOAL_TOKEN=$(cat token) COORDINATOR=10.0.0.9:29400 NNODES=8 NODE_RANK=3 ./cloud_elastic.sh
 # NNODES is the most machines the run will have; NODE_RANK (0..NNODES-1) keeps workers' labels apart.
+# RUN_ID: a new one for each run on a coordinator that stays up (it refuses a run id whose workers finished).
 set -euo pipefail
 : "${SHOAL_TOKEN:?set SHOAL_TOKEN (the token of the coordinator; keep it out of command lines)}"
 : "${COORDINATOR:?set COORDINATOR=HOST:PORT of shoal coordinator}" "${NODE_RANK:?set NODE_RANK (labels this machine)}"

@@ -160,6 +160,9 @@ class ElasticSupervisor(_Supervisor):
         self.end: RunEnd | None = None   # set by the launcher once the coordinator serves
         self.clean_exit = False          # some worker exited 0
         self.over = False                # the run is over (see the module docstring)
+        # One machine of a run across machines sees only its own workers: "no live worker has trained"
+        # cannot be judged from here, so only each worker's own finished mark applies.
+        self.across_machines = False
         self._next_check = 0.0
 
     def start(self, argv: list[str], env: dict[str, str], rank: int, host: int, local_rank: int) -> None:
@@ -171,12 +174,13 @@ class ElasticSupervisor(_Supervisor):
 
     def _run_over(self) -> bool:
         """Some worker finished its part and no live worker has trained (checked in the store)."""
-        if self.end is None or self.over:
+        if self.end is None or self.over or self.across_machines:
             return self.over
         try:
             if not (self.clean_exit or self.end.any_finished()):
                 return False
-            self.over = not any(self.end.trained(w.rank, self._life(w)) for w in self.workers if w.code is None)
+            self.over = not any(self.end.trained(self.label(w.rank), self._life(w))
+                                for w in self.workers if w.code is None)
         except Exception:  # noqa: BLE001 - the coordinator is gone: the workers will fail on their own
             return False
         return self.over
@@ -244,7 +248,7 @@ class ElasticSupervisor(_Supervisor):
         finished its part of the run, or the run is over."""
         assert self.end is not None
         try:
-            done = self.end.finished(w.rank, self._life(w))
+            done = self.end.finished(self.label(w.rank), self._life(w))  # the RANK label the worker wrote
         except Exception:  # noqa: BLE001 - the coordinator is gone: the usual policy applies
             return False
         if done:

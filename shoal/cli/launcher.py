@@ -195,6 +195,7 @@ def launch(
             sup = ElasticSupervisor(elastic, list(kill), grace_s, output, quiet)
             if nodes is not None:  # RANK labels a worker in elastic runs: unique across machines
                 sup.label = _interleave(nodes)
+                sup.across_machines = True
         stack.enter_context(_trap_signals(sup.signals))
         emu = stack.enter_context(EmulatedCluster(cluster)) if cluster is not None else None
         ready: Callable[[], None] = lambda: None

@@ -11,7 +11,7 @@ Examples::
     SHOAL_TOKEN=... shoal run -n 2 --elastic --coordinator 10.0.0.1:29400 train.py
     shoal run --hosts 4 --bandwidth 20mbit --elastic --min-workers 2 --kill 1@30 train.py
     shoal run --nnodes 2 --node-rank 0 -n 4 --master-addr 10.0.0.1 train.py    # on each machine
-    SHOAL_TOKEN=... shoal run --node-rank 1 -n 2 --elastic --coordinator 10.0.0.1:29400 train.py
+    SHOAL_TOKEN=... shoal run --nnodes 2 --node-rank 1 --run-id run7 -n 2 --elastic --coordinator 10.0.0.1:29400 train.py
     shoal run --cleanup
 """
 

@@ -40,10 +40,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from shoal.collaborative.records import RecordBook
 from shoal.comm.elastic import ElasticGroup
+from shoal.comm.elastic_pg import ElasticCollectives
+from shoal.comm.group import Handle
 from shoal.comm.membership import MemberClient, Quorum, Timeouts
 from shoal.errors import ConfigError, ShoalError
 
@@ -270,6 +272,17 @@ class RoundGroup(ElasticGroup):
             return True
         self.drop()
         return False
+
+    # A round ends in its own vote, never in a step of the elastic group: the group's orderly leave (each
+    # member publishes its collective count at begin_step, and leave waits for everyone's) does not apply.
+    # Counting here would keep every round's handles and make shutdown wait Timeouts.quorum for peers that
+    # never publish.
+    def _issue(self, tag: str, result: Any, launch: Callable[[Any], Any],
+               post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
+        return ElasticCollectives._issue(self, tag, result, launch, post, whole)
+
+    def _await_peers(self) -> None:
+        """Nothing to wait for at leave: every round this peer took part in ended in its vote."""
 
     def drop(self) -> None:
         """Abandon the current group (never reused again)."""

@@ -15,13 +15,13 @@ shards; the step, on a static group and an elastic one alike::
                           discard -> the journal restored, gradients cleared: nothing happened
 
 Where the step ends: on an elastic group ``zero.step()`` after backward ends it
-and returns the verdict. A static group's verdict is known in advance
+(the verdict is then ``zero.last_step_committed``; ``step()`` returns the loss or None, as torch's does). A static group's verdict is known in advance
 (commit), so ``zero.step()`` leaves it open and the broadcasts overlap the
 loop's work until the next forward. Either way, the next step's begin (a DDP
 forward, also a validation forward, ``ElasticSampler.next_batch``, through the
 group's ``before_begin_step`` hook), the module's forward pre-hook,
 ``wait_for_params()`` or the DDP module's ``state_dict()`` ends an open step
-first; a ``zero.step()`` after that returns its verdict and steps nothing.
+first; a ``zero.step()`` after that steps nothing (its verdict in ``last_step_committed``).
 
 Non-finite gradients (the reducer's verdict, the same on every member): the
 step's buckets must leave no trace: the journal is restored and the received
