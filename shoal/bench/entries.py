@@ -154,9 +154,10 @@ def _daso(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | No
                    report_loss=strategy.report_loss)
 
 
-def _leave_swarm(opt: shoal.CollaborativeOptimizer, coordinator: object, wait_s: float = 10.0) -> None:
+def _leave_swarm(opt: shoal.CollaborativeOptimizer, coordinator: object) -> None:
     """At the end of the run: leave the swarm; rank 0 first waits (bounded) for the others to leave,
-    then stops the coordinator (a peer still in a round would lose its store).
+    then stops the coordinator (a peer still in a round would lose its store). The bound covers a peer
+    still inside a round: it finishes or gives up within ``averaging_timeout``.
 
     A process that exits with its round groups and the coordinator's store server still live can
     abort in their threads.
@@ -167,8 +168,8 @@ def _leave_swarm(opt: shoal.CollaborativeOptimizer, coordinator: object, wait_s:
 
     try:
         if isinstance(coordinator, Coordinator):
-            deadline = time.monotonic() + wait_s
-            while opt.group.live_members() - {opt.member_id} and time.monotonic() < deadline:
+            deadline = time.monotonic() + opt.config.averaging_timeout + opt.config.matchmaking_time + 10.0
+            while opt.group.live_others() and time.monotonic() < deadline:   # a peer that left says so at once
                 time.sleep(0.05)
         opt.shutdown()
     except Exception as e:  # noqa: BLE001 - at exit, a peer already gone must not turn a finished run into an error
