@@ -279,7 +279,7 @@ def run_one(system: str, a: argparse.Namespace, kill_at: float | None) -> dict[s
     out, load = tempfile.mkdtemp(prefix=f"hm-compare-{system}-"), os.getloadavg()[0]
     run_id, coord, address = uuid.uuid4().hex[:8], None, ""
     if system == "shoal":
-        from shoal.comm.membership import Coordinator
+        from shoal.membership.coordinator import Coordinator
         coord = Coordinator(port=0, token=TOKEN, initial_workers=a.peers).start()
         address = coord.address
     procs = []

@@ -35,8 +35,8 @@ from typing import Any, Callable
 import torch
 
 from shoal.comm.group import Group
-from shoal.comm.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
-from shoal.comm.membership import Coordinator, Quorum, Timeouts
+from shoal.membership.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
+from shoal.membership.coordinator import Coordinator, Quorum, Timeouts
 from shoal.errors import ConfigError
 from shoal.strategies.rounds import FailurePolicy, run_round
 

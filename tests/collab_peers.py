@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import shoal
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 
 TOKEN = "collab-test-token"
 

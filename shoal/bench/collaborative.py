@@ -108,7 +108,7 @@ def main() -> None:
     if a.peer is not None:
         peer(a.peer, a.address, a.run_id, a.seconds, a.out, a.peers)
         return
-    from shoal.comm.membership import Coordinator
+    from shoal.membership.coordinator import Coordinator
     coord = Coordinator(port=0, token=TOKEN, initial_workers=a.peers).start()
     out = tempfile.mkdtemp(prefix="shoal-collab-bench-")
     run_id = uuid.uuid4().hex[:8]

@@ -164,7 +164,7 @@ def _leave_swarm(opt: shoal.CollaborativeOptimizer, coordinator: object) -> None
     """
     import time
 
-    from shoal.comm.membership import Coordinator
+    from shoal.membership.coordinator import Coordinator
 
     try:
         if isinstance(coordinator, Coordinator):
@@ -187,7 +187,7 @@ def _collaborative(module: nn.Module, make_optimizer: OptimizerFactory, group: G
     import secrets
     from typing import cast
 
-    from shoal.comm.membership import Coordinator
+    from shoal.membership.coordinator import Coordinator
 
     g = _need_group("collaborative", group)
     # Rank 0 runs the coordinator (membership and the shared store) and tells the others its port

@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 from shoal.errors import ShoalError
 
 

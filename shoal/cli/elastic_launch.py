@@ -47,7 +47,7 @@ from types import TracebackType
 
 from shoal.cli.cluster import EmulatedCluster
 from shoal.cli.supervise import _Output, _Supervisor, _Worker
-from shoal.comm.auth import check_token
+from shoal.membership.auth import check_token
 from shoal.errors import ConfigError, ShoalError
 
 COORDINATOR_PORT = 29400  # a fresh namespace has every port free
@@ -126,7 +126,7 @@ class RunEnd:
     """
 
     def __init__(self, address: str, run_id: str) -> None:
-        from shoal.comm.membership import connect
+        from shoal.membership.coordinator import connect
 
         self.store = connect(address, 30.0)
         self.run_id = run_id

@@ -225,7 +225,7 @@ def _elastic_env(stack: ExitStack, spec: ElasticLaunch, world: int, emu: Emulate
     """
     import uuid
 
-    from shoal.comm.membership import Coordinator
+    from shoal.membership.coordinator import Coordinator
 
     address, ready = spec.coordinator, (lambda: None)
     token = spec.resolve_token(base_env)

@@ -42,7 +42,7 @@ class Hierarchical(LossyCodec):
 
     The subgroups come from ``group.host_groups(...)`` (the step interface,
     :mod:`shoal.comm.stepping`): built once on a static group; on an
-    :class:`~shoal.comm.elastic.ElasticGroup` they follow each quorum (no
+    :class:`~shoal.membership.elastic.ElasticGroup` they follow each quorum (no
     collective): hosts and their leaders are recomputed from the quorum's
     members, and a failure at any level fails the step on every member (the
     group's vote discards it).

@@ -13,6 +13,6 @@ from shoal.collaborative.config import CollaborativeConfig
 from shoal.collaborative.optimizer import CollaborativeOptimizer
 from shoal.collaborative.rounds import RoundReport
 from shoal.collaborative.progress import SwarmProgress
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 
 __all__ = ["CollaborativeConfig", "CollaborativeOptimizer", "RoundReport", "SwarmProgress", "Coordinator"]

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
-from shoal.comm.auth import check_token
-from shoal.comm.membership import Timeouts
+from shoal.membership.auth import check_token
+from shoal.membership.coordinator import Timeouts
 from shoal.errors import ConfigError
 
 

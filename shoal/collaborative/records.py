@@ -6,7 +6,7 @@ writes about itself (its progress record, its matchmaking slot, the member
 list of a round it closed, the last committed group) is wrapped as
 ``{"body": JSON, "mac": HMAC(session key, body)}``, where ``body`` names its
 writer (``"by"``) and the session key is the writer's, derived from the run
-token and the writer's join nonce (:func:`shoal.comm.auth.session_key`).
+token and the writer's join nonce (:func:`shoal.membership.auth.session_key`).
 A reader recomputes the writer's key and drops a record whose MAC fails, whose
 writer is not the member the key belongs to, or that is not JSON; each drop is
 logged once per writer and kind. Without a token records are plain JSON and
@@ -29,13 +29,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shoal.comm.records import RecordBook as _RecordBook
+from shoal.membership.records import RecordBook as _RecordBook
 
 log = logging.getLogger("shoal.collaborative")
 
 
 class RecordBook(_RecordBook):
-    """:class:`shoal.comm.records.RecordBook` logging to ``shoal.collaborative``; see the module docstring."""
+    """:class:`shoal.membership.records.RecordBook` logging to ``shoal.collaborative``; see the module docstring."""
 
     def __init__(self, store: Any, run_id: str, member_id: int, token: str | None) -> None:
         super().__init__(store, run_id, member_id, token, log)

@@ -19,7 +19,7 @@ Members are ordered full peers first, then client-mode peers, each by id, so
 that the lowest-ranked up-to-date member, which sends state to peers that
 need it, is a client only when nobody else can.
 
-The group itself is an :class:`~shoal.comm.elastic.ElasticGroup` entered
+The group itself is an :class:`~shoal.membership.elastic.ElasticGroup` entered
 with the round's member list as its quorum: it rendezvous under a fresh
 prefix, records failures instead of raising, and votes commit/discard
 through the store. When a round has the same members as the last committed
@@ -43,10 +43,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shoal.collaborative.records import RecordBook
-from shoal.comm.elastic import ElasticGroup
-from shoal.comm.elastic_pg import ElasticCollectives
+from shoal.membership.elastic import ElasticGroup
+from shoal.membership.transport import ElasticCollectives
 from shoal.comm.group import Handle
-from shoal.comm.membership import MemberClient, Quorum, Timeouts
+from shoal.membership.client import MemberClient
+from shoal.membership.coordinator import Quorum, Timeouts
 from shoal.errors import ConfigError, ShoalError
 
 log = logging.getLogger("shoal.collaborative")

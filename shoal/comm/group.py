@@ -142,8 +142,8 @@ class Handle:
                 self._result = self._post(self._result)
         return self._result
 
-    def future(self) -> torch.futures.Future:
-        """A ``torch.futures.Future`` of the result, for comm hooks; it fails as :meth:`wait` would.
+    def future(self) -> torch.futures.Future[Any]:
+        """A ``torch.futures.Future[Any]`` of the result, for comm hooks; it fails as :meth:`wait` would.
 
         The future completes with the result, or with the collective's error
         (the backend's ``RuntimeError`` when a peer failed it), or
@@ -161,11 +161,11 @@ class Handle:
             fut.wait()   # raises CommTimeoutError if a peer never joins the all-reduce
         """
         if self._work is None:
-            fut: torch.futures.Future = torch.futures.Future()
+            fut: torch.futures.Future[Any] = torch.futures.Future()
             fut.set_result(self._result)
             return fut
         devices: list[int | str | torch.device] = [d for d in _result_devices(self._result) if d.type != "cpu"]
-        out: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        out: torch.futures.Future[Any] = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         _watcher().submit(self, deadline, out)
         return out
@@ -195,10 +195,10 @@ class _Watcher:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Handle, float | None, torch.futures.Future]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Handle, float | None, torch.futures.Future[Any]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="shoal-comm-watcher", daemon=True).start()
 
-    def submit(self, handle: Handle, deadline: float | None, out: torch.futures.Future) -> None:
+    def submit(self, handle: Handle, deadline: float | None, out: torch.futures.Future[Any]) -> None:
         self._queue.put((handle, deadline, out))
 
     def _run(self) -> None:

@@ -14,7 +14,7 @@ optimizer state, a heal blob) goes through here:
 - :func:`all_gather_object`: :func:`all_gather_bytes` of :func:`to_bytes`.
 
 On a :class:`~shoal.comm.Group` a failed collective raises. On an
-:class:`~shoal.comm.elastic.ElasticGroup` a failure is recorded and the
+:class:`~shoal.membership.elastic.ElasticGroup` a failure is recorded and the
 step's later collectives return at once with their buffers untouched, so
 each function checks the group's ``error`` after every collective and never
 reads a buffer the failed collective was to fill (an uninitialised size once

@@ -3,7 +3,7 @@
 A rule maps the members of a group (by rank, each with its launch slot and
 host identity) to disjoint lists of ranks. :meth:`shoal.comm.Group.subgroup`
 applies one: once on a static group, again on every quorum of an elastic
-group (:mod:`shoal.comm.elastic_sub`), where every member computes the same
+group (:mod:`shoal.membership.views`), where every member computes the same
 partition from the quorum's join records without a collective.
 
 Example::

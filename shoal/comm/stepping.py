@@ -3,7 +3,7 @@
 Every :class:`~shoal.comm.Group` has it. On a static group it is trivial (no
 member can join or leave, a failed collective raises), so strategies run the
 same code on static and elastic groups, and only
-:class:`~shoal.comm.elastic.ElasticGroup` gives it weight:
+:class:`~shoal.membership.elastic.ElasticGroup` gives it weight:
 
 ``begin_step()``
     Begin a step (elastic: adopt the latest quorum, heal newcomers, snapshot
@@ -126,7 +126,7 @@ class StaticLevels:
 class Stepping:
     """The step interface with its static implementation (see the module docstring).
 
-    :class:`~shoal.comm.Group` inherits it; :class:`~shoal.comm.elastic.ElasticGroup`
+    :class:`~shoal.comm.Group` inherits it; :class:`~shoal.membership.elastic.ElasticGroup`
     overrides what membership changes.
     """
 

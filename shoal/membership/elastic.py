@@ -13,7 +13,7 @@ This module owns the group itself: adopting a quorum (rendezvous, building
 its process group, healing, abandoning it after a failure) and the step
 (begin, vote, commit or roll back). The rest is split by responsibility:
 
-- :mod:`shoal.comm.elastic_pg`: the process group of a quorum and the
+- :mod:`shoal.membership.transport`: the process group of a quorum and the
   collectives over it; collective failures (a peer's socket closed, the op
   timeout passed, another member reporting a failure) are recorded as
   :class:`~shoal.errors.PeerLostError` or :class:`~shoal.errors.CommTimeoutError`
@@ -22,26 +22,26 @@ its process group, healing, abandoning it after a failure) and the step
   discards it. A failed gloo group is abandoned: never waited on, never
   destroyed in the training thread (its destructor would wait for its
   stuck operations).
-- :mod:`shoal.comm.elastic_vote`: the abort flag, the commit vote and the
+- :mod:`shoal.membership.vote`: the abort flag, the commit vote and the
   limit on consecutive discards.
-- :mod:`shoal.comm.elastic_heal`: healing newcomers and the rollback
+- :mod:`shoal.membership.heal`: healing newcomers and the rollback
   snapshot of the registered state (the step interface's one registry,
   :mod:`shoal.comm.stepping`).
-- :mod:`shoal.comm.elastic_sub`: subgroups, views over this group's quorums.
+- :mod:`shoal.membership.views`: subgroups, views over this group's quorums.
 
 The commit vote goes through the coordinator's store; every member reads one
-signed decision (:mod:`shoal.comm.elastic_vote`).
+signed decision (:mod:`shoal.membership.vote`).
 
 Healing: in each new group the members exchange (committed step, fresh); if
 anyone is behind or new, the lowest-ranked up-to-date member sends every
 registered state (model, optimizer, codec, counters) as one serialised blob,
 point to point and in chunks, to those members only. A receiver checks it
-against its own state before loading any of it (:mod:`shoal.comm.received`:
+against its own state before loading any of it (:mod:`shoal.membership.received`:
 shapes, dtypes, NaN/Inf); state that fails is refused and never loaded: the
 receiver logs why, leaves the run and raises :class:`~shoal.errors.ShoalError`.
 
 Authentication: every member proves it holds the run token when it joins
-(:mod:`shoal.comm.auth`); the token is ``ElasticGroup(token=...)``, else
+(:mod:`shoal.membership.auth`); the token is ``ElasticGroup(token=...)``, else
 ``$SHOAL_TOKEN`` (set by ``shoal run --elastic``), and a group without either
 refuses to start (ConfigError). A wrong token gets
 :class:`~shoal.errors.AuthError` at the first :meth:`ElasticGroup.begin_step`,
@@ -67,14 +67,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from shoal.comm.auth import check_token
-from shoal.comm.elastic_heal import (CONTROL_TAG, HEAL_CHUNK, HEAL_TAG, healed_barrier, load_blob, plan_heal, restore,
+from shoal.membership.auth import check_token
+from shoal.membership.heal import (CONTROL_TAG, HEAL_CHUNK, HEAL_TAG, healed_barrier, load_blob, plan_heal, restore,
                                      send_state, snapshot, state_blob)
-from shoal.comm.elastic_pg import BackendFactory, BackendSpec, ElasticCollectives, ElasticStats, Link, gloo_backend
-from shoal.comm.elastic_sub import ElasticHostGroups, ElasticSubgroup
-from shoal.comm.elastic_vote import Ballot, DiscardStreak, Failures
+from shoal.membership.transport import BackendFactory, BackendSpec, ElasticCollectives, ElasticStats, Link, gloo_backend
+from shoal.membership.views import ElasticHostGroups, ElasticSubgroup
+from shoal.membership.vote import Ballot, DiscardStreak, Failures
 from shoal.comm.group import Group, Handle
-from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
+from shoal.membership.client import MemberClient
+from shoal.membership.coordinator import Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.rules import Partition
 from shoal.comm.topology import host_identity
@@ -113,7 +114,7 @@ class ElasticGroup(ElasticCollectives):
     Args:
         run_id: names the run at the coordinator (default: ``$SHOAL_RUN_ID``).
         coordinator: ``"host:port"`` of the coordinator (default: ``$SHOAL_COORDINATOR``).
-        timeouts: the run's :class:`~shoal.comm.membership.Timeouts`; ``op`` is
+        timeouts: the run's :class:`~shoal.membership.coordinator.Timeouts`; ``op`` is
             this group's per-collective timeout.
         min_workers: no quorum forms with fewer live workers (default:
             ``$SHOAL_MIN_WORKERS``, set by ``shoal run --min-workers``, else 1).
@@ -122,7 +123,7 @@ class ElasticGroup(ElasticCollectives):
             :class:`BackendSpec` (default :func:`gloo_backend`; tests wrap it
             to inject faults, see :mod:`shoal.testing.faults`).
         host_id: this worker's host identity, published with its join
-            record so that per-quorum subgroups (:mod:`shoal.comm.elastic_sub`)
+            record so that per-quorum subgroups (:mod:`shoal.membership.views`)
             know who shares a host (default: ``$SHOAL_HOST_ID``, else the hostname).
         token: the run token (at least 8 characters), proved to the
             coordinator at the join without being sent (default:
@@ -291,7 +292,7 @@ class ElasticGroup(ElasticCollectives):
 
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
         raise ShoalError("an elastic group cannot be split: its members change from one quorum to the "
-                         "next; use shoal.comm.elastic_sub.ElasticSubgroup (a rule applied to each quorum)")
+                         "next; use shoal.membership.views.ElasticSubgroup (a rule applied to each quorum)")
 
     # --- quorums ---------------------------------------------------------------
     def _reconfigure(self) -> None:
@@ -339,7 +340,7 @@ class ElasticGroup(ElasticCollectives):
         return True
 
     def _heal(self, q: Quorum) -> None:
-        """Bring the quorum's needy members to the run's state (see :mod:`shoal.comm.elastic_heal`)."""
+        """Bring the quorum's needy members to the run's state (see :mod:`shoal.membership.heal`)."""
         t0 = time.monotonic()
         plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit)
         if plan is None:

@@ -13,7 +13,7 @@ The registered state is the group's one registry of the step interface
   (bounded by ``Timeouts.quorum``) holds the others, so a state that takes
   longer than ``op`` to cross a slow link still heals.
 - :func:`load_blob`: a receiver checks the blob against its own state
-  before loading any of it (:mod:`shoal.comm.received`: shapes, dtypes,
+  before loading any of it (:mod:`shoal.membership.received`: shapes, dtypes,
   NaN/Inf); state that fails is refused and never loaded: the receiver logs
   why, leaves the run and raises :class:`~shoal.errors.ShoalError`.
 - :func:`snapshot` / :func:`restore`: the rollback states, taken at each
@@ -35,9 +35,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from shoal.comm.elastic_pg import ElasticCollectives
+from shoal.membership.transport import ElasticCollectives
 from shoal.comm.objects import from_bytes, to_bytes
-from shoal.comm.received import check_received
+from shoal.membership.received import check_received
 from shoal.comm.stepping import StateEntry
 from shoal.errors import CommTimeoutError, PeerLostError, ShoalError
 

@@ -7,7 +7,7 @@ progress record, matchmaking slot, round member list, last committed group)
 is wrapped as ``{"body": JSON, "mac": HMAC(session key, body)}``, where
 ``body`` names its writer (``"by"``) and the session key is the writer's,
 derived from the run token and the writer's join nonce
-(:func:`shoal.comm.auth.session_key`). A reader recomputes the writer's key
+(:func:`shoal.membership.auth.session_key`). A reader recomputes the writer's key
 and drops a record whose MAC fails, whose writer is not the member the key
 belongs to, or that is not JSON; each drop is logged once per writer and
 kind. Without a token records are plain JSON and trusted (a run without a
@@ -31,7 +31,7 @@ import json
 import logging
 from typing import Any
 
-from shoal.comm import auth
+from shoal.membership import auth
 
 
 class RecordBook:

@@ -5,7 +5,7 @@ Owned here:
 :class:`Link`
     What a quorum group shares with its subgroups: the member's client, the
     backend factory that builds a quorum's gloo group (:class:`BackendSpec`,
-    :func:`gloo_backend`), the step's :class:`~shoal.comm.elastic_vote.Failures`,
+    :func:`gloo_backend`), the step's :class:`~shoal.membership.vote.Failures`,
     and the groups abandoned after a failure. A failed gloo group is never
     waited on and never destroyed in the training thread (its destructor would
     wait for its stuck operations): it is kept until ``Timeouts.op`` has
@@ -13,8 +13,8 @@ Owned here:
     waits for one operation without raising.
 :class:`ElasticCollectives`
     The collectives of a :class:`~shoal.comm.Group` whose members follow the
-    run's quorums, for both :class:`~shoal.comm.elastic.ElasticGroup` and
-    :class:`~shoal.comm.elastic_sub.ElasticSubgroup`. A failure (a peer's
+    run's quorums, for both :class:`~shoal.membership.elastic.ElasticGroup` and
+    :class:`~shoal.membership.views.ElasticSubgroup`. A failure (a peer's
     socket closed, the op timeout passed, another member reporting a failure)
     is recorded in the link's failures; from then on this step's collectives
     return at once with unreduced data, so the step finishes quickly and the
@@ -41,9 +41,10 @@ from torch import nn
 
 from shoal.comm.group import (_REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op,
                               start_gather_into)
-from shoal.comm.membership import MemberClient, Timeouts
+from shoal.membership.client import MemberClient
+from shoal.membership.coordinator import Timeouts
 from shoal.comm.meter import Meter
-from shoal.comm.elastic_vote import Failures
+from shoal.membership.vote import Failures
 from shoal.comm.start import ELASTIC
 from shoal.comm.objects import all_gather_object
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
@@ -192,8 +193,8 @@ class _ElasticHandle(Handle):
             self._result = self._post(self._result)
         return self._result
 
-    def future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
+    def future(self) -> torch.futures.Future[Any]:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
         fut.set_result(self.wait())
         return fut
 
@@ -204,8 +205,8 @@ class _ElasticHandle(Handle):
 class ElasticCollectives(Group, metaclass=abc.ABCMeta):
     """Collectives over a quorum's process group that record failures (see the module docstring).
 
-    Not built directly: the base of :class:`~shoal.comm.elastic.ElasticGroup`
-    and :class:`~shoal.comm.elastic_sub.ElasticSubgroup`, which say where
+    Not built directly: the base of :class:`~shoal.membership.elastic.ElasticGroup`
+    and :class:`~shoal.membership.views.ElasticSubgroup`, which say where
     their process group comes from (:meth:`_live_pg`) and whether a quorum
     was adopted yet (:meth:`_started`).
     """

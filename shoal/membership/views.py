@@ -1,4 +1,4 @@
-"""Subgroups of an :class:`~shoal.comm.elastic.ElasticGroup`, rebuilt with every quorum.
+"""Subgroups of an :class:`~shoal.membership.elastic.ElasticGroup`, rebuilt with every quorum.
 
 An elastic group cannot be :meth:`~shoal.comm.group.Group.split` once: its
 members change from one quorum to the next. An :class:`ElasticSubgroup` is a
@@ -22,8 +22,8 @@ keeps working), while under it:
 The step interface (``begin_step``, ``commit``, ``register_state``,
 ``on_commit``, ``quorum_pending``) is the parent's; :attr:`ElasticSubgroup.newcomers`
 lists the *subgroup* ranks healed in this step. The collectives and their
-failure handling are those of :mod:`shoal.comm.elastic_pg`, over the
-subgroup's own process group and the parent's :class:`~shoal.comm.elastic_pg.Link`
+failure handling are those of :mod:`shoal.membership.transport`, over the
+subgroup's own process group and the parent's :class:`~shoal.membership.transport.Link`
 (its failures, backend factory and abandoned groups), which the view shares.
 
 Example::
@@ -44,9 +44,10 @@ import threading
 import time
 from typing import Any, Callable, Protocol, Sequence, cast
 
-from shoal.comm.elastic_pg import ElasticCollectives, ElasticStats, Link
+from shoal.membership.transport import ElasticCollectives, ElasticStats, Link
 from shoal.comm.group import Group
-from shoal.comm.membership import MemberClient, Quorum, Timeouts
+from shoal.membership.client import MemberClient
+from shoal.membership.coordinator import Quorum, Timeouts
 from shoal.comm.meter import Meter
 from shoal.comm.rules import MemberInfo, Partition, by_host, by_slot, host_leaders, whole_quorum
 from shoal.comm.topology import HostGroups, Topology
@@ -57,7 +58,7 @@ __all__ = ["ElasticSubgroup", "ElasticHostGroups", "member_infos", "MemberInfo",
 
 
 class QuorumParent(Protocol):
-    """What a subgroup view reads from its parent, an :class:`~shoal.comm.elastic.ElasticGroup`."""
+    """What a subgroup view reads from its parent, an :class:`~shoal.membership.elastic.ElasticGroup`."""
 
     link: Link
     meter: Meter

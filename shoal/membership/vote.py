@@ -1,6 +1,6 @@
 """The end of an elastic step: the first failure, the run's abort flag, the commit vote, the discard limit.
 
-Owned here, used by :class:`~shoal.comm.elastic.ElasticGroup` (and, through
+Owned here, used by :class:`~shoal.membership.elastic.ElasticGroup` (and, through
 it, by its subgroups, which share its :class:`Failures`):
 
 :class:`Failures`
@@ -15,7 +15,7 @@ it, by its subgroups, which share its :class:`Failures`):
     writes ``commit`` to ``<prefix>d/<step>`` with compare-and-set; a member
     that failed, sees the abort flag, or waits past ``Timeouts.quorum``, writes
     ``discard`` the same way. The first write wins, so every member reads one
-    decision. Decisions are signed by their writer (:mod:`shoal.comm.records`);
+    decision. Decisions are signed by their writer (:mod:`shoal.membership.records`);
     one that does not verify reads as ``discard`` everywhere.
 :class:`DiscardStreak`
     Why each step since the last commit was discarded; once
@@ -36,7 +36,8 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
-from shoal.comm.membership import MemberClient, Quorum, Timeouts, Trace
+from shoal.membership.client import MemberClient
+from shoal.membership.coordinator import Quorum, Timeouts, Trace
 from shoal.errors import PeerLostError
 
 
@@ -119,7 +120,7 @@ class Ballot:
     def decide(self, key: str, verdict: str) -> str:
         """Write ``verdict`` as the step's decision unless one is there; return the one that stands.
 
-        Signed by this member (:mod:`shoal.comm.records`): a decision written by someone without the
+        Signed by this member (:mod:`shoal.membership.records`): a decision written by someone without the
         run token (say a forged ``commit`` for a step that failed) reads as ``discard`` on every member.
         """
         return self.decision(self.client.store.compare_set(key, "", self.client.book.seal({"d": verdict})))

@@ -9,7 +9,7 @@ collectives by their index within the step (``nth``; a rebuild's heal
 exchange counts as the step's first collectives).
 
 The plan acts through :class:`FaultyBackend`, a wrapper around the process
-group that an :class:`~shoal.comm.elastic.ElasticGroup` builds for each
+group that an :class:`~shoal.membership.elastic.ElasticGroup` builds for each
 quorum; nothing of the production path is copied or patched: the fault
 happens where a real one would (a collective that raises, never starts, or
 whose process vanishes mid-flight).
@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from shoal.comm.elastic import BackendFactory, BackendSpec, gloo_backend
+from shoal.membership.elastic import BackendFactory, BackendSpec, gloo_backend
 from shoal.errors import ConfigError
 
 _KINDS = ("fail", "delay", "crash")

@@ -183,7 +183,7 @@ def test_cli_names_what_a_run_across_machines_lacks(tmp_path: Path, opts: list[s
 def test_a_worker_started_by_torchrun_joins_an_elastic_run_of_shoal_run(tmp_path: Path) -> None:
     # A standalone coordinator; one machine's worker comes from `shoal run --elastic --coordinator`, the
     # other's from torchrun with the elastic variables in its environment (no shoal launcher at all).
-    from shoal.comm.membership import Coordinator
+    from shoal.membership.coordinator import Coordinator
 
     token, run = "torchrun-joins-token", "mixed-launchers"
     coord = Coordinator(port=0, initial_workers=2, token=token).start()

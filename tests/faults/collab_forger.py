@@ -17,7 +17,7 @@ import json
 import time
 
 from shoal.collaborative.records import RecordBook
-from shoal.comm.membership import connect
+from shoal.membership.coordinator import connect
 
 LIE = {"epoch": 10**6, "settled": True, "samples": 0, "sps": 1e9, "role": "peer"}
 

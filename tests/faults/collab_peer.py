@@ -36,7 +36,7 @@ from torch import nn
 import shoal
 from shoal.codecs import Cast
 from shoal.collaborative import CollaborativeOptimizer, RoundReport
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 
 
 @dataclass

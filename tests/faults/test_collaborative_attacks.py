@@ -28,7 +28,7 @@ import torch
 
 from collab_peer import EPOCH_LIE, Spec, assert_equal_after_each_round, by_epoch, finished, run_threads
 from harness import run
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 
 TOKEN = "run-token-123"
 HERE = os.path.dirname(os.path.abspath(__file__))

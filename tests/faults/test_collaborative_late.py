@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from collab_peer import Spec, assert_equal_after_each_round, finished, run_threads
-from shoal.comm.membership import Coordinator, connect
+from shoal.membership.coordinator import Coordinator, connect
 
 TOKEN = "run-token-late"
 TARGET = 64

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import shoal
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 
 TOKEN = "leave-token-123"
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.comm.elastic import BackendSpec, ElasticGroup, gloo_backend
+from shoal.membership.elastic import BackendSpec, ElasticGroup, gloo_backend
 from shoal.elastic import Coordinator, Timeouts
 from shoal.errors import ConfigError, PeerLostError
 from shoal.testing import run_workers

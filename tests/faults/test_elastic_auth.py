@@ -29,9 +29,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
 
-from shoal.comm import auth  # noqa: E402
-from shoal.comm.membership import MemberClient, connect  # noqa: E402
-from shoal.comm.records import RecordBook  # noqa: E402
+from shoal.membership import auth  # noqa: E402
+from shoal.membership.client import MemberClient  # noqa: E402
+from shoal.membership.coordinator import connect  # noqa: E402
+from shoal.membership.records import RecordBook  # noqa: E402
 from shoal.elastic import Coordinator, ElasticGroup, Timeouts  # noqa: E402
 from shoal.errors import AuthError, ConfigError, ShoalError  # noqa: E402
 from shoal.testing import run_workers  # noqa: E402

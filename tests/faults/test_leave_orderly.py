@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.comm.membership import connect
+from shoal.membership.coordinator import connect
 from shoal.elastic import Coordinator, ElasticGroup, Timeouts
 from shoal.testing import run_workers
 

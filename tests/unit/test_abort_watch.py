@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from shoal.comm.elastic_vote import Failures
-from shoal.comm.membership import AbortWatch
+from shoal.membership.vote import Failures
+from shoal.membership.client import AbortWatch
 
 OLD, NEW = "run/q1/", "run/q2/"
 

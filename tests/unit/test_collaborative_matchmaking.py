@@ -11,7 +11,7 @@ import pytest
 
 import shoal
 from shoal.collaborative.rounds import RoundGroup
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 
 TOKEN = "matchmaking-token"
 

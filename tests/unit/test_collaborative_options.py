@@ -27,7 +27,7 @@ from torch import nn
 import shoal
 from shoal.codecs import Cast
 from shoal.collaborative.state import encode_state, stat_tensors
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 from shoal.errors import ConfigError, ShoalError
 
 TOKEN = "unit-token-456"

@@ -13,7 +13,7 @@ from torch import nn
 
 import shoal
 from shoal.collaborative.loading import Throttle
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 from shoal.errors import ConfigError, ShoalError
 
 TOKEN = "unit-token-start"

@@ -13,7 +13,7 @@ import shoal
 from shoal.codecs import Cast, Int8Blockwise
 from shoal.collaborative.validate import (FLAG_CLIENT, FLAG_FRESH, check_state, encode_header, judge_headers,
                                           layout_digest)
-from shoal.comm.membership import Coordinator
+from shoal.membership.coordinator import Coordinator
 from shoal.errors import AuthError, ConfigError
 
 TOKEN = "unit-token-123"
@@ -151,7 +151,7 @@ def test_record_book_drops_forged_moved_and_altered_records() -> None:
     import json
 
     from shoal.collaborative.records import RecordBook
-    from shoal.comm import auth
+    from shoal.membership import auth
 
     store = torch.distributed.HashStore()
     for m in (1, 2):

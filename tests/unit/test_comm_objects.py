@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.comm.elastic import ElasticGroup
+from shoal.membership.elastic import ElasticGroup
 from shoal.comm.objects import all_gather_bytes, broadcast_bytes, from_bytes, to_bytes
 from shoal.errors import PeerLostError, ShoalError
 

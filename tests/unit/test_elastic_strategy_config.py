@@ -168,7 +168,7 @@ def test_ddp_automatic_choice_on_an_elastic_group_waits_for_the_quorum(group: El
 
 def test_ddp_hierarchical_refusals_on_elastic_groups_say_why(group: ElasticGroup) -> None:
     from shoal.codecs.hierarchical import Hierarchical
-    from shoal.comm.elastic_sub import ElasticSubgroup, by_host
+    from shoal.membership.views import ElasticSubgroup, by_host
 
     host = ElasticSubgroup(group, "test/host", by_host)
     with pytest.raises(ConfigError, match=r"needs a whole elastic group.*cannot be split again"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.comm.elastic_sub import MemberInfo, by_host, by_slot, host_leaders
+from shoal.membership.views import MemberInfo, by_host, by_slot, host_leaders
 from shoal.errors import ConfigError
 
 
@@ -44,8 +44,8 @@ def test_a_subgroup_is_a_view_whose_step_interface_is_the_parents() -> None:
     import torch
 
     from shoal.comm import Group
-    from shoal.comm.elastic import ElasticGroup
-    from shoal.comm.elastic_sub import ElasticHostGroups, ElasticSubgroup
+    from shoal.membership.elastic import ElasticGroup
+    from shoal.membership.views import ElasticHostGroups, ElasticSubgroup
     from shoal.elastic import Coordinator, Timeouts
     from shoal.errors import PeerLostError
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from shoal.comm.elastic_heal import plan_heal
+from shoal.membership.heal import plan_heal
 
 
 class _Table:

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from shoal.comm.membership import Coordinator, MemberClient, Timeouts
+from shoal.membership.client import MemberClient
+from shoal.membership.coordinator import Coordinator, Timeouts
 
 TOKEN = "rejoin-test-token"
 _T = Timeouts(op=1.0, heartbeat_interval=0.05, probe=0.3, heartbeat_timeout=1.0, quorum=5.0, join=10.0)

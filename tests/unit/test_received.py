@@ -1,4 +1,4 @@
-"""What a heal accepts (shoal.comm.received.check_received): non-finite values only where the receiver has them.
+"""What a heal accepts (shoal.membership.received.check_received): non-finite values only where the receiver has them.
 
 A receiver's own copy is the reference: a model's constants (an additive
 -inf mask) are non-finite on both sides and pass, a NaN or Inf where the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.comm.received import check_received
+from shoal.membership.received import check_received
 
 INF, NAN = float("inf"), float("nan")
 

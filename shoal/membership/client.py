@@ -1,0 +1,240 @@
+"""The worker's side of membership: join, heartbeat thread, quorums, leave, and the abort watch.
+
+The protocol (keys in the coordinator's store) is described in
+:mod:`shoal.membership.coordinator`, which runs in the launcher process; this
+module runs in every worker process and only talks to the store.
+
+Example::
+
+    client = MemberClient("127.0.0.1:29400", "run1", Timeouts(), token="s3cret-token")
+    client.join()
+    q = client.wait_quorum(after=0, timeout=client.timeouts.join)
+    print(q.members, q.rank_of(client.member_id), q.prefix)
+    client.leave()
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from shoal.errors import AuthError, ConfigError, ShoalError
+from shoal.membership import auth
+from shoal.membership.coordinator import _TICK_S, Quorum, Timeouts, _quorum_text, _s, connect, log
+from shoal.membership.records import RecordBook
+
+
+class AbortWatch:
+    """Which quorum's abort flag (``<prefix>abort``) a member watches, and whether it saw it raised.
+
+    Keyed by the quorum's store prefix, so that a flag of an old quorum can
+    never abort a step of a newer one: the heartbeat thread may read the old
+    prefix, the training thread then move the watch to the new quorum, and
+    the heartbeat thread only afterwards find the old flag set. That sighting
+    is dropped (:meth:`saw` records it only for the prefix still watched),
+    and :meth:`raised` answers for one quorum, never "any quorum".
+
+    Example::
+
+        watch = AbortWatch()
+        watch.watch(q.prefix)          # the training thread, on entering quorum q
+        watch.poll(store)              # the heartbeat thread, every beat
+        if watch.raised(q.prefix): ...  # give up q's step at once
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._prefix: str | None = None
+        self._raised: str | None = None   # the prefix whose flag was seen raised (at most the watched one)
+
+    @property
+    def prefix(self) -> str | None:
+        """The prefix of the quorum being watched (None before the first quorum)."""
+        return self._prefix
+
+    def watch(self, prefix: str | None) -> None:
+        """Watch the quorum under ``prefix`` from now on; a sighting for any other quorum is forgotten."""
+        with self._lock:
+            self._prefix = prefix
+            if self._raised != prefix:
+                self._raised = None
+
+    def saw(self, prefix: str) -> None:
+        """Record that ``prefix``'s abort flag is raised; ignored unless ``prefix`` is still watched."""
+        with self._lock:
+            if prefix == self._prefix:
+                self._raised = prefix
+
+    def raised(self, prefix: str | None) -> bool:
+        """Whether the abort flag of the quorum under ``prefix`` was seen raised."""
+        return prefix is not None and self._raised == prefix
+
+    def poll(self, store: Any) -> None:
+        """One look at the watched quorum's flag through ``store`` (the heartbeat thread's own client)."""
+        prefix = self._prefix
+        if prefix is not None and store.check([prefix + "abort"]):
+            self.saw(prefix)
+
+
+class MemberClient:
+    """A worker's side of the protocol: join, heartbeat thread, quorums, leave.
+
+    Example::
+
+        c = MemberClient("127.0.0.1:29400", "run1", Timeouts(), min_workers=2)
+        c.join()
+        q = c.wait_quorum(after=0, timeout=c.timeouts.join)
+        c.leave()
+    """
+
+    def __init__(self, address: str, run_id: str, timeouts: Timeouts, min_workers: int = 1,
+                 info: dict[str, Any] | None = None, token: str | None = None) -> None:
+        if not run_id or "/" in run_id:
+            raise ConfigError(f"run_id must be a non-empty string without '/', got {run_id!r}")
+        if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+            raise ConfigError(f"min_workers must be an integer >= 1, got {min_workers!r}")
+        self.address = address
+        self.run_id = run_id
+        self.timeouts = timeouts
+        self.min_workers = min_workers
+        self.info = dict(info or {})
+        self.token = auth.check_token(token)
+        self.store = connect(address, timeouts.quorum)
+        self.member_id = 0
+        self.abort = AbortWatch()   # the heartbeat thread watches the current quorum's <prefix>abort
+        self._stop = threading.Event()
+        self._hb: threading.Thread | None = None
+        self._hb_error: BaseException | None = None
+        self.book = RecordBook(self.store, run_id, 0, self.token, log)
+        self._infos: dict[int, dict[str, Any]] = {}   # verified join records, by member id
+
+    def key(self, k: str) -> str:
+        return f"{self.run_id}/{k}"
+
+    def join(self) -> int:
+        """Register (a new id every call) and start heartbeating; returns the id."""
+        st = self.store
+        if self.member_id == 0 and st.add(f"runs/known/{self.run_id}", 1) == 1:
+            st.set(f"runs/{st.add('runs/n', 1)}", self.run_id)
+        self.leave()
+        self.member_id = st.add(self.key("next_id"), 1)
+        self._authenticate(self.member_id)
+        st.add(self.key(f"hb/{self.member_id}"), 1)
+        record = {"timeouts": asdict(self.timeouts), "min_workers": self.min_workers, **self.info}
+        self.book.member_id = self.member_id    # signs with this join's session key
+        st.set(self.key(f"join/{self.member_id}"), self.book.seal(record))
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._beat, args=(self.member_id, self._stop),
+                                    name="shoal-heartbeat", daemon=True)
+        self._hb.start()
+        return self.member_id
+
+    def _authenticate(self, member_id: int) -> None:
+        """Answer the coordinator's challenge; AuthError if refused or if the two sides disagree on auth."""
+        st, base = self.store, self.key(f"auth/{member_id}/")
+        required = st.check(["auth/required"])
+        if self.token is None:
+            if required:
+                raise AuthError(f"the coordinator at {self.address} requires a run token and this worker "
+                                "has none: pass the run's token (ElasticGroup(token=...) or $SHOAL_TOKEN; "
+                                "CollaborativeConfig(token=...))")
+            return
+        if not required:
+            raise AuthError(f"this worker has a run token but the coordinator at {self.address} does not "
+                            "authenticate workers: start it with the same token (Coordinator(token=...), "
+                            "`shoal coordinator --token` or $SHOAL_TOKEN)")
+        wait = datetime.timedelta(seconds=self.timeouts.quorum)
+        try:
+            st.wait([base + "nonce"], wait)
+            nonce = _s(st.get(base + "nonce"))
+            st.set(base + "proof", auth.answer(self.token, f"{self.run_id}/{member_id}", nonce))
+            st.wait([base + "verdict"], wait)
+        except RuntimeError as e:   # the store's wait timed out
+            raise ShoalError(f"the coordinator at {self.address} did not complete the join challenge "
+                             f"within {self.timeouts.quorum} s: {e}") from e
+        if _s(st.get(base + "verdict")) != "ok":
+            raise AuthError(f"the coordinator at {self.address} refused this worker: its proof of the run "
+                            f"token for run {self.run_id!r} was wrong (a different token?)")
+
+    def _beat(self, member_id: int, stop: threading.Event) -> None:
+        # Its own store client: the training thread may be inside a store call.
+        try:
+            st = connect(self.address, self.timeouts.heartbeat_timeout)
+            while not stop.wait(self.timeouts.heartbeat_interval):
+                st.add(self.key(f"hb/{member_id}"), 1)
+                self.abort.poll(st)
+        except Exception as e:  # noqa: BLE001 - the coordinator is gone; the loop reports it
+            self._hb_error = e
+
+    def leave(self) -> None:
+        """Stop heartbeating and tell the coordinator at once (idempotent)."""
+        if self._hb is None:
+            return
+        self._stop.set()
+        self._hb.join(timeout=2 * self.timeouts.heartbeat_interval + 1)
+        self._hb = None
+        try:
+            self.store.set(self.key(f"hb/{self.member_id}"), "-1")
+        except Exception:  # noqa: BLE001 - coordinator gone: it will not miss us
+            pass
+
+    def latest(self) -> int:
+        return int(self.store.add(self.key("q/latest"), 0))
+
+    def quorum(self, qid: int) -> Quorum:
+        rec = json.loads(_s(self.store.get(self.key(f"q/{qid}"))))
+        members, prefix = tuple(int(m) for m in rec["members"]), str(rec["prefix"])
+        if self.token is not None and not auth.verify(self.token, "record", _quorum_text(qid, members, prefix),
+                                                      str(rec.get("mac", ""))):
+            raise AuthError(f"quorum record {qid} of run {self.run_id!r} is not signed with the run token: "
+                            "someone other than the coordinator wrote it")
+        return Quorum(qid, members, prefix)
+
+    def join_infos(self, members: tuple[int, ...] | list[int]) -> list[dict[str, Any] | None]:
+        """The join records of ``members`` (one store read for those not seen yet); None where one
+        does not verify (see the module docstring). Cached: a member writes its record once, before
+        the coordinator admits it, so a later overwrite cannot change what this worker uses."""
+        todo = [m for m in members if m not in self._infos]
+        if todo:
+            for m, raw in zip(todo, self.store.multi_get([self.key(f"join/{m}") for m in todo])):
+                info = self.book.open(raw, writer=m, kind="join")
+                if info is not None:
+                    self._infos[m] = info
+        return [self._infos.get(m) for m in members]
+
+    def request_quorum(self, failed_qid: int) -> None:
+        """Ask for a quorum to replace ``failed_qid``; the coordinator probes liveness first."""
+        self.store.set(self.key(f"req/{failed_qid}"), str(self.member_id))
+
+    def wait_quorum(self, after: int, timeout: float) -> Quorum:
+        """The first quorum newer than ``after`` that includes this member.
+
+        A newer quorum without this member, or its ``dropped/<id>`` mark,
+        means the coordinator dropped it (e.g. it missed a probe while busy):
+        it joins again under a new id and goes on waiting, and will be healed
+        as a newcomer.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._hb_error is not None:
+                raise ShoalError(f"lost the coordinator at {self.address}: {self._hb_error}")
+            latest = self.latest()
+            if latest > after:
+                q = self.quorum(latest)
+                if self.member_id in q.members:
+                    return q
+                after = latest
+                self.join()
+            elif self.store.check([self.key(f"dropped/{self.member_id}")]):
+                self.join()
+            if time.monotonic() > deadline:
+                raise ShoalError(
+                    f"no quorum including this worker (member {self.member_id} of run {self.run_id!r}) "
+                    f"within {timeout} s: fewer than min_workers={self.min_workers} workers alive, or the "
+                    "coordinator is unreachable; start more workers or lower min_workers"
+                )
+            time.sleep(_TICK_S / 2)
