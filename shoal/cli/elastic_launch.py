@@ -17,11 +17,14 @@ launcher's supervisor through its ``on_exit`` and ``on_tick`` hooks:
   all have exited, with code 0 if every last incarnation exited 0;
 - the run is over once a worker finished its part (it left the group after
   committing steps: ``ElasticGroup.leave`` marks it in the coordinator's
-  store, see :class:`RunEnd`) and no live worker has trained: a worker that
-  exits non-zero after finishing its part, or once the run is over, is not
-  restarted and fails nothing, and workers still waiting to join a run that
-  is over are stopped (a restart would wait for a quorum that cannot form,
-  or train alone from scratch).
+  store, see :class:`RunEnd`) and no live worker is still training (none
+  trained in its life without finishing its part): a worker that exits
+  non-zero after finishing its part (in its teardown), or once the run is
+  over, is not restarted (a restart would wait for a quorum that cannot
+  form, or train alone from scratch), and workers still waiting to join a
+  run that is over are stopped. Such an exit fails nothing, except a crash
+  of a worker that trained and never finished its part: the run then exits
+  with its code (a SIGKILL, ``--kill`` included, is chaos the run survives).
 
 In elastic mode ``RANK`` labels a worker; its place in the group is
 ``group.rank``, which changes with each quorum.
@@ -173,13 +176,15 @@ class ElasticSupervisor(_Supervisor):
         return self.spawns[w.rank].restarts
 
     def _run_over(self) -> bool:
-        """Some worker finished its part and no live worker has trained (checked in the store)."""
+        """Some worker finished its part and no live worker is still training: none has trained in its life
+        without finishing its part (checked in the store)."""
         if self.end is None or self.over or self.across_machines:
             return self.over
         try:
             if not (self.clean_exit or self.end.any_finished()):
                 return False
             self.over = not any(self.end.trained(self.label(w.rank), self._life(w))
+                                and not self.end.finished(self.label(w.rank), self._life(w))
                                 for w in self.workers if w.code is None)
         except Exception:  # noqa: BLE001 - the coordinator is gone: the workers will fail on their own
             return False
@@ -256,9 +261,22 @@ class ElasticSupervisor(_Supervisor):
                       "not restarting it")
             return True
         if self._run_over():
-            self.note(f"rank {w.rank} {how}; the run is over (its workers finished): not restarting it")
+            crashed = w.code != 128 + signal.SIGKILL and not w.injected_kill and self._trained(w)
+            if crashed and self.failed_rank is None:
+                # It trained and never finished its part: the crash is the run's failure (a SIGKILL or a
+                # scheduled --kill is the chaos a run survives), even though nobody is left to restart into.
+                self.failed_rank, self.result_code = w.rank, w.code if w.code is not None else 1
+            self.note(f"rank {w.rank} {how}; the run is over (its workers finished): not restarting it"
+                      + ("; it had trained and not finished its part, so the run fails with its code"
+                         if crashed else ""))
             return True
         return False
+
+    def _trained(self, w: _Worker) -> bool:
+        try:
+            return bool(self.end is not None and self.end.trained(self.label(w.rank), self._life(w)))
+        except Exception:  # noqa: BLE001 - the coordinator is gone: count it as a crash of a trained worker
+            return True
 
 
 class NamespacedCoordinator:

@@ -61,6 +61,7 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -383,7 +384,7 @@ class ElasticGroup(ElasticCollectives):
     def _release_abandoned(self) -> None:
         self.link.release()
 
-    def leave(self) -> None:
+    def leave(self, finished: bool | None = None) -> None:
         """Leave the run: the others go on without this worker (at most one step is discarded).
 
         An orderly departure: it first waits until every member of the quorum
@@ -391,12 +392,25 @@ class ElasticGroup(ElasticCollectives):
         ``consolidate_state_dict``'s gather after the last step; bounded by
         ``Timeouts.quorum``; docs/elastic.md, "Leaving").
 
-        A worker that committed a step in this life is marked as having finished
-        its part of the run (``finished/<RANK>-<SHOAL_RESTART>`` in the store):
-        ``shoal run --elastic`` does not restart it, and a run whose every
-        trained worker finished is over (docs/elastic.md, "When the run is over").
+        A worker that finished its part of the run is marked so
+        (``finished/<RANK>-<SHOAL_RESTART>`` in the store): ``shoal run
+        --elastic`` does not restart it, and a run whose every trained worker
+        finished is over (docs/elastic.md, "When the run is over").
+        ``finished=None`` (the default) means: it committed a step in this life
+        and no exception is propagating, so a ``leave()`` in a ``finally:``
+        that an error passes through never passes that error off as a finished
+        part (the launcher then treats the exit as the crash it is).
+
+        Example::
+
+            try:
+                train(group)
+            finally:
+                group.leave()      # marked finished only when train() returned
         """
-        if self.stats.commits > 0:
+        if finished is None:
+            finished = self.stats.commits > 0 and sys.exc_info()[1] is None
+        if finished:
             self._mark("finished")
             self._store_add("finished", 1)
         self._await_peers()

@@ -79,7 +79,7 @@ class QuorumParent(Protocol):
     def on_commit(self, fn: Callable[[], None]) -> None: ...
     def before_begin_step(self, fn: Callable[[], None]) -> None: ...
     def unique_name(self, name: str) -> str: ...
-    def leave(self) -> None: ...
+    def leave(self, finished: bool | None = None) -> None: ...
 
 
 def member_infos(client: MemberClient, q: Quorum) -> list[MemberInfo]:
@@ -210,8 +210,8 @@ class ElasticSubgroup(ElasticCollectives):
         """The older name of :meth:`commit`."""
         return self.commit()
 
-    def leave(self) -> None:
-        self.parent.leave()
+    def leave(self, finished: bool | None = None) -> None:
+        self.parent.leave(finished)
 
     def subgroup(self, rule: Partition, name: str) -> "Group":
         raise ConfigError(f"subgroup {self.name!r} cannot be split again: take subgroups of the ElasticGroup")

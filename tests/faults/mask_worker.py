@@ -7,7 +7,9 @@ sends legitimately non-finite state. shoal DDP on an ElasticGroup trains
 ``--steps`` steps; each life writes ``<out>/<rank>-<life>.pt`` (parameters,
 committed steps, heals) and leaves. ``--crash-at-end RANK``: that rank's
 first life exits 1 right after its last step, after its leave
-(``--crash-before-leave``: instead of it): a crash at the very end of the run.
+(``--crash-before-leave``: instead of it, once the others have left): a
+crash at the very end of the run. ``--raise-in-training RANK``: that rank's
+first life raises after step 3 through a ``leave()`` in a ``finally:``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +45,20 @@ class MaskedAttention(nn.Module):
         return self.out(att @ v)
 
 
+def train_one(model: nn.Module, opt: ElasticOptimizer, g: torch.Generator) -> None:
+    x = torch.randn(4, T, D, generator=g)
+    F.mse_loss(model(x), x.flip(1)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", required=True)
     ap.add_argument("--crash-at-end", type=int, default=-1)
     ap.add_argument("--crash-before-leave", action="store_true")
+    ap.add_argument("--raise-in-training", type=int, default=-1)
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -58,17 +69,26 @@ def main() -> None:
     model = shoal.DistributedDataParallel(net, process_group=group)
     opt = ElasticOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), group)
     g = torch.Generator().manual_seed(10 + rank)
+    if rank == a.raise_in_training and life == 0:
+        try:                     # a crash in the middle of training, through a leave() in a finally:
+            while True:          # that leave must not pass the crash off as a finished part
+                train_one(model, opt, g)
+                if group.step == 3:
+                    raise RuntimeError("a crash in the middle of training")
+        finally:
+            group.leave()
     while group.step < a.steps:
-        x = torch.randn(4, T, D, generator=g)
-        F.mse_loss(model(x), x.flip(1)).backward()
-        opt.step()
-        opt.zero_grad()
+        train_one(model, opt, g)
     params = [p.detach().clone() for p in net.parameters()]
     result = {"rank": rank, "life": life, "params": params, "step": group.step, "heals": group.stats.heals_received,
               "mask_ok": torch.equal(net.mask, torch.triu(torch.full((T, T), float("-inf")), 1))}
     crash = rank == a.crash_at_end and life == 0
     if crash and a.crash_before_leave:
         torch.save(result, os.path.join(a.out, f"{rank}-{life}.pt"))
+        # Crash only once the others have left, so that the launcher always meets a run that is over
+        # (a crash while they still train would be restarted into it: the usual policy).
+        while int(group.client.store.add(group.client.key("finished"), 0)) < 2:
+            time.sleep(0.05)
         os._exit(1)
     save_and_leave(a.out, rank, life, result, group)
     if crash:
