@@ -343,10 +343,11 @@ class ElasticGroup(ElasticCollectives):
     def _heal(self, q: Quorum) -> None:
         """Bring the quorum's needy members to the run's state (see :mod:`shoal.membership.heal`)."""
         t0 = time.monotonic()
-        plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit)
+        finished = self._fresh and self._store_add("finished", 0) > 0   # read before the gather: one verdict
+        plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit, finished)
         if plan is None:
             return
-        if plan.from_scratch and self._store_add("finished", 0) > 0:
+        if plan.run_over:
             self._depart()
             raise ShoalError(f"run {self.client.run_id!r} is over: every worker that trained it has finished "
                                 "and left, and this quorum holds none of its state; this worker would train "

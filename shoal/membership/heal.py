@@ -61,6 +61,7 @@ class HealPlan:
     needy: tuple[int, ...]
     recent: tuple[int, ...] = ()
     from_scratch: bool = False   # no member holds the run's state: every one is fresh at step ``top``
+    run_over: bool = False       # from scratch in a run where some member saw a finished part: stop, not train
 
     @property
     def newcomers(self) -> tuple[int, ...]:
@@ -84,24 +85,30 @@ def state_blob(states: Mapping[str, StateEntry]) -> torch.Tensor:
     return to_bytes({k: s.get() for k, s in states.items()})
 
 
-def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = False) -> HealPlan | None:
-    """Exchange every member's (committed step, fresh, healed since its last commit) and plan the heal.
+def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = False,
+              run_finished: bool = False) -> HealPlan | None:
+    """Exchange every member's (committed step, fresh, healed since its last commit, saw the run finished)
+    and plan the heal.
 
     None if the exchange failed. Every member plans from the same gathered
-    table, so every member computes the same plan and the same newcomers.
+    table, so every member computes the same plan, the same newcomers and the
+    same verdict on a run that is over (``run_finished``: this member read a
+    finished part in the store; any member's reading counts for all, so
+    members that read the store at different moments never disagree).
     """
-    mine = torch.tensor([step, int(fresh), int(recent)], dtype=torch.int64, device=group.device)
-    table = torch.empty(3 * group.size, dtype=torch.int64, device=group.device)
+    cols = 4
+    mine = torch.tensor([step, int(fresh), int(recent), int(run_finished)], dtype=torch.int64, device=group.device)
+    table = torch.empty(cols * group.size, dtype=torch.int64, device=group.device)
     group.all_gather_into(table, mine, tag=CONTROL_TAG).wait()
     if group.error is not None:
         return None
-    steps, news, recents = table[0::3].tolist(), table[1::3].tolist(), table[2::3].tolist()
+    steps, news, recents = table[0::cols].tolist(), table[1::cols].tolist(), table[2::cols].tolist()
     top = max(steps)
     ready = [r for r in range(group.size) if steps[r] == top and not news[r]]
     src = min(ready or [r for r in range(group.size) if steps[r] == top])
     needy = tuple(r for r in range(group.size) if r != src and (steps[r] < top or news[r]))
     return HealPlan(top, src, needy, tuple(r for r in range(group.size) if recents[r] and r not in needy),
-                    from_scratch=not ready)
+                    from_scratch=not ready, run_over=not ready and any(table[3::cols].tolist()))
 
 
 def send_state(group: ElasticCollectives, plan: HealPlan, make_blob: Callable[[], torch.Tensor],
