@@ -402,6 +402,16 @@ def check_slots(hierarchy: Hierarchy, who: str) -> None:
 def check_slot(who: str) -> None:
     """Groups by launch slot on an elastic group (``by_slot``) need ``$RANK``: raise unless it is set."""
     slot = os.environ.get("RANK", "")
+    nnodes = os.environ.get("SHOAL_SLOTS_INTERLEAVED", "")
+    if nnodes:
+        raise ConfigError(
+            f"{who} on an ElasticGroup places each worker in its level groups by its launch RANK, but this "
+            f"elastic run spans {nnodes} machines, whose launchers label workers RANK = i * nnodes + node_rank "
+            "(machines may start different numbers of workers at different times), so groups of consecutive "
+            "RANKs would mix machines instead of keeping the fast links inside one; run these groups within one "
+            "machine (`shoal run --elastic` without --nnodes) or as a static run across machines, or average "
+            "over the whole group (no local_group_size, an int period)"
+        )
     if not slot.isdigit():
         raise ConfigError(
             f"{who} on an ElasticGroup places each worker in its level groups by its launch RANK "

@@ -266,7 +266,7 @@ def _start_all(sup: _Supervisor, cmd: list[str], world: int, emu: EmulatedCluste
                           emu.namespace(host) if emu else host_id, emu.interface(host) if emu else None)
         if nodes is not None:  # RANK labels a worker in elastic runs: unique across machines
             env.update(RANK=str(_interleave(nodes)(rank)), GROUP_RANK=str(nodes.node_rank),
-                       NODE_RANK=str(nodes.node_rank))
+                       NODE_RANK=str(nodes.node_rank), SHOAL_SLOTS_INTERLEAVED=str(nodes.nnodes))
         argv = (emu.exec_prefix(host) if emu else []) + cmd
         sup.start(argv, env, rank, host, local)
 

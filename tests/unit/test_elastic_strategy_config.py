@@ -89,6 +89,21 @@ def test_post_local_sgd_map_needs_the_launch_rank(group: ElasticGroup, monkeypat
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("strategy", [lambda: shoal.Hierarchical({2: 1, 4: 2}),
+                                      lambda: shoal.PostLocalSGD(period=4, warmup_steps=2, local_group_size=2)],
+                         ids=["hierarchical", "postlocalsgd-local-groups"])
+def test_slot_groups_are_refused_in_an_elastic_run_across_machines(group: ElasticGroup, strategy: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # `shoal run --elastic --nnodes 2` labels workers RANK = i * nnodes + node_rank: groups of consecutive
+    # RANKs would span machines (the launcher says so in SHOAL_SLOTS_INTERLEAVED), so they are refused.
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("SHOAL_SLOTS_INTERLEAVED", "2")
+    with pytest.raises(ConfigError, match=r"spans 2 machines.*would mix machines"):
+        _setup(strategy(), group)
+
+
+@pytest.mark.timeout(30)
 def test_nonblocking_hierarchical_on_an_elastic_group_builds_without_a_collective(group: ElasticGroup) -> None:
     # The host and leader subgroups follow each quorum (group.host_groups): nothing is awaited here.
     from shoal.codecs.hierarchical import Hierarchical
