@@ -118,32 +118,36 @@ class _Spawn:
 class RunEnd:
     """What the workers' marks in the coordinator's store say about the run's end.
 
-    An elastic worker marks ``<run>/trained/<RANK>-<life>`` at its first
-    committed step and, when it leaves after training,
-    ``<run>/finished/<RANK>-<life>`` (and counts ``<run>/finished``).
+    An elastic worker marks ``<run>/trained/<RANK>-<life>@<launch>`` at its
+    first committed step and, when it leaves after training,
+    ``<run>/finished/<RANK>-<life>@<launch>`` (and counts ``<run>/finished``);
+    ``<launch>`` is its launcher's id (``SHOAL_LAUNCH_ID``), so a launcher
+    started again on a machine of the same run never reads the marks of an
+    earlier launcher's workers with the same labels.
 
     Example::
 
-        end = RunEnd("127.0.0.1:29400", "a1b2c3")
-        end.finished(2, 0)        # did rank 2's first life finish its part?
+        end = RunEnd("127.0.0.1:29400", "a1b2c3", launch_id="9f8e7d6c")
+        end.finished(2, 0)        # did rank 2's first life (of this launcher) finish its part?
     """
 
-    def __init__(self, address: str, run_id: str) -> None:
+    def __init__(self, address: str, run_id: str, launch_id: str = "") -> None:
         from shoal.membership.coordinator import connect
 
         self.store = connect(address, 30.0)
         self.run_id = run_id
+        self.suffix = f"@{launch_id}" if launch_id else ""
 
     def _has(self, key: str) -> bool:
         return bool(self.store.check([f"{self.run_id}/{key}"]))
 
     def finished(self, rank: int, life: int) -> bool:
         """Whether this life of ``rank`` left the run after committing steps."""
-        return self._has(f"finished/{rank}-{life}")
+        return self._has(f"finished/{rank}-{life}{self.suffix}")
 
     def trained(self, rank: int, life: int) -> bool:
         """Whether this life of ``rank`` committed a step."""
-        return self._has(f"trained/{rank}-{life}")
+        return self._has(f"trained/{rank}-{life}{self.suffix}")
 
     def any_finished(self) -> bool:
         """Whether some worker left the run after committing steps."""

@@ -241,9 +241,12 @@ def _elastic_env(stack: ExitStack, spec: ElasticLaunch, world: int, emu: Emulate
         address = coord.address
     env = {"SHOAL_COORDINATOR": address, "SHOAL_MIN_WORKERS": str(spec.min_workers), "SHOAL_TOKEN": token,
            "SHOAL_RUN_ID": base_env.get("SHOAL_RUN_ID") or uuid.uuid4().hex[:12]}
+    # This launcher's own id in the workers' run marks: a machine's launcher started again in the same run
+    # (a re-created pod, a spot machine back) counts lives from 0 again, and must not read the old ones' marks.
+    env["SHOAL_LAUNCH_ID"] = uuid.uuid4().hex[:8]
     if emu is None and isinstance(sup, ElasticSupervisor):   # (a namespace's address is out of our reach)
         try:
-            sup.end = RunEnd(address, env["SHOAL_RUN_ID"])
+            sup.end = RunEnd(address, env["SHOAL_RUN_ID"], env["SHOAL_LAUNCH_ID"])
         except Exception as e:  # noqa: BLE001 - the run still works; only its end is not seen
             sup.note(f"cannot read the run's end from the coordinator at {address} ({e}); a worker that "
                      "crashes after finishing will be restarted")

@@ -394,7 +394,7 @@ class ElasticGroup(ElasticCollectives):
         ``Timeouts.quorum``; docs/elastic.md, "Leaving").
 
         A worker that finished its part of the run is marked so
-        (``finished/<RANK>-<SHOAL_RESTART>`` in the store): ``shoal run
+        (``finished/<RANK>-<SHOAL_RESTART>@<SHOAL_LAUNCH_ID>`` in the store): ``shoal run
         --elastic`` does not restart it, and a run whose every trained worker
         finished is over (docs/elastic.md, "When the run is over").
         ``finished=None`` (the default) means: it committed a step in this life
@@ -469,9 +469,12 @@ class ElasticGroup(ElasticCollectives):
         self._abandon()
 
     def _label(self) -> str:
-        """This life's launcher label, ``RANK-SHOAL_RESTART`` (``m<member id>`` outside a launcher)."""
-        rank = os.environ.get("RANK")
-        return f"{rank}-{os.environ.get('SHOAL_RESTART', '0')}" if rank else f"m{self.client.member_id}"
+        """This life's launcher label, ``RANK-SHOAL_RESTART@SHOAL_LAUNCH_ID`` (``m<member id>`` outside a
+        launcher; without a launch id, no ``@`` part)."""
+        rank, launch = os.environ.get("RANK"), os.environ.get("SHOAL_LAUNCH_ID")
+        if not rank:
+            return f"m{self.client.member_id}"
+        return f"{rank}-{os.environ.get('SHOAL_RESTART', '0')}" + (f"@{launch}" if launch else "")
 
     def _mark(self, what: str) -> None:
         self._store_set(f"{what}/{self._label()}", "1")
