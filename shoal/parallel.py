@@ -287,6 +287,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             group.register_state(f"{key}/codec", codec.state_dict, codec.load_state_dict, rollback=True,
                                  heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)),
                                  snapshot=codec.rollback_state)
+            catchup = getattr(group, "catchup", None)   # elastic: shoal.membership.catchup
+            if catchup is not None:
+                catchup.refuse("shoal DDP with a codec (its means count every member)")
 
     @staticmethod
     def _check_device_ids(device_ids: Sequence[int | torch.device] | None, device: torch.device) -> None:

@@ -12,8 +12,10 @@ from shoal.membership.heal import plan_heal
 class _Table:
     """A group of ``len(rows)`` members whose all-gather returns ``rows`` (one per member)."""
 
-    def __init__(self, rows: list[tuple[int, int, int]], rank: int = 0) -> None:
-        self.rows, self.rank, self.size = rows, rank, len(rows)
+    def __init__(self, rows: list[tuple[int, ...]], rank: int = 0) -> None:
+        # (step, fresh, recent[, heal it downloads, can heal in the background]): short rows download none
+        self.rows = [tuple(row) + (-1, 0)[len(row) - 3:] for row in rows]
+        self.rank, self.size = rank, len(rows)
         self.device = torch.device("cpu")
         self.error: BaseException | None = None
 
@@ -47,3 +49,24 @@ def test_a_member_healed_in_a_discarded_attempt_stays_a_newcomer_until_a_commit(
 def test_a_recent_member_is_never_the_only_reason_to_send_state() -> None:
     plan = plan_heal(_Table([(4, 0, 1), (4, 0, 0)], rank=1), 4, False)   # type: ignore[arg-type]
     assert plan is not None and plan.needy == () and plan.newcomers == (0,)
+
+
+def test_a_downloading_member_is_neither_needy_nor_a_source() -> None:
+    # Member 2 is still downloading heal 9 in the background (its step follows the run's): the new
+    # quorum sends it nothing and takes no state from it; member 3 is new and everyone can heal in
+    # the background, so it is admitted as a downloader too (background=True: no blocking heal).
+    rows = [(6, 0, 0, -1, 1), (6, 0, 0, -1, 1), (6, 0, 1, 9, 1), (0, 1, 0, -1, 1)]
+    plans = [plan_heal(_Table(rows, rank=r), *rows[r][:1], bool(rows[r][1]), bool(rows[r][2]), rows[r][3],
+                       bool(rows[r][4])) for r in range(4)]   # type: ignore[arg-type]
+    for p in plans:
+        assert p is not None
+        assert (p.src, p.ready, p.needy, p.downloading, p.background) == (0, (0, 1), (3,), {2: 9}, True)
+
+
+def test_background_needs_every_member_capable_and_a_holder_of_the_state() -> None:
+    one_blocking = plan_heal(_Table([(4, 0, 0, -1, 1), (0, 1, 0, -1, 0)]), 4, False, False, -1, True)  # type: ignore[arg-type]
+    assert one_blocking is not None and one_blocking.needy == (1,) and not one_blocking.background
+    # Nobody holds the run's state (the only holder left while member 1 downloaded): the download is
+    # abandoned and both start from scratch, as fresh members do.
+    nobody = plan_heal(_Table([(4, 1, 0, -1, 1), (4, 0, 1, 3, 1)]), 4, True, False, -1, True)  # type: ignore[arg-type]
+    assert nobody is not None and nobody.from_scratch and nobody.downloading == {} and not nobody.background

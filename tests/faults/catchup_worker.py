@@ -1,0 +1,107 @@
+"""One worker of the background-heal fault tests: shoal DDP + ElasticOptimizer with SHOAL_HEAL=background.
+
+The last rank (``--joiner``) is the joiner: it waits until rank 0 has committed
+``--go`` steps (rank 0 writes ``<out>/go``), then joins (the survivors wait
+for it to start, ``<out>/joining``, between two steps). Its download is parked
+deterministically (``before_chunk``): it asks for no byte before the run has
+committed ``--park`` steps after its admission, so the survivors' commits
+during the download are there whatever the machine's speed. With
+``--midway``, after the first chunk it writes ``<out>/midway`` and waits for
+``<out>/killed`` (the test SIGKILLs a source in between).
+
+Everyone stops at the same step: once ``--steps`` were committed and a step
+ran with every member contributing (the contributor count is the same on
+every member). Writes ``<out>/<rank>-<life>.pt`` (log, final state, stats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
+from harness import save_and_leave
+from elastic_worker import digest
+
+
+def _wait_file(path: str, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+
+
+def _park(group: ElasticGroup, out: str, park: int, midway: bool) -> None:
+    """Install the joiner's download hook: wait for ``park`` commits, then (``midway``) for a kill."""
+    def before_chunk(source: int, received: int) -> None:
+        while group.step < group.catchup.stats.admitted_step + park:
+            time.sleep(0.005)
+        if midway and received > 0:
+            if not os.path.exists(os.path.join(out, "midway")):
+                with open(os.path.join(out, "midway"), "w") as f:
+                    f.write(str(source))
+            _wait_file(os.path.join(out, "killed"))
+    group.catchup.before_chunk = before_chunk
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--joiner", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--go", type=int, default=3)
+    ap.add_argument("--park", type=int, default=3)
+    ap.add_argument("--midway", action="store_true")
+    ap.add_argument("--max-steps", type=int, default=200)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
+    with open(os.path.join(a.out, f"pid-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == a.joiner:
+        _wait_file(os.path.join(a.out, "go"))
+    timeouts = Timeouts(op=5.0, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0, quorum=15.0, join=60.0)
+    group = ElasticGroup(timeouts=timeouts, min_workers=2)
+    group.heal_chunk = 2048   # a small model still takes many ranges
+    if rank == a.joiner:
+        _park(group, a.out, a.park, a.midway)
+    torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the heal must equalise
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    inner = torch.optim.Adam(net.parameters(), lr=1e-2)
+    model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.002)
+    opt = ElasticOptimizer(inner, group)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 16, generator=g)
+    y = torch.tanh(x @ torch.randn(16, 4, generator=g))
+    data = ElasticSampler(512, group, batch_size=16)
+    log, everyone = [], 0
+    if rank == a.joiner:
+        open(os.path.join(a.out, "joining"), "w").close()
+    while (group.step < a.steps or everyone < 2) and group.step < a.max_steps:
+        idx = data.next_batch()
+        mine, contributors = group.contribution()   # the same count on every member of the step
+        opt.zero_grad()
+        F.mse_loss(model(x[idx]), y[idx]).backward()
+        committed = opt.step()
+        everyone = everyone + 1 if committed and contributors == group.size == a.joiner + 1 else 0
+        log.append({"t": time.time(), "step": group.step, "committed": committed, "size": group.size,
+                    "contributes": mine, "contributors": contributors, "digest": digest(net, inner)})
+        if rank != a.joiner and group.step == a.go and committed:   # every survivor, after the same commit
+            if rank == 0:
+                open(os.path.join(a.out, "go"), "w").close()
+            _wait_file(os.path.join(a.out, "joining"))   # outside any step: nobody's collective waits
+    result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(), "stats": vars(group.stats),
+              "catchup": asdict(group.catchup.stats), "cursor": data.cursor, "rank": rank, "life": life}
+    save_and_leave(a.out, rank, life, result, group)
+
+
+if __name__ == "__main__":
+    main()
