@@ -17,6 +17,7 @@ every member). Writes ``<out>/<rank>-<life>.pt`` (log, final state, stats).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import time
 from dataclasses import asdict
@@ -52,6 +53,17 @@ def _park(group: ElasticGroup, out: str, park: int, midway: bool) -> None:
     group.catchup.before_chunk = before_chunk
 
 
+def _flat_grad(net: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()]).clone()
+
+
+def _local_grad(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """This worker's gradient of the step, without DDP (a copy of the model, the same batch)."""
+    own = copy.deepcopy(net)
+    F.mse_loss(own(x), y).backward()
+    return _flat_grad(own)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -82,14 +94,18 @@ def main() -> None:
     x = torch.randn(512, 16, generator=g)
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
     data = ElasticSampler(512, group, batch_size=16)
-    log, everyone = [], 0
+    log, everyone, grads = [], 0, []
     if rank == a.joiner:
         open(os.path.join(a.out, "joining"), "w").close()
     while (group.step < a.steps or everyone < 2) and group.step < a.max_steps:
         idx = data.next_batch()
         mine, contributors = group.contribution()   # the same count on every member of the step
+        check = mine and contributors < group.size and len(grads) < 30
+        local = _local_grad(net, x[idx], y[idx]) if check else None   # this worker's own, unaveraged
         opt.zero_grad()
         F.mse_loss(model(x[idx]), y[idx]).backward()
+        if check:
+            grads.append({"step": group.step, "contributors": contributors, "local": local, "mean": _flat_grad(net)})
         committed = opt.step()
         everyone = everyone + 1 if committed and contributors == group.size == a.joiner + 1 else 0
         log.append({"t": time.time(), "step": group.step, "committed": committed, "size": group.size,
@@ -99,7 +115,7 @@ def main() -> None:
                 open(os.path.join(a.out, "go"), "w").close()
             _wait_file(os.path.join(a.out, "joining"))   # outside any step: nobody's collective waits
     result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(), "stats": vars(group.stats),
-              "catchup": asdict(group.catchup.stats), "cursor": data.cursor, "rank": rank, "life": life}
+              "catchup": asdict(group.catchup.stats), "grads": grads, "cursor": data.cursor, "rank": rank, "life": life}
     save_and_leave(a.out, rank, life, result, group)
 
 

@@ -37,8 +37,8 @@ def _equal_state(results: list[dict[str, Any]]) -> None:
         assert r["cursor"] == ref["cursor"], "the sampler's cursor differs"
 
 
-def _check_join(final: list[dict[str, Any]], park: int, why: str) -> dict[str, Any]:
-    """The joiner's story; returns its catch-up stats."""
+def _check_join(final: list[dict[str, Any]], park: int, why: str, complete: bool = True) -> dict[str, Any]:
+    """The joiner's story; returns its catch-up stats (``complete``: no contributor died meanwhile)."""
     *survivors, joiner = final
     cu = joiner["catchup"]
     admitted, caught = cu["admitted_step"], cu["caught_up_step"]
@@ -57,6 +57,18 @@ def _check_join(final: list[dict[str, Any]], park: int, why: str) -> dict[str, A
     mine = [e for e in joiner["log"] if e["committed"] and e["contributes"]]
     assert mine and all(e["digest"] == peer[e["step"]] for e in mine), why
     assert mine[0]["step"] == caught + 2, why   # contributes from the step after the one it caught up at
+    # The joiner counted zero: during the download the mean every survivor received is the mean of the
+    # survivors' own gradients (each computed apart, on a copy of the model, from the same batch).
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for s in survivors:
+        for g in s["grads"]:
+            by_step.setdefault(g["step"], []).append(g)
+    full = [gs for gs in by_step.values() if len(gs) == gs[0]["contributors"]]   # every contributor logged it
+    assert full or not complete, why
+    for gs in full:
+        ref = sum(g["local"] / len(gs) for g in gs)
+        for g in gs:
+            assert torch.allclose(g["mean"], ref, rtol=1e-5, atol=1e-7), why
     assert joiner["stats"]["heals_received"] == 1, why
     assert 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
     _equal_state(final)
@@ -100,7 +112,7 @@ def test_source_killed_mid_transfer_joiner_finishes_from_the_others(tmp_path: An
     assert [r for r, _ in out.deaths] == [1], why
     final = out.final()
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (2, 0), (3, 0)], why
-    cu = _check_join(final, 2, why)
+    cu = _check_join(final, 2, why, complete=False)
     assert cu["failed_sources"] != [] and len(cu["failed_sources"]) == 1, why
     alive = [m for m in cu["by_source"] if m not in cu["failed_sources"]]
     assert len(alive) == 2 and all(cu["by_source"][m] > 0 for m in alive), why
