@@ -21,6 +21,7 @@ import copy
 import os
 import time
 from dataclasses import asdict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--go", type=int, default=3)
     ap.add_argument("--park", type=int, default=3)
     ap.add_argument("--midway", action="store_true")
+    ap.add_argument("--wrap", action="store_true", help="DDP through shoal.wrap(net, opt, Sync())")
     ap.add_argument("--max-steps", type=int, default=200)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -88,8 +90,12 @@ def main() -> None:
     torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the heal must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     inner = torch.optim.Adam(net.parameters(), lr=1e-2)
-    model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.002)
-    opt = ElasticOptimizer(inner, group)
+    opt: Any
+    if a.wrap:   # the strategy path: shoal.wrap(net, opt, Sync()) registers the same replay
+        model, opt = shoal.wrap(net, inner, shoal.strategies.Sync(bucket_cap_mb=0.002), process_group=group)
+    else:
+        model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.002)
+        opt = ElasticOptimizer(inner, group)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(512, 16, generator=g)
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
@@ -106,7 +112,9 @@ def main() -> None:
         F.mse_loss(model(x[idx]), y[idx]).backward()
         if check:
             grads.append({"step": group.step, "contributors": contributors, "local": local, "mean": _flat_grad(net)})
-        committed = opt.step()
+        commits = group.stats.commits
+        opt.step()   # ElasticOptimizer says whether it committed; wrap's optimizer returns the loss
+        committed = group.stats.commits > commits
         everyone = everyone + 1 if committed and contributors == group.size == a.joiner + 1 else 0
         log.append({"t": time.time(), "step": group.step, "committed": committed, "size": group.size,
                     "contributes": mine, "contributors": contributors, "digest": digest(net, inner)})

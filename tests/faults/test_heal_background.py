@@ -76,9 +76,11 @@ def _check_join(final: list[dict[str, Any]], park: int, why: str, complete: bool
 
 
 @pytest.mark.timeout(120)
-def test_joiner_admitted_before_download_survivors_commit_and_state_is_bitwise_equal(tmp_path: Any) -> None:
+@pytest.mark.parametrize("path", ["ddp", "wrap"])
+def test_joiner_admitted_before_download_survivors_commit_and_state_is_bitwise_equal(path: str, tmp_path: Any) -> None:
     park = 3
-    out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--park", str(park)], env=ENV, hard_limit=100,
+    extra = ["--wrap"] if path == "wrap" else []
+    out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--park", str(park), *extra], env=ENV, hard_limit=100,
                       restarts=0, script="catchup_worker.py", initial_workers=2)
     why = out.logs
     final = out.final()
