@@ -53,7 +53,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -162,7 +162,8 @@ class CatchUp:
         self.group = group
         self.enabled = mode == "background"
         self.replayers: list[Replayer] = []
-        self.refusals: list[str] = []           # why this worker cannot heal in the background
+        self.refusals: list[tuple[str, Callable[[], bool] | None]] = []   # why (and when) it cannot
+        self._generation = 0                    # a download given up on never reports into a later one
         self.pending: dict[int, Pending] = {}   # member id -> joiner still catching up, this quorum
         self.server: SnapshotServer | None = None
         self.stats = CatchUpStats()
@@ -178,13 +179,15 @@ class CatchUp:
     def register(self, replayer: Replayer) -> None:
         self.replayers.append(replayer)
 
-    def refuse(self, why: str) -> None:
-        """A component that cannot have a non-contributor among its members: quorums heal blocking."""
-        self.refusals.append(why)
+    def refuse(self, why: str, when: Callable[[], bool] | None = None) -> None:
+        """A component that cannot have a non-contributor among its members (whenever ``when()`` is True,
+        asked at each quorum's plan; default: always): those quorums heal blocking."""
+        self.refusals.append((why, when))
 
     def column(self) -> tuple[int, bool]:
         """This member's entries of the heal plan's table: the heal it downloads (-1: none), capable."""
-        return self.hid, self.enabled and bool(self.replayers) and not self.refusals
+        refused = any(when is None or when() for _, when in self.refusals)
+        return self.hid, self.enabled and bool(self.replayers) and not refused
 
     def contribution(self) -> tuple[bool, int]:
         """(whether this member contributes to this step's means, how many members do)."""
@@ -204,9 +207,14 @@ class CatchUp:
         for r, hid in plan.downloading.items():
             kept = old.get(q.members[r])
             self.pending[q.members[r]] = kept if kept is not None and kept.hid == hid else Pending(hid)
+        if self.server is not None:   # a joiner that died or gave up no longer needs its snapshot
+            self.server.keep({(m, p.hid) for m, p in self.pending.items()})
+        g, me = self.group, self.group.client.member_id
+        if self.hid >= 0 and g.rank in plan.needy and not plan.background:
+            log.warning("giving up the background heal %d: this quorum heals blocking", self.hid)
+            self.hid, self._generation = -1, self._generation + 1
         if not (plan.background and plan.needy):
             return False
-        g, me = self.group, self.group.client.member_id
         joiners = {q.members[r] for r in plan.needy}
         for m in joiners:
             self.pending[m] = Pending(q.qid)
@@ -278,25 +286,30 @@ class CatchUp:
         self.hid, self.records, self.loaded = hid, [], False
         self.stats.admitted_step, self.stats.admitted_at = top, time.time()
         self._done.clear()
+        self._generation += 1
         store = g.client.store.clone()
-        threading.Thread(target=self._fetch, args=(hid, sources, store), name="shoal-heal-fetch",
+        threading.Thread(target=self._fetch, args=(hid, sources, store, self._generation), name="shoal-heal-fetch",
                          daemon=True).start()
         log.info("admitted at step %d as a non-contributor; fetching heal %d from members %s", top, hid, sources)
 
-    def _fetch(self, hid: int, members: list[int], store: Any) -> None:
+    def _fetch(self, hid: int, members: list[int], store: Any, generation: int) -> None:
         g = self.group
+        result: tuple[bytes | None, str | None]
         try:
             sources = self._sources(hid, members, store)
             dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,
                           chunk=g.heal_chunk, timeout=g.timeouts.op)
             dl.before_chunk = self.before_chunk
             dl.run()    # in this thread
-            self.stats.download_bytes, self.stats.download_s = dl.received, dl.seconds
-            self.stats.by_source = dict(dl.by_source)
-            self.stats.failed_sources = sorted(dl.failed)
-            self._result = (dl.blob, dl.error)
+            result = (dl.blob, dl.error)
         except Exception as e:  # noqa: BLE001 - reported to the training thread, which fails the step
-            self._result = (None, f"{type(e).__name__}: {e}")
+            dl, result = None, (None, f"{type(e).__name__}: {e}")
+        if generation != self._generation:
+            return    # given up on (the quorum healed this worker blocking, or admitted it again)
+        if dl is not None:
+            self.stats.download_bytes, self.stats.download_s = dl.received, dl.seconds
+            self.stats.by_source, self.stats.failed_sources = dict(dl.by_source), sorted(dl.failed)
+        self._result = result
         self._done.set()
 
     def _sources(self, hid: int, members: list[int], store: Any) -> list[Source]:

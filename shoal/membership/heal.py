@@ -108,7 +108,9 @@ def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = 
     loading = {r: int(h) for r, h in enumerate(hids) if h >= 0}
     top = max(steps)
     ready = [r for r in range(group.size) if steps[r] == top and not news[r] and r not in loading]
-    if not ready:   # nobody holds the run's state: whoever was downloading starts from scratch with the rest
+    if not ready or not all(capables):
+        # Nobody holds the run's state (whoever was downloading starts from scratch with the rest), or
+        # a member cannot have a non-contributor now: whoever was downloading is healed blocking instead.
         loading = {}
     src = min(ready or [r for r in range(group.size) if steps[r] == top])
     needy = tuple(r for r in range(group.size)

@@ -172,6 +172,12 @@ class SnapshotServer:
         with self._lock:
             self._snaps.pop(hid, None)
 
+    def keep(self, wanted: set[tuple[int, int]]) -> None:
+        """Drop every snapshot none of whose joiners still wants it (``wanted``: (joiner, heal id) pairs)."""
+        with self._lock:
+            for hid in [h for h, s in self._snaps.items() if not any((m, h) in wanted for m in s.joiners)]:
+                del self._snaps[hid]
+
     def holding(self) -> list[int]:
         """The heal ids served now (snapshots idle for longer than ``idle`` are dropped first)."""
         now = time.monotonic()

@@ -70,3 +70,11 @@ def test_background_needs_every_member_capable_and_a_holder_of_the_state() -> No
     # abandoned and both start from scratch, as fresh members do.
     nobody = plan_heal(_Table([(4, 1, 0, -1, 1), (4, 0, 1, 3, 1)]), 4, True, False, -1, True)  # type: ignore[arg-type]
     assert nobody is not None and nobody.from_scratch and nobody.downloading == {} and not nobody.background
+
+
+def test_a_downloader_is_healed_blocking_in_a_quorum_that_cannot_have_a_non_contributor() -> None:
+    # Member 1 was downloading heal 5; member 2 cannot have a non-contributor now (a codec, a quorum
+    # across hosts under a two-level DDP): member 1 is needy again, and the heal is the blocking one.
+    rows = [(8, 0, 0, -1, 1), (8, 0, 1, 5, 1), (8, 0, 0, -1, 0)]
+    plan = plan_heal(_Table(rows, rank=1), 8, False, True, 5, True)   # type: ignore[arg-type]
+    assert plan is not None and plan.needy == (1,) and plan.downloading == {} and not plan.background

@@ -105,3 +105,12 @@ def test_cuda_snapshot_serialises_on_a_side_stream() -> None:
     got = from_bytes(torch.frombuffer(bytearray(dl.blob), dtype=torch.uint8))
     assert torch.equal(got["w"], tree["w"].cpu())
     server.close()
+
+
+def test_a_snapshot_nobody_wants_any_more_is_dropped() -> None:
+    server, _ = _serve(_tree(), hid=3, joiners=frozenset({9}))
+    server.keep({(9, 3), (7, 4)})
+    assert server.holding() == [3]
+    server.keep({(7, 4)})            # joiner 9 left the quorum (died, or is needy again under a new heal)
+    assert server.holding() == []
+    server.close()
