@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shoal
+from shoal import codecs
 from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
 from harness import save_and_leave
 from elastic_worker import digest
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--park", type=int, default=3)
     ap.add_argument("--midway", action="store_true")
     ap.add_argument("--wrap", action="store_true", help="DDP through shoal.wrap(net, opt, Sync())")
+    ap.add_argument("--powersgd", action="store_true", help="DDP with a PowerSGD codec (refuses the background heal)")
     ap.add_argument("--max-steps", type=int, default=200)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -94,7 +96,8 @@ def main() -> None:
     if a.wrap:   # the strategy path: shoal.wrap(net, opt, Sync()) registers the same replay
         model, opt = shoal.wrap(net, inner, shoal.strategies.Sync(bucket_cap_mb=0.002), process_group=group)
     else:
-        model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.002)
+        codec = codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if a.powersgd else None
+        model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.002, codec=codec)
         opt = ElasticOptimizer(inner, group)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(512, 16, generator=g)

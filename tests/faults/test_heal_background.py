@@ -118,3 +118,20 @@ def test_source_killed_mid_transfer_joiner_finishes_from_the_others(tmp_path: An
     assert cu["failed_sources"] != [] and len(cu["failed_sources"]) == 1, why
     alive = [m for m in cu["by_source"] if m not in cu["failed_sources"]]
     assert len(alive) == 2 and all(cu["by_source"][m] > 0 for m in alive), why
+
+
+@pytest.mark.timeout(120)
+def test_ddp_with_a_codec_refuses_and_heals_blocking(tmp_path: Any) -> None:
+    # A codec's means count every member: with SHOAL_HEAL=background the group still heals blocking
+    # (no non-contributor ever), and the joiner equals the survivors from its first step.
+    out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--powersgd"], env=ENV, hard_limit=100,
+                      restarts=0, script="catchup_worker.py", initial_workers=2)
+    why = out.logs
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], why
+    joiner = final[2]
+    assert joiner["catchup"]["admitted_step"] == -1 and joiner["stats"]["heals_received"] == 1, why
+    assert all(e["contributes"] and e["contributors"] == e["size"] for r in final for e in r["log"]), why
+    peer = {e["step"]: e["digest"] for e in final[0]["log"] if e["committed"]}
+    assert joiner["log"][0]["committed"] and joiner["log"][0]["digest"] == peer[joiner["log"][0]["step"]], why
+    _equal_state(final)
