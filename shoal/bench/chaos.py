@@ -161,6 +161,7 @@ def worker(a: argparse.Namespace) -> None:
     # Stop right after a round, so that every worker holds the same parameters.
     after_round = {"localsgd": 1, "diloco": 0}.get(a.strategy)
     log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
+    contributed = False
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
         t0, d0 = time.time(), group.stats.discards
         task.train_loss(model).backward()
@@ -170,9 +171,11 @@ def worker(a: argparse.Namespace) -> None:
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
                               "discards": group.stats.discards - d0, "round": group.step,
                               "contributes": mine}) + "\n")
-    log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net),
-                          "heal_bytes": group.stats.heal_bytes,
-                          "download_bytes": group.catchup.stats.download_bytes}) + "\n")
+        if mine and not contributed:   # what it received to get here (it may be killed before "done")
+            contributed = True
+            log.write(json.dumps({"event": "contributing", "t": time.time(), "heal_bytes": group.stats.heal_bytes,
+                                  "download_bytes": group.catchup.stats.download_bytes}) + "\n")
+    log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net)}) + "\n")
     log.close()
     group.leave()
 
@@ -323,12 +326,11 @@ def _joins(logs: dict[tuple[int, ...], list[dict[str, Any]]], normal: float) -> 
         for (other, _), lg2 in logs.items():
             ts = [e["t"] for e in lg2 if "dt" in e]
             gaps += [b - a for a, b in zip(ts, ts[1:]) if other != rank and b >= t0 and a <= t1]
-        done = ev.get("done", {})
+        got = ev.get("contributing", {})
         out.append({"rank": rank, "life": life, "start_to_contribute_s": round(t1 - ev["joined"]["started"], 2),
                     "survivor_stall_s": round(max(gaps) - normal, 3) if gaps else None,
                     "steps_before_contributing": sum(1 for e in lg if "dt" in e and not e.get("contributes", True)),
-                    "state_bytes": done.get("heal_bytes", ev["joined"]["heal_bytes"]),
-                    "downloaded_bytes": done.get("download_bytes", 0)})
+                    "state_bytes": got.get("heal_bytes", 0), "downloaded_bytes": got.get("download_bytes", 0)})
     return out
 
 
