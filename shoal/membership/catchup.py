@@ -270,10 +270,10 @@ class CatchUp:
                                          idle=g.timeouts.join)
         server, key = self.server, self._key(hid, f"src/{g.client.member_id}")
         tree = clone_tree({k: s.get() for k, s in g._hooks().states.items()})   # the step boundary
-        book, store = g.client.book, g.client.store.clone()
+        book, client = g.client.book, g.client
 
-        def published(size: int, sha: str) -> None:
-            store.set(key, book.seal({"addr": server.address, "size": size, "sha": sha}))
+        def published(size: int, sha: str) -> None:   # on the serialising thread: its own store connection
+            client.store.clone().set(key, book.seal({"addr": server.address, "size": size, "sha": sha}))
 
         server.offer(hid, tree, joiners, published)
         self.stats.served += 1
