@@ -298,7 +298,7 @@ class CatchUp:
         try:
             sources = self._sources(hid, members, store)
             dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,
-                          chunk=g.heal_chunk, timeout=g.timeouts.op)
+                          chunk=min(g.heal_chunk, 1 << 20), timeout=g.timeouts.op)   # finer stripes
             dl.before_chunk = self.before_chunk
             dl.run()    # in this thread
             result = (dl.blob, dl.error)

@@ -145,7 +145,7 @@ class SnapshotServer:
         threading.Thread(target=self._accept, name="shoal-heal-serve", daemon=True).start()
 
     def offer(self, hid: int, tree: Any, joiners: set[int], published: Callable[[int, str], None]) -> None:
-        """Serve ``tree`` as heal ``hid`` to ``joiners`` once serialised (in a thread); then ``published(size, sha)``."""
+        """Serve ``tree`` as heal ``hid`` to ``joiners`` once serialised in a thread, then ``published(size, sha)``."""
         with self._lock:
             self._snaps[hid] = _Snap(joiners=set(joiners))
         cuda = [t.device for t in _tensors(tree) if t.is_cuda]
