@@ -150,6 +150,7 @@ class CatchUpStats:
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
     served: int = 0               # snapshots this worker offered as a source
+    admissions: int = 0           # times admitted as a downloader (again after a download that failed)
 
 
 class CatchUp:
@@ -285,6 +286,7 @@ class CatchUp:
         g._healed_since_commit = True
         self.hid, self.records, self.loaded = hid, [], False
         self.stats.admitted_step, self.stats.admitted_at = top, time.time()
+        self.stats.admissions += 1
         self._done.clear()
         self._generation += 1
         store = g.client.store.clone()
@@ -351,8 +353,7 @@ class CatchUp:
         if blob is None or error is not None:
             log.warning("background heal %d failed (%s); asking for a new quorum to heal again", self.hid, error)
             g._record(PeerLostError(f"this joiner's download of the run's state failed: {error}"))
-            self.pending.pop(g.client.member_id, None)
-            self.hid, g._fresh = -1, True
+            self.hid, g._fresh = -1, True   # still counted out in this (lost) step; needy in the next quorum
             return
         if len(self.records) != t - self.stats.admitted_step:
             raise ShoalError(f"background heal: {len(self.records)} updates recorded for steps "

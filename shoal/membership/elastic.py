@@ -222,9 +222,9 @@ class ElasticGroup(ElasticCollectives):
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
             self._pending, self._issued, self._told = [], 0, 0   # the heal's collectives differ per member
-        self.catchup.at_begin()
-        self._snapshots = snapshot(hooks.states)
         self.error = None
+        self.catchup.at_begin()   # may record a failure (a download that failed): this step is then lost
+        self._snapshots = snapshot(hooks.states)
         self._in_step = True
 
     def commit(self) -> bool:

@@ -66,6 +66,17 @@ def _local_grad(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return _flat_grad(own)
 
 
+def _drop_all(group: ElasticGroup, out: str, rank: int) -> None:
+    """Stop serving every snapshot held (once): a joiner fetching from here finds no source left."""
+    flag = os.path.join(out, f"dropped-{rank}")
+    server = group.catchup.server
+    if os.path.exists(flag) or server is None:
+        return
+    for hid in server.holding():
+        server.drop(hid)
+    open(flag, "w").close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -75,6 +86,8 @@ def main() -> None:
     ap.add_argument("--park", type=int, default=3)
     ap.add_argument("--midway", action="store_true")
     ap.add_argument("--wrap", action="store_true", help="DDP through shoal.wrap(net, opt, Sync())")
+    ap.add_argument("--drop-on", action="store_true",
+                    help="survivors stop serving every snapshot once <out>/dropall exists (writes dropped-<rank>)")
     ap.add_argument("--powersgd", action="store_true", help="DDP with a PowerSGD codec (refuses the background heal)")
     ap.add_argument("--max-steps", type=int, default=200)
     a = ap.parse_args()
@@ -107,6 +120,8 @@ def main() -> None:
     if rank == a.joiner:
         open(os.path.join(a.out, "joining"), "w").close()
     while (group.step < a.steps or everyone < 2) and group.step < a.max_steps:
+        if a.drop_on and rank != a.joiner and os.path.exists(os.path.join(a.out, "dropall")):
+            _drop_all(group, a.out, rank)
         idx = data.next_batch()
         mine, contributors = group.contribution()   # the same count on every member of the step
         check = mine and contributors < group.size and len(grads) < 30

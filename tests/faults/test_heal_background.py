@@ -44,7 +44,7 @@ def _check_join(final: list[dict[str, Any]], park: int, why: str, complete: bool
     admitted, caught = cu["admitted_step"], cu["caught_up_step"]
     # Admitted before its download: it voted on committed steps as a non-contributor while it downloaded.
     assert admitted >= 0 and caught >= admitted + park, why
-    downloading = [e for e in joiner["log"] if e["committed"] and not e["contributes"]]
+    downloading = [e for e in joiner["log"] if e["committed"] and not e["contributes"] and e["step"] > admitted]
     assert downloading and downloading[0]["step"] == admitted + 1, why
     # The survivors kept committing during the download: their commits of steps admitted..caught-1.
     for s in survivors:
@@ -135,3 +135,33 @@ def test_ddp_with_a_codec_refuses_and_heals_blocking(tmp_path: Any) -> None:
     peer = {e["step"]: e["digest"] for e in final[0]["log"] if e["committed"]}
     assert joiner["log"][0]["committed"] and joiner["log"][0]["digest"] == peer[joiner["log"][0]["step"]], why
     _equal_state(final)
+
+
+@pytest.mark.timeout(120)
+def test_every_source_gone_mid_transfer_joiner_fails_one_step_and_is_admitted_again(tmp_path: Any) -> None:
+    # Both survivors stop serving the snapshot while the joiner holds part of it: its download fails,
+    # it fails that step (one discard), is needy in the next quorum and heals from a fresh snapshot.
+    stop = threading.Event()
+
+    def dropper() -> None:
+        while not stop.is_set() and not (tmp_path / "midway").exists():
+            time.sleep(0.01)
+        (tmp_path / "dropall").touch()
+        while not stop.is_set() and not all((tmp_path / f"dropped-{r}").exists() for r in (0, 1)):
+            time.sleep(0.01)
+        (tmp_path / "killed").touch()   # lets the joiner's download go on, against no source
+
+    t = threading.Thread(target=dropper, daemon=True)
+    t.start()
+    try:
+        out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--park", "2", "--midway", "--drop-on"], env=ENV,
+                          hard_limit=100, restarts=0, script="catchup_worker.py", initial_workers=2)
+    finally:
+        stop.set()
+    why = out.logs
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)] and not out.deaths, why
+    cu = final[2]["catchup"]
+    assert cu["admissions"] == 2 and cu["failed_sources"] == [], why   # the second download had no failure
+    assert final[0]["stats"]["discards"] >= 1, why
+    _check_join(final, 2, why, complete=False)
