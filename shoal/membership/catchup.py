@@ -172,6 +172,7 @@ class CatchUp:
         self.hid = -1                           # joiner: the heal it downloads, -1 when none
         self.records: list[list[Any]] = []
         self.loaded = False
+        self._covered: set[str] = set()
         self._done = threading.Event()
         self._result: tuple[bytes | None, str | None] = (None, None)
         group.on_commit(self._record)
@@ -306,6 +307,10 @@ class CatchUp:
             result = (dl.blob, dl.error)
         except Exception as e:  # noqa: BLE001 - reported to the training thread, which fails the step
             dl, result = None, (None, f"{type(e).__name__}: {e}")
+        try:   # the sources stop waiting for this joiner when they leave (see finish)
+            store.set(self._key(hid, f"fetched/{g.client.member_id}"), "1")
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody waits any more
+            pass
         if generation != self._generation:
             return    # given up on (the quorum healed this worker blocking, or admitted it again)
         if dl is not None:
@@ -335,6 +340,49 @@ class CatchUp:
         sha = Counter(s.sha for s in found.values()).most_common(1)[0][0]
         return [s for s in found.values() if s.sha == sha]
 
+    def finish(self) -> None:
+        """At ``leave()``: a joiner still downloading waits for it and catches up its model and optimizer
+        (so that what it saves is the run's state); a source waits until its joiners have fetched what
+        it serves. Both bounded by ``Timeouts.quorum``."""
+        g = self.group
+        deadline = time.monotonic() + g.timeouts.quorum
+        if self.hid >= 0 and not self.loaded:
+            blob, error = self._result if self._done.wait(g.timeouts.quorum) else (None, "it did not finish")
+            if blob is not None and error is None:
+                self._replay(blob)
+                self.loaded = True
+            else:
+                log.error("left before catching up (%s): this worker's model and optimizer are NOT the run's "
+                          "state (group.catchup.caught_up is False)", error)
+        while self.server is not None and time.monotonic() < deadline:
+            owed = self.server.owed()
+            if all(g.client.store.check([self._key(h, f"fetched/{m}")]) for h, m in owed):
+                return
+            time.sleep(0.01)
+
+    @property
+    def caught_up(self) -> bool:
+        """False while this worker holds no copy of the run's state yet (fresh, or admitted in the background
+        and still downloading)."""
+        return not self.group._fresh and (self.hid < 0 or self.loaded)
+
+    def _replay(self, blob: bytes) -> None:
+        """Load the snapshot's model and optimizer (what the replay covers) and replay the recorded steps."""
+        g = self.group
+        states = g._hooks().states
+        # Only what the replay brings up to date; the rest (a sampler's cursor, the discard streak) is the
+        # joiner's own until the top-up (it counts zero meanwhile, so its own is harmless there).
+        covered: set[str] = set().union(*(r.covers(states) for r in self.replayers))
+        load_blob(states, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1, "(background heal)",
+                  g._depart, keys=covered)
+        for rec in self.records:
+            for r, update in zip(self.replayers, rec):
+                r.replay(update)
+        self.stats.replayed, self.records = len(self.records), []
+        self._covered = covered
+        g.stats.heals_received += 1
+        g.stats.heal_bytes = len(blob)
+
     def _record(self) -> None:
         if self.hid >= 0 and not self.loaded:
             self.records.append([r.record() for r in self.replayers])
@@ -358,22 +406,11 @@ class CatchUp:
         if len(self.records) != t - self.stats.admitted_step:
             raise ShoalError(f"background heal: {len(self.records)} updates recorded for steps "
                              f"{self.stats.admitted_step}..{t - 1}; a committed step was not recorded")
-        states = g._hooks().states
-        # Only what the replay brings to step t; the rest (a sampler's cursor, the discard streak) is the
-        # joiner's own until the top-up at t+1 (it counts zero in step t, so its own is harmless there).
-        covered: set[str] = set().union(*(r.covers(states) for r in self.replayers))
-        load_blob(states, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1, "(background heal)",
-                  g._depart, keys=covered)
-        for rec in self.records:
-            for r, update in zip(self.replayers, rec):
-                r.replay(update)
-        p.ready, p.keys = t + 1, tuple(sorted(set(states) - covered))
+        self._replay(blob)
+        p.ready, p.keys = t + 1, tuple(sorted(set(g._hooks().states) - self._covered))
         g.client.store.set(self._key(self.hid, f"ready/{g.client.member_id}"),
                            g.client.book.seal({"from": p.ready, "keys": list(p.keys)}))
-        self.stats.caught_up_step, self.stats.replayed = t, len(self.records)
-        self.records, self.loaded = [], True
-        g.stats.heals_received += 1
-        g.stats.heal_bytes = len(blob)
+        self.stats.caught_up_step, self.loaded = t, True
         log.info("caught up at step %d (%d steps replayed); contributing from step %d", t,
                  self.stats.replayed, p.ready)
 

@@ -414,6 +414,7 @@ class ElasticGroup(ElasticCollectives):
         ``shoal run --elastic`` does not restart it, and a run whose every
         trained worker finished is over (docs/elastic.md, "When the run is over").
         """
+        self.catchup.finish()   # a joiner still catching up finishes; a source serves what it still owes
         if self.stats.commits > 0:
             self._mark("finished")
             self._store_add("finished", 1)

@@ -178,6 +178,11 @@ class SnapshotServer:
             for hid in [h for h, s in self._snaps.items() if not any((m, h) in wanted for m in s.joiners)]:
                 del self._snaps[hid]
 
+    def owed(self) -> list[tuple[int, int]]:
+        """(heal id, joiner) for every joiner that has not said it is done with a snapshot held here."""
+        with self._lock:
+            return [(hid, m) for hid, snap in self._snaps.items() for m in snap.joiners]
+
     def holding(self) -> list[int]:
         """The heal ids served now (snapshots idle for longer than ``idle`` are dropped first)."""
         now = time.monotonic()

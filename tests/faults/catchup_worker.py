@@ -86,6 +86,9 @@ def main() -> None:
     ap.add_argument("--park", type=int, default=3)
     ap.add_argument("--midway", action="store_true")
     ap.add_argument("--wrap", action="store_true", help="DDP through shoal.wrap(net, opt, Sync())")
+    ap.add_argument("--end-at-admission", action="store_true",
+                    help="stop once --steps ran and a step ran with every worker in the quorum (the joiner may "
+                         "still be downloading), leave, then save: leave() finishes the joiner's catch-up")
     ap.add_argument("--drop-on", action="store_true",
                     help="survivors stop serving every snapshot once <out>/dropall exists (writes dropped-<rank>)")
     ap.add_argument("--powersgd", action="store_true", help="DDP with a PowerSGD codec (refuses the background heal)")
@@ -119,7 +122,12 @@ def main() -> None:
     log, everyone, grads = [], 0, []
     if rank == a.joiner:
         open(os.path.join(a.out, "joining"), "w").close()
-    while (group.step < a.steps or everyone < 2) and group.step < a.max_steps:
+    def going() -> bool:
+        if a.end_at_admission:
+            return group.step < a.steps or group.size < a.joiner + 1
+        return (group.step < a.steps or everyone < 2) and group.step < a.max_steps
+
+    while going():
         if a.drop_on and rank != a.joiner and os.path.exists(os.path.join(a.out, "dropall")):
             _drop_all(group, a.out, rank)
         idx = data.next_batch()
@@ -142,6 +150,14 @@ def main() -> None:
             _wait_file(os.path.join(a.out, "joining"))   # outside any step: nobody's collective waits
     result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(), "stats": vars(group.stats),
               "catchup": asdict(group.catchup.stats), "grads": grads, "cursor": data.cursor, "rank": rank, "life": life}
+    if a.end_at_admission:   # leave first: the joiner's model is the run's only once leave() caught it up
+        group.leave()
+        result.update(model=net.state_dict(), opt=inner.state_dict(), caught_up=group.catchup.caught_up,
+                      catchup=asdict(group.catchup.stats), stats=vars(group.stats))
+        path = os.path.join(a.out, f"{rank}-{life}.pt")
+        torch.save(result, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return
     save_and_leave(a.out, rank, life, result, group)
 
 

@@ -165,3 +165,20 @@ def test_every_source_gone_mid_transfer_joiner_fails_one_step_and_is_admitted_ag
     assert cu["admissions"] == 2 and cu["failed_sources"] == [], why   # the second download had no failure
     assert final[0]["stats"]["discards"] >= 1, why
     _check_join(final, 2, why, complete=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_ending_while_the_joiner_downloads_leaves_it_caught_up(tmp_path: Any) -> None:
+    # The loop ends at the first step with the joiner in the quorum, while its download is parked: its
+    # leave() waits for the download and replays (the survivors' leave() waits until it has fetched),
+    # so what it saves after leave() is the run's state.
+    out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--park", "1", "--end-at-admission", "--steps", "8"],
+                      env=ENV, hard_limit=100, restarts=0, script="catchup_worker.py", initial_workers=2)
+    why = out.logs
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], why
+    joiner = final[2]
+    assert joiner["catchup"]["admitted_step"] >= 0 and joiner["catchup"]["caught_up_step"] == -1, why
+    assert all(not e["contributes"] for e in joiner["log"]), why        # it never contributed in the loop
+    assert joiner["caught_up"] and joiner["stats"]["heals_received"] == 1, why
+    _equal_state([{**r, "cursor": 0} for r in final])   # model and optimizer (the cursor is not topped up)
