@@ -40,6 +40,7 @@ def test_snapshot_is_a_copy_taken_at_the_boundary() -> None:
     assert torch.equal(snap["w"], torch.zeros(3)) and snap["groups"] == [{"lr": 0.1}]
 
 
+@pytest.mark.timeout(60)
 def test_striped_download_resumes_from_the_other_source_when_one_stops_serving() -> None:
     tree = _tree()
     a, sa = _serve(clone_tree(tree))
