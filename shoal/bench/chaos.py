@@ -8,7 +8,10 @@ from a live peer. Reported: final validation loss of both runs, rounds re-run,
 local steps lost per failure (the killed worker's steps since its last
 round), seconds the survivors' step took when a round had to be re-run,
 seconds from a restart to its first step and the heal itself (with the
-model's size), steps per second.
+model's size), steps per second; per join (``joins``): the joiner's seconds
+from process start to its first contributing step, the bytes it received,
+and the survivors' stall while it joined. ``--heal background`` heals
+restarted workers in the background (SHOAL_HEAL, docs/elastic.md).
 
 Two tasks. ``--task markov`` (default) is a small real one that 2 CPU cores
 can train in minutes: a character-level LM (2-layer causal transformer,
@@ -157,13 +160,21 @@ def worker(a: argparse.Namespace) -> None:
                           "params": sum(q.numel() for q in net.parameters())}) + "\n")
     # Stop right after a round, so that every worker holds the same parameters.
     after_round = {"localsgd": 1, "diloco": 0}.get(a.strategy)
+    log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
+    contributed = False
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
         t0, d0 = time.time(), group.stats.discards
         task.train_loss(model).backward()
+        mine = group.contribution()[0]   # read within the step: a background heal's joiner counts zero
         opt.step()
         opt.zero_grad()
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
-                              "discards": group.stats.discards - d0, "round": group.step}) + "\n")
+                              "discards": group.stats.discards - d0, "round": group.step,
+                              "contributes": mine}) + "\n")
+        if mine and not contributed:   # what it received to get here (it may be killed before "done")
+            contributed = True
+            log.write(json.dumps({"event": "contributing", "t": time.time(), "heal_bytes": group.stats.heal_bytes,
+                                  "download_bytes": group.catchup.stats.download_bytes}) + "\n")
     log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net)}) + "\n")
     log.close()
     group.leave()
@@ -172,7 +183,8 @@ def worker(a: argparse.Namespace) -> None:
 def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
     with ExitStack() as stack:
         token = secrets.token_urlsafe(16)   # elastic runs require one; the workers read SHOAL_TOKEN
-        env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "SHOAL_TOKEN": token}
+        env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "SHOAL_TOKEN": token,
+               "SHOAL_HEAL": a.heal}
         env.pop("SHOAL_ELASTIC_TRACE", None)
         if a.trace:   # the workers and the coordinator write timestamped events (see _recovery)
             env["SHOAL_ELASTIC_TRACE"] = os.path.join(out, "trace")
@@ -295,7 +307,31 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float) -> dict[str, 
         "heal_s": [round(e["heal_s"], 3) for e in joins],
         "heal_bytes": max((e["heal_bytes"] for e in joins), default=0),
         "params": next((e["params"] for lg in logs.values() for e in lg if "params" in e), 0),
+        "joins": _joins(logs, normal),
     }
+
+
+def _joins(logs: dict[tuple[int, ...], list[dict[str, Any]]], normal: float) -> list[dict[str, Any]]:
+    """Per restarted worker: its seconds from process start to its first contributing step, the state it
+    received, and the survivors' stall while it joined: the longest gap between two logged steps of any
+    other worker overlapping [its first step's start (asking to be admitted), its first contributing
+    step], minus the median step (a kill's own stall falls in it only if the restart asked that early)."""
+    out = []
+    for (rank, life), lg in sorted(logs.items()):
+        ev = {e["event"]: e for e in lg if "event" in e}
+        first = next((e for e in lg if "dt" in e and e.get("contributes", True)), None)
+        if life == 0 or "joined" not in ev or "joining" not in ev or first is None:
+            continue
+        t0, t1, gaps = ev["joining"]["t"], first["t"], []
+        for (other, _), lg2 in logs.items():
+            ts = [e["t"] for e in lg2 if "dt" in e]
+            gaps += [b - a for a, b in zip(ts, ts[1:]) if other != rank and b >= t0 and a <= t1]
+        got = ev.get("contributing", {})
+        out.append({"rank": rank, "life": life, "start_to_contribute_s": round(t1 - ev["joined"]["started"], 2),
+                    "survivor_stall_s": round(max(gaps) - normal, 3) if gaps else None,
+                    "steps_before_contributing": sum(1 for e in lg if "dt" in e and not e.get("contributes", True)),
+                    "state_bytes": got.get("heal_bytes", 0), "downloaded_bytes": got.get("download_bytes", 0)})
+    return out
 
 
 PHASES = ("request", "publish", "quorum", "barrier", "built", "healed")
@@ -386,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="trace every worker's elastic events and report where recovery time goes")
     ap.add_argument("--keep", default=None, help="keep the workers' logs under this folder")
+    ap.add_argument("--heal", choices=["blocking", "background"], default="blocking",
+                    help="how restarted workers get the run's state (SHOAL_HEAL; docs/elastic.md); background "
+                         "applies to --strategy ddp")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -69,6 +69,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shoal.membership.auth import check_token
+from shoal.membership.catchup import CatchUp, Replayer
 from shoal.membership.heal import (CONTROL_TAG, HEAL_CHUNK, HEAL_TAG, healed_barrier, load_blob, plan_heal, restore,
                                      send_state, snapshot, state_blob)
 from shoal.membership.transport import BackendFactory, BackendSpec, ElasticCollectives, ElasticStats, Link, gloo_backend
@@ -178,6 +179,7 @@ class ElasticGroup(ElasticCollectives):
         self.ballot = Ballot(self.client, self.timeouts, failures)
         self.discards = DiscardStreak()   # why each step since the last commit was discarded
         self.register_state("elastic/discards", self.discards.state, self.discards.load)
+        self.catchup = CatchUp(self)      # the background heal (SHOAL_HEAL=background): shoal.membership.catchup
         # Joining waits for the first begin_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
@@ -221,8 +223,9 @@ class ElasticGroup(ElasticCollectives):
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
             self._pending, self._issued, self._told = [], 0, 0   # the heal's collectives differ per member
-        self._snapshots = snapshot(hooks.states)
         self.error = None
+        self.catchup.at_begin()   # may record a failure (a download that failed): this step is then lost
+        self._snapshots = snapshot(hooks.states)
         self._in_step = True
 
     def commit(self) -> bool:
@@ -344,7 +347,8 @@ class ElasticGroup(ElasticCollectives):
         """Bring the quorum's needy members to the run's state (see :mod:`shoal.membership.heal`)."""
         t0 = time.monotonic()
         finished = self._fresh and self._store_add("finished", 0) > 0   # read before the gather: one verdict
-        plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit, finished)
+        plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit, *self.catchup.column(),
+                         run_finished=finished)
         if plan is None:
             return
         if plan.run_over:
@@ -353,6 +357,9 @@ class ElasticGroup(ElasticCollectives):
                                 "and left, and this quorum holds none of its state; this worker would train "
                                 "from scratch alone, so it stops (start a new run with a new run id instead)")
         self.quorum = replace(q, max_step=plan.top)
+        if self.catchup.adopt(q, plan):   # the needy were admitted as downloaders: nobody waits for them
+            self.newcomers, self._fresh = plan.newcomers, False
+            return
         if plan.needy:
             blob = send_state(self, plan, self._blob, self.heal_chunk)
             healed_barrier(self, q.prefix)
@@ -367,6 +374,18 @@ class ElasticGroup(ElasticCollectives):
             self.stats.heal_s = time.monotonic() - t0
         self.newcomers = plan.newcomers
         self._fresh = False
+
+    def contribution(self) -> tuple[bool, int]:
+        """(whether this member's data counts in this step's means, how many members' data does).
+
+        A joiner still catching up in the background counts zero (see
+        :mod:`shoal.membership.catchup`); otherwise every member counts.
+        """
+        return self.catchup.contribution()
+
+    def register_replay(self, replayer: Replayer) -> None:
+        """Let a background heal replay the updates a joiner receives while it downloads (see catchup)."""
+        self.catchup.register(replayer)
 
     def _blob(self) -> torch.Tensor:
         return state_blob(self._hooks().states)
@@ -411,6 +430,7 @@ class ElasticGroup(ElasticCollectives):
         """
         if finished is None:
             finished = self.stats.commits > 0 and sys.exc_info()[1] is None
+        self.catchup.finish()   # a joiner still catching up finishes; a source serves what it still owes
         if finished:
             self._mark("finished")
             self._store_add("finished", 1)
