@@ -148,13 +148,21 @@ class DiscardStreak:
     def __init__(self) -> None:
         self.reasons: list[str] = []
 
-    def state(self) -> list[str]:
-        """The streak, as healed into newcomers."""
-        return list(self.reasons)
+    def state(self) -> dict[int, str]:
+        """The streak, as healed into newcomers: ``{position: reason}``.
 
-    def load(self, reasons: list[str]) -> None:
-        """Take a peer's streak (from a heal)."""
-        self.reasons = [str(r) for r in reasons]
+        A dict, not a list: the received-state check refuses a list whose
+        length differs from the receiver's own (:mod:`shoal.membership.received`),
+        and a member that discarded steps and then rejoins (a partition, a
+        probe it missed) legitimately holds a streak of another length than
+        its healer's.
+        """
+        return dict(enumerate(self.reasons))
+
+    def load(self, reasons: dict[int, str] | list[str]) -> None:
+        """Take a peer's streak (from a heal, or this member's own rollback snapshot)."""
+        items = [reasons[k] for k in sorted(reasons)] if isinstance(reasons, dict) else list(reasons)
+        self.reasons = [str(r) for r in items]
 
     def reset(self) -> None:
         """A step committed: the streak ends."""
