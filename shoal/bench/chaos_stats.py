@@ -4,33 +4,36 @@ Pure functions over what the workers log (no clock of their own, so they are
 unit-tested on made-up logs). A worker's log is a list of entries: one
 ``{"event": "joined", "t", "started", "pid", ...}`` when it is ready to join,
 then one ``{"t", "dt", "step", "discards", ...}`` per optimizer step, where
-``discards`` counts the rounds the step had to re-run (0: the step's work
-stands as it was done). A *committed* step below is one with ``discards == 0``.
+``step`` is the worker's step counter after it (committed steps for DDP,
+local steps for LocalSGD and DiLoCo) and ``discards`` counts the rounds the
+step had to re-run. A step *made progress* when its counter advanced (a
+discarded DDP step did not; a DiLoCo local step whose averaging round was
+re-run with the survivors did, its work stands).
 
 - **stall per kill**: for every worker alive at the kill (a survivor), the
-  gap between its last committed step before the kill and its first
-  committed step after it, minus the run's median step; the kill's figure is
-  the largest over its survivors (DDP's survivors stall together). It is
-  the step in flight, its detection, the new quorum and the retried step.
+  gap between its last step that made progress before the kill's failure
+  (its first step after the kill with ``discards > 0``: the discarded DDP
+  step, or the local step whose round was re-run, which for DiLoCo may come
+  many steps after the kill) and its first one from that failure on, minus the
+  run's median step; without such a failure before the next kill, the gap
+  across the kill itself. The kill's figure is the largest over its
+  survivors. It is the step in flight, the detection, the new quorum and the
+  retried step (and whatever else that retry waited for: the restarted
+  worker's admission, if it came in the same round).
 - **stall per join**: for the restarted incarnation's admission, every
-  survivor's longest gap between committed steps that ends between the
-  newcomer being ready to join (its ``joined`` entry) and its first committed
-  step (plus one median step, as the survivors log the same step a little
-  apart), and that starts after the survivor's recovery from the kill (that gap
-  is the kill's); minus the median step; the largest over the survivors.
-  ``first_commit_s``: the newcomer's process start to its first committed step.
-- **goodput**: committed samples per second of training (the run's start to
-  the last worker's ``done`` entry: a worker's leave, or a restart that came
-  too late to be admitted, is not training); the chaos run's
-  divided by the fault-free run's (same model, steps and seed) is the
-  fraction of throughput that survives the faults. Work a killed worker did
-  since its last averaging round (``lost`` local steps) does not count.
-
+  survivor's longest gap between steps that made progress that ends between
+  the newcomer being ready to join (its ``joined`` entry) and its first step
+  (plus one median step, as the survivors log the same step a little
+  apart), and that starts after the kill's gap; minus the median step; the
+  largest over the survivors. ``first_commit_s``: the newcomer's process
+  start to its first step.
 Example::
 
     >>> logs = {(0, 0): [{"event": "joined", "t": 0.0, "started": 0.0, "pid": 1},
-    ...                  {"t": 1.0, "dt": 1.0, "discards": 0}, {"t": 2.0, "dt": 1.0, "discards": 0},
-    ...                  {"t": 6.0, "dt": 4.0, "discards": 1}, {"t": 7.0, "dt": 1.0, "discards": 0}]}
+    ...                  {"t": 1.0, "dt": 1.0, "step": 1, "discards": 0},
+    ...                  {"t": 2.0, "dt": 1.0, "step": 2, "discards": 0},
+    ...                  {"t": 6.0, "dt": 4.0, "step": 2, "discards": 1},     # discarded: no progress
+    ...                  {"t": 7.0, "dt": 1.0, "step": 3, "discards": 0}]}
     >>> kill_stalls(logs, [{"t": 2.5, "rank": 1, "life": 0, "survivors": [1]}], median=1.0)[0]["stall_s"]
     4.0
     >>> goodput(logs, samples_per_step=8, wall=8.0)   # 3 committed steps of 8 samples in 8 s
@@ -46,49 +49,61 @@ Logs = dict[tuple[int, int], list[dict[str, Any]]]   # (rank, life) -> that inca
 
 
 def committed_times(log: list[dict[str, Any]]) -> list[float]:
-    """When the incarnation logged each committed step (see the module docstring), in order."""
-    return sorted(e["t"] for e in log if "dt" in e and not e["discards"])
+    """When the incarnation logged each step that made progress (see the module docstring), in order."""
+    out, last = [], None
+    for e in log:
+        if "dt" in e:
+            if last is None or e["step"] > last:
+                out.append(e["t"])
+            last = e["step"]
+    return out
 
 
 def median_step(logs: Logs) -> float:
-    """The median duration of a committed step over the whole run (0.0 without any)."""
+    """The median duration of a step without a re-run round over the whole run (0.0 without any)."""
     dts = [e["dt"] for lg in logs.values() for e in lg if "dt" in e and not e["discards"]]
     return statistics.median(dts) if dts else 0.0
 
 
-def _by_pid(logs: Logs) -> dict[int, list[float]]:
+def _by_pid(logs: Logs) -> dict[int, list[dict[str, Any]]]:
     out = {}
     for lg in logs.values():
         pid = next((e["pid"] for e in lg if e.get("event") == "joined"), None)
         if pid is not None:
-            out[pid] = committed_times(lg)
+            out[pid] = lg
     return out
 
 
-def _first_after(ts: list[float], t: float) -> float | None:
-    return next((x for x in ts if x > t), None)
+def _kill_gap(log: list[dict[str, Any]], t_kill: float, until: float) -> tuple[float, float] | None:
+    """The survivor's gap (start, end) that the kill cost it (see the module docstring), or None."""
+    ts = committed_times(log)
+    pivot = next((e["t"] for e in log if "dt" in e and e["discards"] and t_kill < e["t"] < until), None)
+    if pivot is None:
+        before, after = [x for x in ts if x <= t_kill], [x for x in ts if x > t_kill]
+    else:
+        before, after = [x for x in ts if x < pivot], [x for x in ts if x >= pivot]
+    return (before[-1], after[0]) if before and after else None
+
+
+def _until(kills: list[dict[str, Any]], n: int) -> float:
+    return kills[n + 1]["t"] if n + 1 < len(kills) else float("inf")
 
 
 def kill_stalls(logs: Logs, kills: list[dict[str, Any]], median: float) -> list[dict[str, Any]]:
     """Per kill: ``stall_s`` (largest over the survivors) and the survivors measured (``n``)."""
-    times, out = _by_pid(logs), []
-    for k in kills:
-        gaps = []
-        for pid in k["survivors"]:
-            ts = times.get(pid, [])
-            before = [x for x in ts if x <= k["t"]]
-            after = _first_after(ts, k["t"])
-            if before and after is not None:
-                gaps.append(after - before[-1])
+    by_pid, out = _by_pid(logs), []
+    for n, k in enumerate(kills):
+        gaps = [g[1] - g[0] for pid in k["survivors"]
+                if (g := _kill_gap(by_pid.get(pid, []), k["t"], _until(kills, n))) is not None]
         out.append({"rank": k["rank"], "life": k["life"], "n": len(gaps),
                     "stall_s": round(max(gaps) - median, 3) if gaps else None})
     return out
 
 
 def join_stalls(logs: Logs, kills: list[dict[str, Any]], median: float) -> list[dict[str, Any]]:
-    """Per restarted incarnation that committed a step: ``stall_s`` (survivors' largest) and ``first_commit_s``."""
-    times, out = _by_pid(logs), []
-    for k in kills:
+    """Per restarted incarnation that made progress: ``stall_s`` (survivors' largest) and ``first_commit_s``."""
+    by_pid, out = _by_pid(logs), []
+    for n, k in enumerate(kills):
         new = logs.get((k["rank"], k["life"] + 1), [])
         joined = next((e for e in new if e.get("event") == "joined"), None)
         mine = committed_times(new)
@@ -97,18 +112,19 @@ def join_stalls(logs: Logs, kills: list[dict[str, Any]], median: float) -> list[
         ready, first = joined["t"], mine[0]
         gaps = []
         for pid in k["survivors"]:
-            ts = times.get(pid, [])
-            recovered = _first_after(ts, k["t"])   # the end of the kill's gap
-            if recovered is None:
+            log = by_pid.get(pid, [])
+            kill_gap = _kill_gap(log, k["t"], _until(kills, n))
+            if kill_gap is None:
                 continue
-            gaps += [b - a for a, b in zip(ts, ts[1:]) if a >= recovered and ready <= b <= first + median]
+            ts = committed_times(log)
+            gaps += [b - a for a, b in zip(ts, ts[1:]) if a >= kill_gap[1] and ready <= b <= first + median]
         out.append({"rank": k["rank"], "life": k["life"] + 1, "first_commit_s": round(first - joined["started"], 3),
                     "stall_s": round(max(gaps) - median, 3) if gaps else None})
     return out
 
 
 def goodput(logs: Logs, samples_per_step: int, wall: float, lost: int = 0) -> float:
-    """Committed samples per second: every incarnation's committed steps, less ``lost`` local steps."""
+    """Committed samples per second: every incarnation's steps that made progress, less ``lost`` local steps."""
     n = sum(len(committed_times(lg)) for lg in logs.values()) - lost
     return samples_per_step * n / wall if wall > 0 else 0.0
 

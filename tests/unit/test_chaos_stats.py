@@ -8,10 +8,19 @@ from typing import Any
 from shoal.bench.chaos_stats import goodput, join_stalls, kill_stalls, median_step, spread
 
 
-def _log(pid: int, started: float, ready: float, steps: list[tuple[float, int]]) -> list[dict[str, Any]]:
-    """A worker's log: ready to join at ``ready``; one step per (time, discards), each 0.5 s of compute."""
-    return [{"event": "joined", "t": ready, "started": started, "pid": pid}] + \
-        [{"t": t, "dt": 0.5, "discards": d, "step": i} for i, (t, d) in enumerate(steps)]
+def _log(pid: int, started: float, ready: float, steps: list[tuple[float, int]], first: int = 1,
+         local: bool = False) -> list[dict[str, Any]]:
+    """A worker's log: ready to join at ``ready``; one step per (time, discards), each 0.5 s of compute.
+
+    DDP-like (default): a step with discards did not advance the counter; ``local`` (DiLoCo-like): every
+    local step advances it, also the one whose averaging round was re-run.
+    """
+    out: list[dict[str, Any]] = [{"event": "joined", "t": ready, "started": started, "pid": pid}]
+    step = first - 1
+    for t, d in steps:
+        step += 1 if local or not d else 0
+        out.append({"t": t, "dt": 0.5, "discards": d, "step": step})
+    return out
 
 
 def _run() -> tuple[dict[tuple[int, int], list[dict[str, Any]]], list[dict[str, Any]]]:
@@ -25,7 +34,7 @@ def _run() -> tuple[dict[tuple[int, int], list[dict[str, Any]]], list[dict[str, 
     logs = {(0, 0): _log(100, 0.0, 0.0, survivor),
             (1, 0): _log(101, 0.0, 0.0, [(t + 0.01, d) for t, d in survivor]),
             (2, 0): _log(102, 0.0, 0.0, base),
-            (2, 1): _log(103, 10.3, 14.0, [(19.01, 0), (19.51, 0), (20.01, 0)])}
+            (2, 1): _log(103, 10.3, 14.0, [(19.01, 0), (19.51, 0), (20.01, 0)], first=40)}
     kills = [{"rank": 2, "life": 0, "t": 10.2, "pid": 102, "survivors": [100, 101]}]
     return logs, kills
 
@@ -75,3 +84,17 @@ def test_the_training_time_ends_at_the_last_done_entry_not_at_the_last_exit() ->
     logs[(0, 0)].append({"event": "done", "t": 20.2, "val": 2.0})
     logs[(1, 0)].append({"event": "done", "t": 20.3, "val": 2.0})
     assert math.isclose(trained_s(logs, began=0.0, wall=230.0), 20.3)
+
+
+def test_with_diloco_the_kill_costs_its_re_run_round_which_may_come_many_steps_later() -> None:
+    # Survivors train local steps through the kill at 2.2 (no gap there); the round at 6.0 fails
+    # and is re-run with the survivors, logged as a local step with discards (it made progress) at 9.0.
+    steps = [(0.5 * i, 0) for i in range(1, 13)] + [(9.0, 1)] + [(9.0 + 0.5 * i, 0) for i in range(1, 5)]
+    logs = {(0, 0): _log(1, 0.0, 0.0, steps, local=True), (1, 0): _log(2, 0.0, 0.0, steps, local=True),
+            (2, 0): _log(3, 0.0, 0.0, steps[:4], local=True)}
+    kills = [{"rank": 2, "life": 0, "t": 2.2, "pid": 3, "survivors": [1, 2]}]
+    (k,) = kill_stalls(logs, kills, 0.5)
+    assert math.isclose(k["stall_s"], 9.0 - 6.0 - 0.5, abs_tol=1e-6), k
+    # A failure after the next kill is that kill's: the first kill then costs the gap across it.
+    later = kills + [{"rank": 0, "life": 0, "t": 4.1, "pid": 1, "survivors": [2]}]
+    assert kill_stalls(logs, later, 0.5)[0]["stall_s"] == 0.0
