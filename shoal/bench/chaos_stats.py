@@ -6,7 +6,8 @@ unit-tested on made-up logs). A worker's log is a list of entries: one
 then one ``{"t", "dt", "step", "discards", ...}`` per optimizer step, where
 ``step`` is the worker's step counter after it (committed steps for DDP,
 local steps for LocalSGD and DiLoCo) and ``discards`` counts the rounds the
-step had to re-run. A step *made progress* when its counter advanced (a
+step had to re-run; a step logged with ``contributes: false`` (a joiner not
+contributing yet) makes no progress. A step *made progress* when its counter advanced (a
 discarded DDP step did not; a DiLoCo local step whose averaging round was
 re-run with the survivors did, its work stands).
 
@@ -53,7 +54,9 @@ def committed_times(log: list[dict[str, Any]]) -> list[float]:
     out, last = [], None
     for e in log:
         if "dt" in e:
-            if last is None or e["step"] > last:
+            # ``contributes: false``: a joiner still catching up in the background (its steps carry zero
+            # weight); its own progress starts with its first contributing step.
+            if (last is None or e["step"] > last) and e.get("contributes", True):
                 out.append(e["t"])
             last = e["step"]
     return out

@@ -98,3 +98,12 @@ def test_with_diloco_the_kill_costs_its_re_run_round_which_may_come_many_steps_l
     # A failure after the next kill is that kill's: the first kill then costs the gap across it.
     later = kills + [{"rank": 0, "life": 0, "t": 4.1, "pid": 1, "survivors": [2]}]
     assert kill_stalls(logs, later, 0.5)[0]["stall_s"] == 0.0
+
+
+def test_a_joiner_that_does_not_contribute_yet_makes_no_progress() -> None:
+    logs, kills = _run()
+    for e in logs[(2, 1)][1:3]:   # its first two steps: admitted, still catching up (zero weight)
+        e["contributes"] = False
+    (j,) = join_stalls(logs, kills, 0.5)
+    assert math.isclose(j["first_commit_s"], 20.01 - 10.3, abs_tol=1e-6), j   # its first contributing step
+    assert goodput(logs, 1, 1.0) == 33 + 33 + 20 + 1
