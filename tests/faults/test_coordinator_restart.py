@@ -161,3 +161,39 @@ def test_a_restarted_coordinator_admits_only_claims_that_verify() -> None:
         assert st.add(f"{run}/next_id", 0) >= 7                # newcomers never take a live member's id
     finally:
         coord.stop()
+
+
+@pytest.mark.timeout(150)
+def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp_path: Path) -> None:
+    # The coordinator dies for good, then a worker is lost: the survivors cannot form a quorum without it,
+    # wait Timeouts.quorum (op + 10 s in the worker) and stop with an error that says what to do.
+    port, trace = _free_port(), tmp_path / "trace"
+    trace.mkdir()
+    coord = _coordinator(port, tmp_path / "coordinator.txt")
+    env = {**os.environ, "SHOAL_TOKEN": TOKEN, "SHOAL_COORDINATOR": f"127.0.0.1:{port}",
+           "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "SHOAL_ELASTIC_TRACE": str(trace), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    args = ["--out", str(tmp_path), "--steps", "100000", "--op", "3", "--min-workers", "2", "--pace", "0.05"]
+    workers = [subprocess.Popen([sys.executable, str(HERE / "elastic_worker.py"), *args], env={**env, "RANK": str(r)},
+                                stdout=open(tmp_path / f"log-{r}.txt", "wb"), stderr=subprocess.STDOUT)
+               for r in range(3)]
+    try:
+        _wait(lambda: len({v["pid"] for v in _votes(trace) if str(v["verdict"]).startswith("commit")}) == 3, 90,
+              "the three workers never trained")
+        coord.kill()
+        coord.wait()
+        time.sleep(1.0)
+        workers[2].kill()
+        t0 = time.monotonic()
+        codes = [p.wait(timeout=60) for p in workers[:2]]
+        waited = time.monotonic() - t0
+    finally:
+        for p in [*workers, coord]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [(tmp_path / f"log-{r}.txt").read_text(errors="replace") for r in range(2)]
+    assert all(c != 0 for c in codes), logs
+    for log in logs:
+        assert "is unreachable and this worker" in log and "Restart the coordinator" in log, log
+    assert waited >= 13.0 - 1.0, waited      # it waited Timeouts.quorum (13 s) for the coordinator first
