@@ -178,6 +178,8 @@ class MemberClient:
         except RuntimeError as e:   # the store's wait timed out
             raise ShoalError(f"the coordinator at {self.address} did not complete the join challenge "
                              f"within {self.timeouts.quorum} s: {e}") from e
+        if _s(st.get(base + "verdict")) == "taken":
+            return False
         if _s(st.get(base + "verdict")) != "ok":
             raise AuthError(f"the coordinator at {self.address} refused this worker: its proof of the run "
                             f"token for run {self.run_id!r} was wrong (a different token?)")

@@ -106,11 +106,13 @@ class Ballot:
         (without the coordinator: see :func:`peer_vote` for what a peer lost during the vote does)."""
         if self.failures.error is None and size == 1:
             return f"commit:{self.client.latest_or(q.qid)}"
-        if self.client.lost_prefix == q.prefix or self.group is None:
+        if self.client.lost_prefix == q.prefix and self.group is not None:
             return self._by_peers(q, step, size)
         try:
             return self._by_store(q, step, size)
         except Exception:  # noqa: BLE001 - the coordinator's store went away during the vote
+            if self.group is None:
+                return "discard"
             self.client.lost_prefix = q.prefix
             return self._by_peers(q, step, size)
 
