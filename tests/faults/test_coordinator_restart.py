@@ -197,3 +197,44 @@ def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp
     for log in logs:
         assert "is unreachable and this worker" in log and "Restart the coordinator" in log, log
     assert waited >= 13.0 - 1.0, waited      # it waited Timeouts.quorum (13 s) for the coordinator first
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_lost_while_the_coordinator_is_down_is_left_out_once_it_is_back(tmp_path: Path) -> None:
+    # The change arrives while the coordinator is down: the survivors wait for it (no restart of theirs);
+    # the restarted coordinator hears from them only, leaves the lost worker out, and they finish as one.
+    port, trace = _free_port(), tmp_path / "trace"
+    trace.mkdir()
+    coord_log = tmp_path / "coordinator.txt"
+    coord = _coordinator(port, coord_log)
+    env = {**os.environ, "SHOAL_TOKEN": TOKEN, "SHOAL_COORDINATOR": f"127.0.0.1:{port}",
+           "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "SHOAL_ELASTIC_TRACE": str(trace), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    args = ["--out", str(tmp_path), "--steps", "60", "--op", "10", "--min-workers", "2", "--pace", "0.05"]
+    workers = [subprocess.Popen([sys.executable, str(HERE / "elastic_worker.py"), *args], env={**env, "RANK": str(r)},
+                                stdout=open(tmp_path / f"log-{r}.txt", "wb"), stderr=subprocess.STDOUT)
+               for r in range(3)]
+    try:
+        _wait(lambda: len({v["pid"] for v in _votes(trace) if str(v["verdict"]).startswith("commit")}) == 3, 90,
+              "the three workers never trained")
+        coord.kill()
+        coord.wait()
+        time.sleep(1.0)
+        workers[2].kill()
+        time.sleep(9.0)
+        alive = [p.poll() is None for p in workers[:2]]
+        coord = _coordinator(port, coord_log)
+        codes = [p.wait(timeout=120) for p in workers[:2]]
+    finally:
+        for p in [*workers, coord]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = "\n".join(f"=== {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(tmp_path.glob("*.txt")))
+    assert alive == [True, True], logs           # waiting for the coordinator, not dead
+    assert codes == [0, 0], logs
+    assert "did not (left out)" in coord_log.read_text(), logs
+    a, b = (torch.load(tmp_path / f"{r}-0.pt", weights_only=False) for r in range(2))
+    assert a["log"][-1]["size"] == b["log"][-1]["size"] == 2, logs
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), (k, logs)
