@@ -3,7 +3,9 @@
 Workers reach it with ``SHOAL_COORDINATOR=HOST:PORT`` (or
 ``ElasticGroup(coordinator="HOST:PORT")``, or ``shoal run --elastic
 --coordinator HOST:PORT``). One coordinator serves any number of runs, told
-apart by their run id. It holds no training state; stop it with Ctrl-C.
+apart by their run id. It holds no training state; stop it with Ctrl-C. If it dies, restart it with the
+same address and token: the workers re-announce themselves and the run goes on
+(docs/elastic.md, "When the coordinator fails").
 
 It admits only workers that prove they hold the run token (an HMAC
 challenge; the token never travels): ``--token``, else ``$SHOAL_TOKEN``;
@@ -23,6 +25,7 @@ import os
 import sys
 
 from shoal.membership.coordinator import Coordinator
+from shoal.membership.recovery import CLAIM_GRACE_S
 from shoal.errors import ShoalError
 
 
@@ -41,7 +44,10 @@ def main(argv: list[str]) -> int:
         if not token:
             raise ShoalError("no run token: pass --token or set $SHOAL_TOKEN (at least 8 characters); "
                              "elastic workers join only a coordinator that authenticates them")
-        coord = Coordinator(port=ns.port, host=ns.host, initial_workers=ns.initial_workers, token=token)
+        # A restart at the same address: the members of a run that outlived the last coordinator
+        # re-announce themselves within CLAIM_GRACE_S, before a newcomer may start a run's first quorum.
+        coord = Coordinator(port=ns.port, host=ns.host, initial_workers=ns.initial_workers, token=token,
+                            claim_grace=CLAIM_GRACE_S)
     except ShoalError as e:
         print(f"shoal coordinator: error: {e}", file=sys.stderr)
         return 2

@@ -192,6 +192,8 @@ def _nodes(ns: argparse.Namespace) -> NodeSpec | None:
         if ns.master_addr is not None or ns.master_port is not None:
             raise ShoalError("an elastic run across machines meets at its coordinator: give --coordinator "
                              "HOST:PORT instead of --master-addr/--master-port")
+        if ns.nnodes is None and ns.node_rank is None and ns.advertise_addr is None:
+            return None   # one machine's elastic run; --run-id reaches its workers through the launch env
         if ns.nnodes is None or ns.node_rank is None:
             raise ShoalError("an elastic run across machines needs both --nnodes (the most machines it will have) "
                              "and --node-rank (this machine's index) on every launcher: they keep the workers' "
@@ -205,6 +207,12 @@ def _nodes(ns: argparse.Namespace) -> NodeSpec | None:
                          "e.g. --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 on node 0")
     return NodeSpec(ns.nnodes, ns.node_rank, ns.master_addr, 29500 if ns.master_port is None else ns.master_port,
                     advertise_addr=ns.advertise_addr, run_id=ns.run_id or "shoal")
+
+
+def _run_env(ns: argparse.Namespace) -> dict[str, str] | None:
+    """Variables an explicit flag sets for the workers: they win over the exported environment
+    (``--run-id X`` over an exported ``SHOAL_RUN_ID``), as a flag on the command line should."""
+    return {"SHOAL_RUN_ID": ns.run_id} if ns.run_id is not None else None
 
 
 def _report_bytes(res: LaunchResult, spec: ClusterSpec) -> None:
@@ -238,7 +246,7 @@ def main(argv: list[str]) -> int:
         spec = _cluster(ns)
         res = launch(cmd, nprocs=ns.nprocs or 1, cluster=spec, kill=[_parse_kill(k) for k in ns.kill],
                      prefix_output=not ns.no_prefix, quiet=ns.quiet, tolerate_kills=ns.tolerate_kills,
-                     grace_s=ns.grace, elastic=_elastic(ns), nodes=_nodes(ns))
+                     grace_s=ns.grace, elastic=_elastic(ns), nodes=_nodes(ns), env=_run_env(ns))
     except ShoalError as e:
         print(f"shoal run: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import threading
 import time
 from dataclasses import asdict
@@ -108,9 +109,17 @@ class MemberClient:
         self.abort = AbortWatch()   # the heartbeat thread watches the current quorum's <prefix>abort
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
-        self._hb_error: BaseException | None = None
         self.book = RecordBook(self.store, run_id, 0, self.token, log)
         self._infos: dict[int, dict[str, Any]] = {}   # verified join records, by member id
+        # Coordinator outages (docs/elastic.md, "When the coordinator fails"): set while it is unreachable;
+        # ``lost_prefix`` is the quorum this member was in when it was lost (its votes then go peer to peer
+        # until the next quorum); ``_record``/``_last_q`` are what a re-announcement to a restarted one proves.
+        self.down = threading.Event()
+        self.lost_prefix: str | None = None
+        self._lost_at = 0.0
+        self._rejoin = False            # a restarted coordinator did not take this id back: join anew
+        self._record: dict[str, Any] = {}
+        self._last_q: dict[str, Any] | None = None
 
     def key(self, k: str) -> str:
         return f"{self.run_id}/{k}"
@@ -121,10 +130,14 @@ class MemberClient:
         if self.member_id == 0 and st.add(f"runs/known/{self.run_id}", 1) == 1:
             st.set(f"runs/{st.add('runs/n', 1)}", self.run_id)
         self.leave()
-        self.member_id = st.add(self.key("next_id"), 1)
-        self._authenticate(self.member_id)
+        self._rejoin, self._last_q = False, None
+        while True:
+            self.member_id = st.add(self.key("next_id"), 1)
+            if self._authenticate(self.member_id):
+                break    # else: a restarted coordinator gave this id back to a member that held it: take another
         st.add(self.key(f"hb/{self.member_id}"), 1)
         record = {"timeouts": asdict(self.timeouts), "min_workers": self.min_workers, **self.info}
+        self._record = record
         self.book.member_id = self.member_id    # signs with this join's session key
         st.set(self.key(f"join/{self.member_id}"), self.book.seal(record))
         self._stop = threading.Event()
@@ -133,8 +146,10 @@ class MemberClient:
         self._hb.start()
         return self.member_id
 
-    def _authenticate(self, member_id: int) -> None:
-        """Answer the coordinator's challenge; AuthError if refused or if the two sides disagree on auth."""
+    def _authenticate(self, member_id: int) -> bool:
+        """Answer the coordinator's challenge; AuthError if refused or if the two sides disagree on auth.
+
+        False: the id is taken (a restarted coordinator gave it back to the member that held it before)."""
         st, base = self.store, self.key(f"auth/{member_id}/")
         required = st.check(["auth/required"])
         if self.token is None:
@@ -142,33 +157,76 @@ class MemberClient:
                 raise AuthError(f"the coordinator at {self.address} requires a run token and this worker "
                                 "has none: pass the run's token (ElasticGroup(token=...) or $SHOAL_TOKEN; "
                                 "CollaborativeConfig(token=...))")
-            return
+            return True
         if not required:
             raise AuthError(f"this worker has a run token but the coordinator at {self.address} does not "
                             "authenticate workers: start it with the same token (Coordinator(token=...), "
                             "`shoal coordinator --token` or $SHOAL_TOKEN)")
         wait = datetime.timedelta(seconds=self.timeouts.quorum)
+        deadline = time.monotonic() + self.timeouts.quorum
+        while not st.check([base + "nonce"]) and not st.check([base + "verdict"]):
+            if time.monotonic() > deadline:
+                raise ShoalError(f"the coordinator at {self.address} did not send the join challenge within "
+                                 f"{self.timeouts.quorum} s")
+            time.sleep(_TICK_S / 2)
+        if st.check([base + "verdict"]) and _s(st.get(base + "verdict")) == "taken":
+            return False
         try:
-            st.wait([base + "nonce"], wait)
             nonce = _s(st.get(base + "nonce"))
             st.set(base + "proof", auth.answer(self.token, f"{self.run_id}/{member_id}", nonce))
             st.wait([base + "verdict"], wait)
         except RuntimeError as e:   # the store's wait timed out
             raise ShoalError(f"the coordinator at {self.address} did not complete the join challenge "
                              f"within {self.timeouts.quorum} s: {e}") from e
+        if _s(st.get(base + "verdict")) == "taken":
+            return False
         if _s(st.get(base + "verdict")) != "ok":
             raise AuthError(f"the coordinator at {self.address} refused this worker: its proof of the run "
                             f"token for run {self.run_id!r} was wrong (a different token?)")
+        return True
 
     def _beat(self, member_id: int, stop: threading.Event) -> None:
         # Its own store client: the training thread may be inside a store call.
-        try:
-            st = connect(self.address, self.timeouts.heartbeat_timeout)
-            while not stop.wait(self.timeouts.heartbeat_interval):
-                st.add(self.key(f"hb/{member_id}"), 1)
-                self.abort.poll(st)
-        except Exception as e:  # noqa: BLE001 - the coordinator is gone; the loop reports it
-            self._hb_error = e
+        st: Any = None
+        while not stop.is_set():
+            try:
+                if st is None:
+                    st = connect(self.address, self.timeouts.heartbeat_timeout)
+                while not stop.wait(self.timeouts.heartbeat_interval):
+                    st.add(self.key(f"hb/{member_id}"), 1)
+                    self.abort.poll(st)
+            except Exception as e:  # noqa: BLE001 - the coordinator is gone: wait for it (see _outage)
+                st = None
+                if stop.is_set() or not self._outage(member_id, stop, e):
+                    return
+
+    def _outage(self, member_id: int, stop: threading.Event, err: BaseException) -> bool:
+        """The coordinator is unreachable: say so once, wait for it, re-announce; False: stop beating."""
+        from shoal.membership.reclaim import reclaim   # the re-announcement protocol (its own module)
+
+        self.lost_prefix, self._lost_at = self.abort.prefix, time.monotonic()
+        self.down.set()
+        log.warning("lost the coordinator at %s (%s): training goes on with the current quorum; a membership "
+                    "change (a lost peer, a joiner) waits for it to come back (restart it at the same address "
+                    "with the same token)", self.address, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+        while not stop.wait(max(self.timeouts.heartbeat_interval, 0.2)):
+            if not _reachable(self.address):
+                continue
+            try:
+                verdict = reclaim(self, member_id)
+            except Exception as e:  # noqa: BLE001 - it went away again, or is still starting: try again
+                log.debug("re-announcing to the coordinator failed: %s", e)
+                continue
+            self.down.clear()
+            if verdict == "ok":
+                log.warning("the coordinator at %s is back after %.1f s: member %d re-announced itself",
+                            self.address, time.monotonic() - self._lost_at, member_id)
+                return True
+            log.warning("the coordinator at %s is back but did not take member %d back (%s): joining anew "
+                        "(this worker is healed like a newcomer)", self.address, member_id, verdict)
+            self._rejoin = True
+            return False
+        return False
 
     def leave(self) -> None:
         """Stop heartbeating and tell the coordinator at once (idempotent)."""
@@ -185,6 +243,13 @@ class MemberClient:
     def latest(self) -> int:
         return int(self.store.add(self.key("q/latest"), 0))
 
+    def latest_or(self, default: int) -> int:
+        """:meth:`latest`, or ``default`` while the coordinator is unreachable."""
+        try:
+            return self.latest()
+        except Exception:  # noqa: BLE001 - the coordinator is down: no newer quorum can exist
+            return default
+
     def quorum(self, qid: int) -> Quorum:
         rec = json.loads(_s(self.store.get(self.key(f"q/{qid}"))))
         members, prefix = tuple(int(m) for m in rec["members"]), str(rec["prefix"])
@@ -192,6 +257,8 @@ class MemberClient:
                                                       str(rec.get("mac", ""))):
             raise AuthError(f"quorum record {qid} of run {self.run_id!r} is not signed with the run token: "
                             "someone other than the coordinator wrote it")
+        if self.member_id in members:
+            self._last_q = {"qid": qid, "members": list(members), "prefix": prefix, "mac": rec.get("mac", "")}
         return Quorum(qid, members, prefix)
 
     def join_infos(self, members: tuple[int, ...] | list[int]) -> list[dict[str, Any] | None]:
@@ -207,8 +274,14 @@ class MemberClient:
         return [self._infos.get(m) for m in members]
 
     def request_quorum(self, failed_qid: int) -> None:
-        """Ask for a quorum to replace ``failed_qid``; the coordinator probes liveness first."""
-        self.store.set(self.key(f"req/{failed_qid}"), str(self.member_id))
+        """Ask for a quorum to replace ``failed_qid``; the coordinator probes liveness first.
+
+        While the coordinator is down the request is dropped: a restarted one publishes a new quorum of
+        the members that re-announce themselves anyway."""
+        try:
+            self.store.set(self.key(f"req/{failed_qid}"), str(self.member_id))
+        except Exception:  # noqa: BLE001 - the coordinator is down (see above)
+            pass
 
     def wait_quorum(self, after: int, timeout: float) -> Quorum:
         """The first quorum newer than ``after`` that includes this member.
@@ -220,17 +293,30 @@ class MemberClient:
         """
         deadline = time.monotonic() + timeout
         while True:
-            if self._hb_error is not None:
-                raise ShoalError(f"lost the coordinator at {self.address}: {self._hb_error}")
-            latest = self.latest()
-            if latest > after:
-                q = self.quorum(latest)
-                if self.member_id in q.members:
-                    return q
-                after = latest
-                self.join()
-            elif self.store.check([self.key(f"dropped/{self.member_id}")]):
-                self.join()
+            try:
+                if self._rejoin:
+                    self.join()
+                if not self.down.is_set():
+                    latest = self.latest()
+                    if latest > after:
+                        q = self.quorum(latest)
+                        if self.member_id in q.members:
+                            return q
+                        after = latest
+                        self.join()
+                    elif self.store.check([self.key(f"dropped/{self.member_id}")]):
+                        self.join()
+                failing = False
+            except (AuthError, ConfigError):
+                raise
+            except Exception:  # noqa: BLE001 - a store call failed: the coordinator is down (the
+                failing = True  # heartbeat thread waits for it and re-announces this member)
+            if time.monotonic() > deadline and (failing or self.down.is_set()):
+                raise ShoalError(
+                    f"the coordinator at {self.address} is unreachable and this worker (member {self.member_id} "
+                    f"of run {self.run_id!r}) needs a new quorum, which only it can form (a peer was lost or "
+                    f"a worker joins): waited {timeout:.0f} s. Restart the coordinator at the same address with "
+                    "the same token (`shoal coordinator --port P`): the workers re-announce themselves to it")
             if time.monotonic() > deadline:
                 raise ShoalError(
                     f"no quorum including this worker (member {self.member_id} of run {self.run_id!r}) "
@@ -238,3 +324,13 @@ class MemberClient:
                     "coordinator is unreachable; start more workers or lower min_workers"
                 )
             time.sleep(_TICK_S / 2)
+
+
+def _reachable(address: str) -> bool:
+    """Whether something listens at ``address`` (a plain connect: no log noise while it is down)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False

@@ -10,8 +10,10 @@ watching its heartbeats; with every worker judging by its own clock, two
 survivors can disagree on who is gone, and a partitioned worker could declare
 the others dead. A single coordinator makes the verdict one write, and the
 workers only read it. The coordinator is cheap (one thread, a store poll every
-``_TICK_S``) and carries no training data; if it dies the run stops within the
-quorum timeout with a clear error (it is as critical as torchrun's store).
+``_TICK_S``) and carries no training data. If it dies, the quorum trains on
+(votes go peer to peer) until a membership change needs it; restarted at the
+same address it learns the run back from the members
+(:mod:`shoal.membership.recovery`; docs/elastic.md, "When the coordinator fails").
 
 Protocol (keys under ``<run_id>/``; ``runs/n`` and ``runs/<k>`` list the runs):
 
@@ -69,6 +71,7 @@ import torch.distributed as dist
 
 from shoal.membership import auth
 from shoal.membership.records import RecordBook
+from shoal.membership.recovery import Recovery, quorum_text
 from shoal.errors import AuthError, ConfigError, ShoalError
 
 _TICK_S = 0.02  # coordinator poll period: membership changes are seen within it
@@ -218,6 +221,7 @@ class _Run:
         self.last_join = 0.0
         self.nonces: dict[int, str] = {}        # challenges sent, by member id
         self.authed: set[int] = set()           # ids whose proof was verified
+        self.recovery = Recovery()              # members re-announcing themselves after a restart
 
     def key(self, k: str) -> str:
         return f"{self.run_id}/{k}"
@@ -246,6 +250,11 @@ class Coordinator:
         token: the run token; when given, only workers that prove they hold
             it (an HMAC challenge, see the module docstring) are admitted, and
             quorum records are signed with it.
+        claim_grace: seconds after its start before it publishes a run's first
+            quorum, so that the members of a run that outlived a previous
+            coordinator at this address re-announce themselves first
+            (:mod:`shoal.membership.recovery`). ``shoal coordinator`` uses 1 s;
+            an embedded coordinator, which dies with its launcher, needs none.
 
     Timeouts and ``min_workers`` come from the workers' join records, so the
     coordinator needs no configuration of its own.
@@ -258,7 +267,7 @@ class Coordinator:
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", join_grace: float = 0.25,
-                 initial_workers: int = 1, token: str | None = None) -> None:
+                 initial_workers: int = 1, token: str | None = None, claim_grace: float = 0.0) -> None:
         self.token = auth.check_token(token)
         if not 0 <= port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {port}")
@@ -280,6 +289,9 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.trace = Trace()
+        if claim_grace < 0:
+            raise ConfigError(f"claim_grace must be >= 0 seconds, got {claim_grace}")
+        self._born, self.claim_grace = time.monotonic(), claim_grace   # a first wait for survivors
 
     @property
     def address(self) -> str:
@@ -325,7 +337,15 @@ class Coordinator:
         for i in range(run.next_seen + 1, top + 1):
             run.pending_join.add(i)
         run.next_seen = top
+        run.recovery.tick(st, run, self.token, now, lambda i, info: self._admit(run, i, info, now))
         for i in sorted(run.pending_join):
+            if i in run.recovery.claiming:
+                # A live member re-announces this id (a restarted coordinator): a joiner that took it
+                # meanwhile is told so and takes another one.
+                st.set(run.key(f"auth/{i}/verdict"), "taken")
+                run.pending_join.discard(i)
+                run.nonces.pop(i, None)
+                continue
             if self.token is not None and i not in run.authed and not self._challenge(run, i):
                 continue
             if st.check([run.key(f"join/{i}")]):
@@ -356,6 +376,10 @@ class Coordinator:
             st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
         self._maybe_publish(run, now, t, bool(gone))
 
+    def _admit(self, run: _Run, i: int, info: dict[str, Any], now: float) -> None:
+        run.members[i] = _Member(seen=now, info=info)
+        run.last_join = now
+
     def _challenge(self, run: _Run, i: int) -> bool:
         """Advance member ``i``'s HMAC challenge; True once its proof is verified."""
         if self.token is None:
@@ -378,6 +402,8 @@ class Coordinator:
 
     def _maybe_publish(self, run: _Run, now: float, t: Timeouts, lost: bool) -> None:
         st = self._store
+        if run.recovery.holding(run, now, t.heartbeat_timeout, self._born + self.claim_grace):
+            return
         # Requests name the quorum they abandon: those about an older one were served already.
         if run.probe_since is None and run.current and st.check([run.key(f"req/{run.qid}")]):
             self.trace("request", run=run.run_id, qid=run.qid)
@@ -426,9 +452,9 @@ class Coordinator:
         if self.token is not None:
             record["mac"] = auth.sign(self.token, _quorum_text(run.qid, members, record["prefix"]))
         self._store.set(run.key(f"q/{run.qid}"), json.dumps(record))
-        self._store.add(run.key("q/latest"), 1)  # only the coordinator writes it: it equals qid
+        # Only the coordinator writes it: it equals qid (a restarted coordinator starts above 0).
+        self._store.add(run.key("q/latest"), run.qid - int(self._store.add(run.key("q/latest"), 0)))
         self.trace("publish", run=run.run_id, qid=run.qid, members=list(members))
 
 
-def _quorum_text(qid: int, members: tuple[int, ...] | list[int], prefix: str) -> str:
-    return f"{qid}|{','.join(str(m) for m in members)}|{prefix}"
+_quorum_text = quorum_text

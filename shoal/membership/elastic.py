@@ -29,8 +29,7 @@ its process group, healing, abandoning it after a failure) and the step
   :mod:`shoal.comm.stepping`).
 - :mod:`shoal.membership.views`: subgroups, views over this group's quorums.
 
-The commit vote goes through the coordinator's store; every member reads one
-signed decision (:mod:`shoal.membership.vote`).
+The commit vote (:mod:`shoal.membership.vote`): through the store, peer to peer while the coordinator is down.
 
 Healing: in each new group the members exchange (committed step, fresh); if
 anyone is behind or new, the lowest-ranked up-to-date member sends every
@@ -176,7 +175,7 @@ class ElasticGroup(ElasticCollectives):
         self.trace = Trace()
         failures = Failures(self.client, lambda: self.quorum.prefix if self.quorum is not None else None, self.trace)
         self.link = Link(self.client, self.timeouts, backend_factory or gloo_backend, failures, lambda: self.step)
-        self.ballot = Ballot(self.client, self.timeouts, failures)
+        self.ballot = Ballot(self.client, self.timeouts, failures, lambda: (self.pg, self.rank, self.device))
         self.discards = DiscardStreak()   # why each step since the last commit was discarded
         self.register_state("elastic/discards", self.discards.state, self.discards.load)
         self.catchup = CatchUp(self)      # the background heal (SHOAL_HEAL=background): shoal.membership.catchup
@@ -305,8 +304,11 @@ class ElasticGroup(ElasticCollectives):
         while True:
             q = self.client.wait_quorum(self._after, max(deadline - time.monotonic(), 0.0))
             self.trace("quorum", qid=q.qid, size=len(q.members))
-            if self._enter(q, deadline):
-                return
+            try:
+                if self._enter(q, deadline):
+                    return
+            except RuntimeError:   # the coordinator's store went away mid-rendezvous: wait for the next quorum
+                self._abandon()
             self._after = q.qid
             if time.monotonic() > deadline:
                 raise ShoalError(f"could not form a working group within {limit} s "
@@ -476,10 +478,12 @@ class ElasticGroup(ElasticCollectives):
             return
         st, deadline = self.client.store, time.monotonic() + self.timeouts.quorum
         keys = [f"{q.prefix}past/{m}" for m in q.members]
-        while time.monotonic() < deadline:
-            if st.check(keys) and all(int(v) >= mine for v in st.multi_get(keys)):
-                return
-            if self.link.failures.aborted or self.client.latest() > q.qid:
+        while time.monotonic() < deadline and self.client.lost_prefix != q.prefix:
+            try:
+                if (st.check(keys) and all(int(v) >= mine for v in st.multi_get(keys))) or \
+                        self.link.failures.aborted or self.client.latest() > q.qid:
+                    return
+            except Exception:  # noqa: BLE001 - the coordinator is down: nobody can tell; leave now
                 return
             time.sleep(0.002)
 

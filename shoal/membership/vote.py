@@ -17,6 +17,10 @@ it, by its subgroups, which share its :class:`Failures`):
     ``discard`` the same way. The first write wins, so every member reads one
     decision. Decisions are signed by their writer (:mod:`shoal.membership.records`);
     one that does not verify reads as ``discard`` everywhere.
+
+    While the coordinator is down (its store unreachable) the vote goes peer
+    to peer over the quorum's own process group instead (:func:`peer_vote`),
+    for the rest of that quorum; see docs/elastic.md, "When the coordinator fails".
 :class:`DiscardStreak`
     Why each step since the last commit was discarded; once
     ``Timeouts.max_consecutive_discards`` steps in a row were, every member
@@ -31,10 +35,13 @@ Example (what :meth:`ElasticGroup.commit` does with them)::
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from collections import Counter
 from typing import Any, Callable
+
+import torch
 
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, Timeouts, Trace
@@ -57,6 +64,7 @@ class Failures:
         self._trace = trace
         self._lock = threading.Lock()
         self._abort_store = client.store.clone()  # type: ignore[attr-defined]
+        self._abort_of = client.store   # the store it was cloned from (a restarted coordinator: a new one)
 
     @property
     def aborted(self) -> bool:
@@ -77,6 +85,9 @@ class Failures:
             return
         try:
             with self._lock:
+                if self._abort_of is not self.client.store:
+                    self._abort_of = self.client.store
+                    self._abort_store = self._abort_of.clone()  # type: ignore[attr-defined]
                 self._abort_store.set(prefix + "abort", type(err).__name__)
         except Exception:  # noqa: BLE001 - coordinator unreachable: peers time out instead
             pass
@@ -85,11 +96,36 @@ class Failures:
 class Ballot:
     """The commit vote of one member (see the module docstring)."""
 
-    def __init__(self, client: MemberClient, timeouts: Timeouts, failures: Failures) -> None:
+    def __init__(self, client: MemberClient, timeouts: Timeouts, failures: Failures,
+                 group: Callable[[], tuple[Any, int, torch.device]] | None = None) -> None:
         self.client, self.timeouts, self.failures = client, timeouts, failures
+        self.group = group   # (process group, rank, device) of the current quorum: for peer_vote
 
     def vote(self, q: Quorum, step: int, size: int) -> str:
-        """``"commit:<latest quorum id>"`` or ``"discard"``: the same string on every member of ``q``."""
+        """``"commit:<latest quorum id>"`` or ``"discard"``: the same string on every member of ``q``
+        (without the coordinator: see :func:`peer_vote` for what a peer lost during the vote does)."""
+        alone = self.failures.error is None and size == 1
+        if alone and self.client.lost_prefix == q.prefix:
+            return f"commit:{q.qid}"          # the coordinator is down: a quorum of one trains on
+        if self.client.lost_prefix == q.prefix and self.group is not None:
+            return self._by_peers(q, step, size)
+        try:
+            return self._by_store(q, step, size)   # reads the quorum's abort flag before any commit
+        except Exception:  # noqa: BLE001 - the coordinator's store went away during the vote
+            if self.group is None:
+                return "discard"
+            self.client.lost_prefix = q.prefix
+            return f"commit:{q.qid}" if alone else self._by_peers(q, step, size)
+
+    def _by_peers(self, q: Quorum, step: int, size: int) -> str:
+        if self.group is None or self.failures.error is not None:
+            return "discard"
+        pg, rank, device = self.group()
+        if pg is None:
+            return "discard"
+        return peer_vote(pg, rank, size, step, self.client.latest_or(q.qid), device, self.timeouts.op)
+
+    def _by_store(self, q: Quorum, step: int, size: int) -> str:
         st, key = self.client.store, f"{q.prefix}d/{step}"
         failures = self.failures
         if failures.error is None and size == 1:
@@ -144,6 +180,60 @@ class Ballot:
 
     def _beats(self, q: Quorum) -> list[bytes]:
         return list(self.client.store.multi_get([self.client.key(f"hb/{m}") for m in q.members]))
+
+
+_VOTE_TAG = 1 << 29   # p2p tags of peer votes: above any slot the heal uses; two per step (in, out)
+
+
+def peer_vote(pg: Any, rank: int, size: int, step: int, latest: int, device: torch.device, timeout: float) -> str:
+    """The commit vote without the coordinator, over the quorum's process group (each member calls it).
+
+    Called only by members that saw no failure in the step (one that did votes ``discard`` alone and
+    sends nothing, so the others' wait fails). Rank 0 receives every other member's newest known
+    quorum id, decides ``commit:<max>`` if it received all of them, and sends that one decision to
+    each; a member that does not receive it (a peer lost during the vote, ``timeout`` passed) returns
+    ``discard``. So every member that returns ``commit`` read the same decision, but a peer lost in
+    the middle can leave some members with ``commit`` and others with ``discard``. That is safe: the
+    ones that discarded cannot go on without a new quorum, those that committed fail their next step
+    (the others no longer take part), and the next quorum, which needs the coordinator back, heals
+    every member to the furthest committed step (heals go by committed step), so all survivors hold
+    one state again. The p2p tags carry the step, so messages of two different steps never match.
+
+    Example::
+
+        verdict = peer_vote(pg, rank=0, size=3, step=12, latest=4, device=torch.device("cpu"), timeout=20)
+    """
+    slot = _VOTE_TAG + 2 * (step % (1 << 20))
+    wait = datetime.timedelta(seconds=timeout)
+    try:
+        if rank != 0:
+            pg.send([torch.tensor([latest], dtype=torch.int64, device=device)], 0, slot).wait(wait)
+            out = torch.zeros(1, dtype=torch.int64, device=device)
+            pg.recv([out], 0, slot + 1).wait(wait)
+            top = int(out.item())
+            return f"commit:{top}" if top >= 0 else "discard"
+        top = latest
+        for r in range(1, size):
+            got = torch.zeros(1, dtype=torch.int64, device=device)
+            pg.recv([got], r, slot).wait(wait)
+            top = max(top, int(got.item()))
+    except Exception:  # noqa: BLE001 - a peer was lost or timed out: this member cannot know the verdict
+        if rank != 0:
+            return "discard"
+        top = -1      # rank 0 missed a member's vote: it tells the others to discard (those it still reaches)
+    decision = torch.tensor([top], dtype=torch.int64, device=device)
+    works = []
+    for r in range(1, size):
+        try:
+            works.append(pg.send([decision], r, slot + 1))
+        except Exception:  # noqa: BLE001 - that peer is gone; the others still get the decision
+            pass
+    for w in works:
+        try:
+            w.wait(wait)
+        except Exception:  # noqa: BLE001 - as above: rank 0's decision stands (see the docstring)
+            pass
+    return f"commit:{top}" if top >= 0 else "discard"
 
 
 class DiscardStreak:
