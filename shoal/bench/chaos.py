@@ -344,7 +344,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
     }
 
 
-def _joins(logs: dict[tuple[int, ...], list[dict[str, Any]]], normal: float) -> list[dict[str, Any]]:
+def _joins(logs: dict[tuple[int, int], list[dict[str, Any]]], normal: float) -> list[dict[str, Any]]:
     """Per restarted worker: its seconds from process start to its first contributing step, the state it
     received, and the survivors' stall while it joined: the longest gap between two logged steps of any
     other worker overlapping [its first step's start (asking to be admitted), its first contributing
