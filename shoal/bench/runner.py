@@ -174,7 +174,8 @@ def refusal(log_text: str) -> str | None:
     True
     """
     for line in log_text.splitlines():
-        m = _REFUSAL.match(re.sub(r"^\[[^\]]*\]\s*", "", line.strip()))   # the launcher's "[rank]" prefix
+        # the launcher's "[rank] " and the worker's own "[rankN]: " prefixes
+        m = _REFUSAL.match(re.sub(r"^(?:\[[^\]]*\]:?\s*)+", "", line.strip()))
         if m:
             return m.group(2).strip()
     return None

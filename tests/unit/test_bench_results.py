@@ -227,7 +227,8 @@ def _daso_refusal_log() -> str:
         check_hosts([MemberInfo(r, f"host{r}") for r in range(4)])
     except ConfigError as e:
         text = "".join(traceback.format_exception(e))
-    return "".join(f"[{r}] {line}\n" for r in range(4) for line in text.splitlines())
+    # As in a real emulated run's log.txt: the launcher's "[r] ", then torch's "[rankr]: ".
+    return "".join(f"[{r}] [rank{r}]: {line}\n" for r in range(4) for line in text.splitlines())
 
 
 def test_refused_strategy_is_named_with_its_reason(tmp_path: Any, monkeypatch: Any) -> None:
