@@ -204,7 +204,8 @@ def _both(args: argparse.Namespace) -> int:
     quality, speed = runs
     target = quality["target_loss"]
     table = joined.join(quality["strategies"], speed["strategies"], target)
-    failed = {n: f"exit {r['returncode']} in the {kind} run (see {kind}/{r['log']})"
+    failed = {n: (f"refused in the {kind} run: {r['refused']}" if r.get("refused") else
+                  f"exit {r['returncode']} in the {kind} run (see {kind}/{r['log']})")
               for kind, res in (("quality", quality), ("speed", speed))
               for n, r in res["strategies"].items() if not r["ok"]}
     out = {"run": run, "mode": "both", "quality_network": quality["network"], "speed_network": speed["network"],

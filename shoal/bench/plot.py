@@ -115,6 +115,21 @@ def _failed_line(failed: list[str]) -> str:
     return ("FAILED (not plotted): " + ", ".join(failed)) if failed else "every strategy finished"
 
 
+def short_reason(why: str) -> str:
+    """A refusal's reason cut to its first clause, to fit a line of the figure.
+
+    >>> short_reason("DASO needs at least 2 workers on every host (it averages ...); got 4 hosts")
+    'DASO needs at least 2 workers on every host'
+    """
+    return why.split(" (")[0].split(";")[0].split(". ")[0].strip()
+
+
+def failed_names(strategies: dict[str, Any]) -> list[str]:
+    """Each strategy that did not finish, as the figure names it: refused (with why) or its exit code."""
+    return [f"{n} refused: {short_reason(s['refused'])}" if s.get("refused") else f"{n} (exit {s['returncode']})"
+            for n, s in strategies.items() if not s["ok"]]
+
+
 def plot(results: dict[str, Any], path: str) -> None:
     """The figure of one run: loss vs seconds, vs samples, vs MB (log), and time to target vs MB."""
     import matplotlib
@@ -142,7 +157,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     ax_b.set_xscale("log")
     ax_t.legend(fontsize=7, ncol=2)
     _summary(ax_s, results["strategies"], "time to target against bytes (lower left is better)")
-    failed = [f"{n} (exit {s['returncode']})" for n, s in results["strategies"].items() if not s["ok"]]
+    failed = failed_names(results["strategies"])
     fig.suptitle(f"shoal bench {results['config'].get('task', '?')}: {results['network']}   "
                  "(dots: evaluations after an averaging round)")
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
@@ -175,7 +190,7 @@ def plot_joined(quality: dict[str, Any], speed: dict[str, Any], joined: dict[str
     fig.suptitle(f"shoal bench {quality['config'].get('task', '?')}: quality at equal samples on loopback, "
                  "speed on the emulated link   (dots: evaluations after an averaging round)")
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-    failed = [f"{n}: {why}" for n, why in joined.get("failed", {}).items()]
+    failed = [f"{n}: {short_reason(why)}" for n, why in joined.get("failed", {}).items()]
     budget = speed.get("config", {}).get("time_budget_s")
     _finish(fig, path, [details(quality) + " (quality run)",
                         f"speed run: {speed.get('network', '?')}, {budget or '?'} training seconds per strategy, "

@@ -80,7 +80,8 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = [header]
     for name, s in results["strategies"].items():
         if not s["ok"]:
-            rows.append([name, f"failed (exit {s['returncode']}; see {s['log']})"])
+            rows.append([name, f"refused: {s['refused']}" if s.get("refused")
+                         else f"failed (exit {s['returncode']}; see {s['log']})"])
             continue
         row = [name, str(s["steps"]), _fmt(s["wall_s"], ".1f"), _fmt(s["time_to_target_s"], ".1f", " s"),
                _fmt(s["final_val_loss"], ".3f"), _fmt(s["mb_sent_per_worker"], ".1f")]

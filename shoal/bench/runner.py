@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
@@ -156,6 +157,38 @@ class _Poller(threading.Thread):
                 self.fn(self.name_, info)
 
 
+_REFUSAL = re.compile(r"^(?:[\w.]+\.)?(\w*ConfigError): (.+)$")
+
+
+def refusal(log_text: str) -> str | None:
+    """Why the strategy refused to run, from its workers' output: the first ``ConfigError`` message.
+
+    A strategy that rejects the run's layout or settings raises a
+    :class:`~shoal.errors.ConfigError` in every worker before training (DASO
+    on hosts of one worker each); the bench names that reason instead of a
+    bare exit code. None when the output holds no such error (a crash).
+
+    >>> refusal("Traceback ...\\nshoal.errors.ConfigError: DASO needs at least 2 workers on every host")
+    'DASO needs at least 2 workers on every host'
+    >>> refusal("RuntimeError: boom") is None
+    True
+    """
+    for line in log_text.splitlines():
+        # the launcher's "[rank] " and the worker's own "[rankN]: " prefixes
+        m = _REFUSAL.match(re.sub(r"^(?:\[[^\]]*\]:?\s*)+", "", line.strip()))
+        if m:
+            return m.group(2).strip()
+    return None
+
+
+def _refusal_of(log_path: str) -> str | None:
+    try:
+        with open(log_path, errors="replace") as f:
+            return refusal(f.read())
+    except OSError:
+        return None
+
+
 def run_strategy(cfg: BenchConfig, name: str, run_dir: str, on_progress: ProgressFn | None = None) -> dict[str, Any]:
     """Launch one strategy's workers and return its raw record (points merged over ranks)."""
     from shoal.cli.launcher import ClusterSpec, launch
@@ -198,12 +231,14 @@ def run_strategy(cfg: BenchConfig, name: str, run_dir: str, on_progress: Progres
             with open(path) as f:
                 records.append(json.load(f))
     ok = res.returncode == 0 and len(records) == workers
+    log_path = os.path.join(out_dir, "log.txt")
     return {
         "workers": workers, "returncode": res.returncode, "ok": ok, "launch_s": res.duration_s,
         "host_bytes": res.host_bytes if cluster is not None else None,
         "steps": records[0]["steps"] if ok else None, "wall_s": records[0]["wall_s"] if ok else None,
         "points": merge_ranks(records) if ok else [],
-        "log": os.path.relpath(os.path.join(out_dir, "log.txt"), run_dir),
+        "log": os.path.relpath(log_path, run_dir),
+        "refused": None if ok else _refusal_of(log_path),
     }
 
 

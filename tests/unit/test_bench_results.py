@@ -215,3 +215,42 @@ def test_cli_from_results_resummarises_with_a_new_target(tmp_path: Any, capsys: 
     assert "target loss 4.500 (given)" in capsys.readouterr().out
     (tmp_path / "results.json").write_text("{}")
     assert main(["--from-results", str(tmp_path)]) == 2
+
+
+def _daso_refusal_log() -> str:
+    """What a DASO worker on a host of its own prints: the real check's error, through the launcher's prefix."""
+    import traceback
+
+    from shoal.strategies.daso_schedule import MemberInfo, check_hosts
+
+    try:
+        check_hosts([MemberInfo(r, f"host{r}") for r in range(4)])
+    except ConfigError as e:
+        text = "".join(traceback.format_exception(e))
+    # As in a real emulated run's log.txt: the launcher's "[r] ", then torch's "[rankr]: ".
+    return "".join(f"[{r}] [rank{r}]: {line}\n" for r in range(4) for line in text.splitlines())
+
+
+def test_refused_strategy_is_named_with_its_reason(tmp_path: Any, monkeypatch: Any) -> None:
+    """DASO on 4 hosts x 1 worker: the run records, the table and the figure say 'refused' and why."""
+    from types import SimpleNamespace
+
+    import shoal.cli.launcher as launcher
+    from shoal.bench import plot, runner
+
+    def refusing_launch(cmd: Any, nprocs: int, cluster: Any, env: Any, stdout: Any, quiet: bool) -> Any:
+        stdout.write(_daso_refusal_log())
+        return SimpleNamespace(interrupted=False, returncode=1, duration_s=2.0, host_bytes=None)
+
+    monkeypatch.setattr(launcher, "launch", refusing_launch)
+    cfg = BenchConfig(strategies=("daso",), hosts=4, steps=10, out_root=str(tmp_path), run="r")
+    rec = runner.run_strategy(cfg, "daso", str(tmp_path / "r"))
+    assert rec["ok"] is False
+    assert rec["refused"].startswith("DASO needs at least 2 workers on every host")
+    r = _synthetic()
+    r["strategies"]["daso"] = rec
+    row = next(line for line in report.format_table(r).splitlines() if line.startswith("daso"))
+    assert "refused: DASO needs at least 2 workers on every host" in row
+    assert plot.failed_names(r["strategies"]) == ["daso refused: DASO needs at least 2 workers on every host"]
+    report.plot(r, str(tmp_path / "report.png"))   # a refused strategy does not break the figure
+    assert runner.refusal("[0] RuntimeError: worker crashed") is None   # a crash stays a failure with its exit
