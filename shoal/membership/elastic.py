@@ -79,6 +79,7 @@ from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.rules import Partition
+from shoal.comm.stepping import StepHooks
 from shoal.comm.topology import host_identity
 from shoal.errors import ConfigError, PeerLostError, ShoalError
 
@@ -172,6 +173,7 @@ class ElasticGroup(ElasticCollectives):
         self.client = client or MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
                                              _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info,
                                              token=run_token(token))
+        self.hooks = StepHooks()   # registered states (healed, rolled back) and step hooks
         self.trace = Trace()
         failures = Failures(self.client, lambda: self.quorum.prefix if self.quorum is not None else None, self.trace)
         self.link = Link(self.client, self.timeouts, backend_factory or gloo_backend, failures, lambda: self.step)
@@ -206,7 +208,7 @@ class ElasticGroup(ElasticCollectives):
         state in this call (empty when no quorum was adopted): they bring no
         progress of their own to this step.
         """
-        hooks = self._hooks()
+        hooks = self.hooks
         for fn in hooks.before_begin:
             fn()
         if self._in_step:
@@ -237,7 +239,7 @@ class ElasticGroup(ElasticCollectives):
             raise ShoalError("commit() called outside a step: call begin_step() first "
                              "(shoal's DistributedDataParallel does so in forward)")
         self._in_step = False
-        q, hooks = self.quorum, self._hooks()
+        q, hooks = self.quorum, self.hooks
         self._tell()   # a member leaving in this step waits for it (see _await_peers)
         verdict = self._vote(q)
         self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
@@ -369,12 +371,12 @@ class ElasticGroup(ElasticCollectives):
         self._fresh = False
 
     def _blob(self) -> torch.Tensor:
-        return state_blob(self._hooks().states)
+        return state_blob(self.hooks.states)
 
     def _load_blob(self, blob: torch.Tensor, src: int) -> None:
         """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it."""
         member = self.quorum.members[src] if self.quorum is not None else "?"
-        load_blob(self._hooks().states, blob, src, member, self._depart)
+        load_blob(self.hooks.states, blob, src, member, self._depart)
 
     def _abandon(self) -> None:
         self.link.retire(self.pg)

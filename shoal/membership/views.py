@@ -310,7 +310,7 @@ class ElasticHostGroups:
     collective). Subgroup names are ``<name>/host`` and ``<name>/leaders``;
     a second instance on the same group gets ``<name>-2``, ... (every worker
     builds them in the same order, so they agree; the names are the group's
-    :meth:`~shoal.comm.stepping.Stepping.unique_name`).
+    :meth:`~shoal.comm.stepping.StepHooks.unique_name`).
 
     Example::
 
