@@ -190,6 +190,10 @@ class ElasticSubgroup(ElasticCollectives):
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.parent.on_commit(fn)
 
+    def unique_name(self, name: str) -> str:
+        """A name not yet taken on the parent (the registry of states and names is the parent's)."""
+        return self.parent.unique_name(name)
+
     def before_begin_step(self, fn: Callable[[], None]) -> None:
         self.parent.before_begin_step(fn)
 
