@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from shoal.comm.group import Group
+from shoal.membership.catchup import OptimizerReplay
 from shoal.membership.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
 from shoal.membership.coordinator import Coordinator, Quorum, Timeouts
 from shoal.errors import ConfigError
@@ -69,7 +70,11 @@ class ElasticOptimizer:
             raise ConfigError(f"group must be a shoal Group (e.g. an ElasticGroup), got {type(group).__name__}")
         self.optimizer = optimizer
         self.group = group
-        group.register_state(group.unique_name(key), optimizer.state_dict, optimizer.load_state_dict)
+        name = group.unique_name(key)
+        group.register_state(name, optimizer.state_dict, optimizer.load_state_dict)
+        register_replay = getattr(group, "register_replay", None)   # elastic: a background heal replays steps
+        if register_replay is not None:
+            register_replay(OptimizerReplay(optimizer, name))
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """End the step: run the inner optimizer if it commits (always, on a static group); its verdict."""

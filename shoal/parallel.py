@@ -246,11 +246,25 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self._register_heal_state(codec)  # after every check, so that a refused model leaves nothing registered
         if reducer_codec is not None:
             self.reducer.set_codec(reducer_codec)
+        self._refuse_background_heal(reducer_codec)
         self._steps = StepMeter(self.group.meter, "ddp")
         self.reducer.on_step_done = self._steps.mark_step
         self.optimizer = optimizer
         if optimizer is not None:
             optimizer.attach_to_reducer(self.reducer, self.module)
+
+    def _refuse_background_heal(self, reducer_codec: Codec | None) -> None:
+        """A codec's means (a two-level one's too) count every member: no quorum with a non-contributor
+        (shoal.membership.catchup), always with a codec, in quorums that span hosts when automatic."""
+        catchup = getattr(self.group, "catchup", None)
+        per_quorum = self._per_quorum
+        if catchup is None:
+            return
+        if reducer_codec is not None:
+            catchup.refuse("shoal DDP with a codec or a two-level reduction (its means count every member)")
+        elif per_quorum is not None:
+            catchup.refuse("shoal DDP's two-level reduction in a quorum that spans hosts",
+                           lambda: bool(per_quorum.levels(self.group).topology.is_hierarchical()))
 
     def _reduction_codec(self, codec: Codec | None, hierarchical: bool | None) -> Codec | None:
         """The codec buckets go through: ``codec``, or it inside a two-level reduction."""

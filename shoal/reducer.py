@@ -55,7 +55,7 @@ from shoal.buckets import GradBucket, _Bucket, assign_buckets
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group, Handle
 from shoal.comm.streams import SideStream
-from shoal.errors import ShoalError
+from shoal.errors import ConfigError, ShoalError
 from shoal.nonfinite import StepVerdict
 
 if TYPE_CHECKING:
@@ -250,8 +250,23 @@ class Reducer:
                 torch._foreach_zero_(zero)
             if dst:
                 torch._foreach_copy_(dst, src)
-            if self.codec is None and self.comm_hook is None and self.group.size > 1:
-                b.buffer.div_(self.group.size)
+            if self.group.size > 1:
+                self._weigh(b)
+
+    def _weigh(self, b: _Bucket) -> None:
+        """Pre-divide the bucket by the contributors (a joiner still catching up contributes zeros)."""
+        contribution = getattr(self.group, "contribution", None)   # elastic groups: shoal.membership.catchup
+        mine, contributors = contribution() if contribution is not None else (True, self.group.size)
+        if contributors != self.group.size and (self.codec is not None or self.comm_hook is not None):
+            raise ConfigError("a joiner is catching up in the background (SHOAL_HEAL=background), which shoal's "
+                              "DDP supports without a codec or comm hook only: their means count every member; "
+                              "run with SHOAL_HEAL=blocking (the default) instead")
+        if self.codec is not None or self.comm_hook is not None:
+            return
+        if not mine:
+            b.buffer.zero_()
+        elif contributors > 1:
+            b.buffer.div_(contributors)
 
     def _launch_ready_buckets(self) -> None:
         # In index order only: a collective must be issued in the same order on every rank.

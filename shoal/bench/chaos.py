@@ -8,7 +8,15 @@ from a live peer. Reported: final validation loss of both runs, rounds re-run,
 local steps lost per failure (the killed worker's steps since its last
 round), seconds the survivors' step took when a round had to be re-run,
 seconds from a restart to its first step and the heal itself (with the
-model's size), steps per second.
+model's size), steps per second; per kill and per join the survivors' stall
+(their longest gap between committed steps across the kill or around the
+newcomer's admission, minus a median step), the newcomer's seconds from
+process start to its first committed step, and the goodput (committed
+samples per second; chaos over fault-free: ``goodput_ratio``); the
+definitions, unit-tested: :mod:`shoal.bench.chaos_stats`. Per join also
+(``joins``): the joiner's seconds from process start to its first
+contributing step and the bytes it received. ``--heal background`` heals
+restarted workers in the background (SHOAL_HEAL, docs/elastic.md).
 
 Two tasks. ``--task markov`` (default) is a small real one that 2 CPU cores
 can train in minutes: a character-level LM (2-layer causal transformer,
@@ -47,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal
+from shoal.bench.chaos_stats import goodput, join_stalls, kill_stalls, median_step, spread, trained_s
 from shoal.bench.overhead import TinyTransformer
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.cli.elastic_launch import NamespacedCoordinator
@@ -157,13 +166,21 @@ def worker(a: argparse.Namespace) -> None:
                           "params": sum(q.numel() for q in net.parameters())}) + "\n")
     # Stop right after a round, so that every worker holds the same parameters.
     after_round = {"localsgd": 1, "diloco": 0}.get(a.strategy)
+    log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
+    contributed = False
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
         t0, d0 = time.time(), group.stats.discards
         task.train_loss(model).backward()
+        mine = group.contribution()[0]   # read within the step: a background heal's joiner counts zero
         opt.step()
         opt.zero_grad()
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
-                              "discards": group.stats.discards - d0, "round": group.step}) + "\n")
+                              "discards": group.stats.discards - d0, "round": group.step,
+                              "contributes": mine}) + "\n")
+        if mine and not contributed:   # what it received to get here (it may be killed before "done")
+            contributed = True
+            log.write(json.dumps({"event": "contributing", "t": time.time(), "heal_bytes": group.stats.heal_bytes,
+                                  "download_bytes": group.catchup.stats.download_bytes}) + "\n")
     log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net)}) + "\n")
     log.close()
     group.leave()
@@ -172,7 +189,8 @@ def worker(a: argparse.Namespace) -> None:
 def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
     with ExitStack() as stack:
         token = secrets.token_urlsafe(16)   # elastic runs require one; the workers read SHOAL_TOKEN
-        env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "SHOAL_TOKEN": token}
+        env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "SHOAL_TOKEN": token,
+               "SHOAL_HEAL": a.heal}
         env.pop("SHOAL_ELASTIC_TRACE", None)
         if a.trace:   # the workers and the coordinator write timestamped events (see _recovery)
             env["SHOAL_ELASTIC_TRACE"] = os.path.join(out, "trace")
@@ -216,7 +234,7 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
                                         stdout=f, stderr=subprocess.STDOUT, start_new_session=True), life)
 
     rng, kills = random.Random(a.seed), []
-    t0 = time.monotonic()
+    t0, began = time.monotonic(), time.time()
     next_kill = t0 + a.kill_every * rng.uniform(0.7, 1.3)
     try:
         for r in range(a.workers):
@@ -228,7 +246,14 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
             # Once one worker has finished, the run is over: no more kills, no restarts (a worker
             # restarted now would find nobody to heal from and train alone from scratch).
             finished = any(pr.poll() == 0 for pr, _ in procs.values())
-            if chaos and not finished and now >= next_kill and now - t0 < a.chaos_for:
+            if finished:   # a restart not admitted before the end would wait Timeouts.join for nothing
+                for r, (pr, life) in procs.items():
+                    if pr.poll() is None and not _training(out, r, life):
+                        os.killpg(pr.pid, signal.SIGKILL)
+                        pr.wait()
+            due = chaos and not finished and now >= next_kill and now - t0 < a.chaos_for
+            # A worker that logged its last step is finished too, also while it is still leaving.
+            if due and not any(_done(out, r, life) for r, (_, life) in procs.items()):
                 # Only once every worker trains: a kill would otherwise hit one still starting (import,
                 # heal), or leave fewer than min_workers, and measure start-up rather than recovery.
                 ready = all(_training(out, r, life) for r, (_, life) in procs.items())
@@ -250,11 +275,20 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
             if pr.poll() is None:
                 os.killpg(pr.pid, signal.SIGKILL)
                 pr.wait()
-    res = _summarise(out, kills, time.monotonic() - t0)
+    res = _summarise(out, kills, time.monotonic() - t0, 8 if a.task == "lm" else BATCH, began)
     if os.path.isdir(os.path.join(out, "trace")):
         res["recovery"] = _recovery(os.path.join(out, "trace"), kills, out)
         res["kill_log"] = kills
     return res
+
+
+def _done(out: str, rank: int, life: int) -> bool:
+    """Whether that incarnation has logged its end of training (it may still be leaving the group)."""
+    try:
+        with open(os.path.join(out, f"log-{rank}-{life}.jsonl")) as f:
+            return '"event": "done"' in f.read()
+    except FileNotFoundError:
+        return False
 
 
 def _training(out: str, rank: int, life: int) -> bool:
@@ -271,9 +305,12 @@ def _read(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip().endswith("}")]
 
 
-def _summarise(out: str, kills: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    logs = {tuple(int(v) for v in n[4:-6].split("-")): _read(os.path.join(out, n))
-            for n in os.listdir(out) if n.startswith("log-")}
+def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, began: float) -> dict[str, Any]:
+    logs: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for n in os.listdir(out):
+        if n.startswith("log-"):
+            rank, life = (int(v) for v in n[4:-6].split("-"))
+            logs[rank, life] = _read(os.path.join(out, n))
     vals = [e["val"] for lg in logs.values() for e in lg if e.get("event") == "done"]
     steps = [e for lg in logs.values() for e in lg if "dt" in e]
     lost = []
@@ -283,7 +320,8 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float) -> dict[str, 
             last_round = lg[-1]["round"]
             lost.append(sum(1 for e in lg if e["round"] == last_round) - 1 if len(lg) > 1 else 0)
     joins = [e for (_, life), lg in logs.items() if life > 0 for e in lg if e.get("event") == "joined"]
-    normal = statistics.median(e["dt"] for e in steps if not e["discards"]) if steps else 0.0
+    normal = median_step(logs)
+    per_kill, per_join = kill_stalls(logs, kills, normal), join_stalls(logs, kills, normal)
     return {
         "wall_s": wall, "kills": len(kills), "val_loss": statistics.mean(vals) if vals else math.nan,
         "val_loss_spread": (max(vals) - min(vals)) if vals else math.nan,
@@ -295,7 +333,38 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float) -> dict[str, 
         "heal_s": [round(e["heal_s"], 3) for e in joins],
         "heal_bytes": max((e["heal_bytes"] for e in joins), default=0),
         "params": next((e["params"] for lg in logs.values() for e in lg if "params" in e), 0),
+        "joins": _joins(logs, normal),
+        # Per kill and per join (shoal.bench.chaos_stats): the survivors' stall, minus a median step.
+        "stall_per_kill_s": spread([k["stall_s"] for k in per_kill]),
+        "stall_per_join_s": spread([j["stall_s"] for j in per_join]),
+        "join_to_first_commit_s": spread([j["first_commit_s"] for j in per_join]),
+        "per_kill": per_kill, "per_join": per_join,
+        # Over the training's wall time: start to the last worker's end of training (not its leave).
+        "goodput_samples_s": round(goodput(logs, batch, trained_s(logs, began, wall), sum(lost)), 2),
     }
+
+
+def _joins(logs: dict[tuple[int, ...], list[dict[str, Any]]], normal: float) -> list[dict[str, Any]]:
+    """Per restarted worker: its seconds from process start to its first contributing step, the state it
+    received, and the survivors' stall while it joined: the longest gap between two logged steps of any
+    other worker overlapping [its first step's start (asking to be admitted), its first contributing
+    step], minus the median step (a kill's own stall falls in it only if the restart asked that early)."""
+    out = []
+    for (rank, life), lg in sorted(logs.items()):
+        ev = {e["event"]: e for e in lg if "event" in e}
+        first = next((e for e in lg if "dt" in e and e.get("contributes", True)), None)
+        if life == 0 or "joined" not in ev or "joining" not in ev or first is None:
+            continue
+        t0, t1, gaps = ev["joining"]["t"], first["t"], []
+        for (other, _), lg2 in logs.items():
+            ts = [e["t"] for e in lg2 if "dt" in e]
+            gaps += [b - a for a, b in zip(ts, ts[1:]) if other != rank and b >= t0 and a <= t1]
+        got = ev.get("contributing", {})
+        out.append({"rank": rank, "life": life, "start_to_contribute_s": round(t1 - ev["joined"]["started"], 2),
+                    "survivor_stall_s": round(max(gaps) - normal, 3) if gaps else None,
+                    "steps_before_contributing": sum(1 for e in lg if "dt" in e and not e.get("contributes", True)),
+                    "state_bytes": got.get("heal_bytes", 0), "downloaded_bytes": got.get("download_bytes", 0)})
+    return out
 
 
 PHASES = ("request", "publish", "quorum", "barrier", "built", "healed")
@@ -386,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="trace every worker's elastic events and report where recovery time goes")
     ap.add_argument("--keep", default=None, help="keep the workers' logs under this folder")
+    ap.add_argument("--heal", choices=["blocking", "background"], default="blocking",
+                    help="how restarted workers get the run's state (SHOAL_HEAL; docs/elastic.md); background "
+                         "applies to --strategy ddp")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -397,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         print("task: shoal bench's lm (byte GPT, 3.26 M parameters, Python docs)")
     else:
         print(f"task: order-1 Markov LM over {VOCAB} symbols, loss floor {chain_entropy(_chain()):.4f} nats")
-    res = {}
+    res: dict[str, Any] = {}
     for name, chaos in (("fault_free", False), ("chaos", True))[int(a.chaos_only):]:
         if a.keep:
             out = os.path.join(a.keep, name)
@@ -410,6 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     if not a.chaos_only:
         ff, ch = res["fault_free"]["val_loss"], res["chaos"]["val_loss"]
         print(f"validation loss: fault-free {ff:.4f}, chaos {ch:.4f} ({100 * (ch - ff) / ff:+.2f} %)")
+        base = res["fault_free"]["goodput_samples_s"]
+        res["goodput_ratio"] = round(res["chaos"]["goodput_samples_s"] / base, 3) if base else math.nan
+        print(f"goodput (committed samples/s, chaos / fault-free): {res['goodput_ratio']}; survivors' stall per "
+              f"kill {res['chaos']['stall_per_kill_s']}, per join {res['chaos']['stall_per_join_s']} (s)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), **res}, f, indent=1)

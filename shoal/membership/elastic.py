@@ -23,20 +23,12 @@ the bookkeeping of an orderly leave in :mod:`~shoal.membership.leaving`.
 The commit vote goes through the coordinator's store; every member reads one
 signed decision (:mod:`shoal.membership.vote`).
 
-Healing: in each new group the members exchange (committed step, fresh); if
-anyone is behind or new, the lowest-ranked up-to-date member sends every
-registered state (model, optimizer, codec, counters) as one serialised blob,
-point to point and in chunks, to those members only. A receiver checks it
-against its own state before loading any of it (:mod:`shoal.membership.received`:
-shapes, dtypes, NaN/Inf); state that fails is refused and never loaded: the
-receiver logs why, leaves the run and raises :class:`~shoal.errors.ShoalError`.
-
-Authentication: every member proves it holds the run token when it joins
-(:mod:`shoal.membership.auth`); the token is ``ElasticGroup(token=...)``, else
-``$SHOAL_TOKEN`` (set by ``shoal run --elastic``), and a group without either
-refuses to start (ConfigError). A wrong token gets
-:class:`~shoal.errors.AuthError` at the first :meth:`ElasticGroup.begin_step`,
-and its holder is never admitted into a quorum.
+Healing (:mod:`shoal.membership.heal`): the lowest-ranked up-to-date member
+sends every registered state to the members behind or new, who check it
+before loading any of it (:mod:`shoal.membership.received`); or, with
+``SHOAL_HEAL=background``, joiners download it while training
+(:mod:`shoal.membership.catchup`). Every member proves it holds the run
+token when it joins (:mod:`shoal.membership.auth`; the ``token`` argument).
 
 Example::
 
@@ -60,6 +52,7 @@ from typing import Any, Callable
 import torch
 
 from shoal.membership.auth import env_or, run_token
+from shoal.membership.catchup import CatchUp, Replayer
 from shoal.membership.heal import (CONTROL_TAG, HEAL_CHUNK, HEAL_TAG, healed_barrier, load_blob, plan_heal, restore,
                                      send_state, snapshot, state_blob)
 from shoal.membership.leaving import PastCount, mark_life, run_counter
@@ -141,8 +134,6 @@ class ElasticGroup(ElasticCollectives):
         if min_workers is None:
             min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid(), "host": host_identity(host_id)}
-        # ``client``: a subclass that joins with its own MemberClient (a token, a role) passes it, so
-        # that no second store connection is opened for nothing.
         self.client = client or MemberClient(env_or("SHOAL_COORDINATOR", coordinator, "coordinator"),
                                              env_or("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info,
                                              token=run_token(token))
@@ -151,12 +142,11 @@ class ElasticGroup(ElasticCollectives):
         failures = Failures(self.client, lambda: self.quorum.prefix if self.quorum is not None else None, self.trace)
         super().__init__(Link(self.client, self.timeouts, backend_factory or gloo_backend, failures, lambda: self.step),
                          meter if meter is not None else Meter(), self.timeouts.op)
-        # ``orderly_leave=False``: every quorum's work ends in its own vote (collaborative rounds), so
-        # nothing is counted for leave() to wait on (see shoal.membership.leaving).
         self.past: PastCount | None = PastCount(self.client) if orderly_leave else None
         self.ballot = Ballot(self.client, self.timeouts, failures)
         self.discards = DiscardStreak()   # why each step since the last commit was discarded
         self.register_state("elastic/discards", self.discards.state, self.discards.load)
+        self.catchup = CatchUp(self)      # the background heal (SHOAL_HEAL=background): shoal.membership.catchup
         # Joining waits for the first begin_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
@@ -236,8 +226,9 @@ class ElasticGroup(ElasticCollectives):
             self.stats.reconfigure_s = time.monotonic() - t0
             if self.past is not None:
                 self.past.reset()   # the heal's collectives differ per member
-        self._snapshots = snapshot(hooks.states)
         self.error = None
+        self.catchup.at_begin()   # may record a failure (a download that failed): this step is then lost
+        self._snapshots = snapshot(hooks.states)
         self._in_step = True
 
     def commit(self) -> bool:
@@ -285,13 +276,7 @@ class ElasticGroup(ElasticCollectives):
         return self.commit()
 
     def before_start_step(self, fn: Callable[[], None]) -> None:
-        """The older name of :meth:`before_begin_step`: call ``fn()`` at the top of every step's begin.
-
-        For a strategy whose step ends lazily (NonBlocking votes an exchange
-        when it waits for it, in the next forward): ``fn`` ends the open step
-        (``commit()``), so that whatever begins the next one (a sampler's
-        ``next_batch``, a forward) begins it after the verdict.
-        """
+        """The older name of :meth:`before_begin_step` (NonBlocking ends its lazily ended step there)."""
         self.before_begin_step(fn)
 
     def _vote(self, q: Quorum) -> str:
@@ -355,7 +340,8 @@ class ElasticGroup(ElasticCollectives):
         """Bring the quorum's needy members to the run's state (see :mod:`shoal.membership.heal`)."""
         t0 = time.monotonic()
         finished = self._fresh and run_counter(self.client, "finished", 0) > 0   # read before the gather: one verdict
-        plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit, finished)
+        plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit, *self.catchup.column(),
+                         run_finished=finished)
         if plan is None:
             return
         if plan.run_over:
@@ -364,6 +350,9 @@ class ElasticGroup(ElasticCollectives):
                                 "and left, and this quorum holds none of its state; this worker would train "
                                 "from scratch alone, so it stops (start a new run with a new run id instead)")
         self.quorum = replace(q, max_step=plan.top)
+        if self.catchup.adopt(q, plan):   # the needy were admitted as downloaders: nobody waits for them
+            self.newcomers, self._fresh = plan.newcomers, False
+            return
         if plan.needy:
             blob = send_state(self, plan, self._blob, self.heal_chunk)
             healed_barrier(self, q.prefix)
@@ -378,6 +367,18 @@ class ElasticGroup(ElasticCollectives):
             self.stats.heal_s = time.monotonic() - t0
         self.newcomers = plan.newcomers
         self._fresh = False
+
+    def contribution(self) -> tuple[bool, int]:
+        """(whether this member's data counts in this step's means, how many members' data does).
+
+        A joiner still catching up in the background counts zero (see
+        :mod:`shoal.membership.catchup`); otherwise every member counts.
+        """
+        return self.catchup.contribution()
+
+    def register_replay(self, replayer: Replayer) -> None:
+        """Let a background heal replay the updates a joiner receives while it downloads (see catchup)."""
+        self.catchup.register(replayer)
 
     def _blob(self) -> torch.Tensor:
         return state_blob(self.hooks.states)
@@ -398,11 +399,10 @@ class ElasticGroup(ElasticCollectives):
         """Work in ``q``, a quorum formed by the caller rather than the coordinator (e.g. by matchmaking).
 
         The current group is kept when ``q`` has its prefix and members and no
-        failure; otherwise rendezvous, build and heal as :meth:`begin_step`
-        does, giving up at ``deadline`` (``time.monotonic()``) or when a newer
-        coordinator quorum exists. False: not entered (the caller tries again
-        or goes on alone). Its work ends with :meth:`vote_quorum`; see
-        :mod:`shoal.collaborative.rounds` for an example.
+        failure; else rendezvous, build and heal as :meth:`begin_step` does,
+        giving up at ``deadline`` (``time.monotonic()``) or on a newer quorum.
+        False: not entered. Its work ends with :meth:`vote_quorum`
+        (example: :mod:`shoal.collaborative.rounds`).
         """
         self.link.release()
         cur = self.quorum
@@ -458,6 +458,7 @@ class ElasticGroup(ElasticCollectives):
         """
         if finished is None:
             finished = self.stats.commits > 0 and sys.exc_info()[1] is None
+        self.catchup.finish()   # a joiner still catching up finishes; a source serves what it still owes
         if finished:
             mark_life(self.client, "finished")
             run_counter(self.client, "finished", 1)

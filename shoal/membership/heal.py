@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -61,6 +61,9 @@ class HealPlan:
     needy: tuple[int, ...]
     recent: tuple[int, ...] = ()
     from_scratch: bool = False   # no member holds the run's state: every one is fresh at step ``top``
+    ready: tuple[int, ...] = ()  # members holding the run's state at ``top`` (possible sources)
+    downloading: dict[int, int] = field(default_factory=dict)   # rank -> heal id it still downloads
+    background: bool = False     # every member can heal in the background (shoal.membership.catchup)
     run_over: bool = False       # from scratch in a run where some member saw a finished part: stop, not train
 
     @property
@@ -85,30 +88,41 @@ def state_blob(states: Mapping[str, StateEntry]) -> torch.Tensor:
     return to_bytes({k: s.get() for k, s in states.items()})
 
 
-def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = False,
-              run_finished: bool = False) -> HealPlan | None:
-    """Exchange every member's (committed step, fresh, healed since its last commit, saw the run finished)
-    and plan the heal.
+def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = False, downloading: int = -1,
+              capable: bool = False, run_finished: bool = False) -> HealPlan | None:
+    """Exchange every member's (committed step, fresh, healed since its last commit, heal it still
+    downloads or -1, can heal in the background, saw the run finished) and plan the heal.
 
     None if the exchange failed. Every member plans from the same gathered
     table, so every member computes the same plan, the same newcomers and the
     same verdict on a run that is over (``run_finished``: this member read a
     finished part in the store; any member's reading counts for all, so
     members that read the store at different moments never disagree).
+    A member still downloading a background heal (:mod:`shoal.membership.catchup`)
+    is neither needy nor a source.
     """
-    cols = 4
-    mine = torch.tensor([step, int(fresh), int(recent), int(run_finished)], dtype=torch.int64, device=group.device)
+    cols = 6
+    mine = torch.tensor([step, int(fresh), int(recent), downloading, int(capable), int(run_finished)],
+                        dtype=torch.int64, device=group.device)
     table = torch.empty(cols * group.size, dtype=torch.int64, device=group.device)
     group.all_gather_into(table, mine, tag=CONTROL_TAG).wait()
     if group.error is not None:
         return None
     steps, news, recents = table[0::cols].tolist(), table[1::cols].tolist(), table[2::cols].tolist()
+    hids, capables = table[3::cols].tolist(), table[4::cols].tolist()
+    loading = {r: int(h) for r, h in enumerate(hids) if h >= 0}
     top = max(steps)
-    ready = [r for r in range(group.size) if steps[r] == top and not news[r]]
+    ready = [r for r in range(group.size) if steps[r] == top and not news[r] and r not in loading]
+    if not ready or not all(capables):
+        # Nobody holds the run's state (whoever was downloading starts from scratch with the rest), or
+        # a member cannot have a non-contributor now: whoever was downloading is healed blocking instead.
+        loading = {}
     src = min(ready or [r for r in range(group.size) if steps[r] == top])
-    needy = tuple(r for r in range(group.size) if r != src and (steps[r] < top or news[r]))
+    needy = tuple(r for r in range(group.size)
+                  if r != src and r not in loading and (steps[r] < top or news[r] or hids[r] >= 0))
     return HealPlan(top, src, needy, tuple(r for r in range(group.size) if recents[r] and r not in needy),
-                    from_scratch=not ready, run_over=not ready and any(table[3::cols].tolist()))
+                    from_scratch=not ready, ready=tuple(ready), downloading=loading,
+                    background=bool(ready) and all(capables), run_over=not ready and any(table[5::cols].tolist()))
 
 
 def send_state(group: ElasticCollectives, plan: HealPlan, make_blob: Callable[[], torch.Tensor],
@@ -159,12 +173,15 @@ def healed_barrier(group: ElasticCollectives, prefix: str) -> None:
 
 
 def load_blob(states: Mapping[str, StateEntry], blob: torch.Tensor, src: int, member: Any,
-              leave: Callable[[], None]) -> None:
+              leave: Callable[[], None], keys: set[str] | None = None) -> None:
     """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it.
 
     ``member``: the source's member id (for the messages); ``leave``: called
-    before raising, so that the others drop this worker at once.
+    before raising, so that the others drop this worker at once. ``keys``:
+    check and load only these states (default: all; the blob must hold every
+    registered state either way).
     """
+    want = set(states) if keys is None else set(keys)
     why: str | None = None
     try:
         got = from_bytes(blob)
@@ -174,12 +191,12 @@ def load_blob(states: Mapping[str, StateEntry], blob: torch.Tensor, src: int, me
         why = (f"it holds state {sorted(map(str, got)) if isinstance(got, dict) else '?'} but this "
                f"worker registered {sorted(states)}: every worker must run the same program")
     if why is None and isinstance(got, dict):
-        why = check_received(got, {k: s.get() for k, s in states.items()})
+        why = check_received({k: got[k] for k in want}, {k: states[k].get() for k in want})
     if why is not None or not isinstance(got, dict):
         log.error("refusing the state healed from rank %d (member %s): %s; nothing of it was loaded, "
                   "this worker leaves the run", src, member, why)
         leave()   # the others drop it at once (the coordinator aborts their quorum)
         raise ShoalError(f"refused the run's state healed from rank {src} (member {member}): {why}; "
                          "nothing of it was loaded")
-    for k, s in states.items():
-        (s.heal_load or s.load)(got[k])
+    for k in sorted(want):
+        (states[k].heal_load or states[k].load)(got[k])

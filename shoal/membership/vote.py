@@ -93,11 +93,11 @@ class Ballot:
         st, key = self.client.store, f"{q.prefix}d/{step}"
         failures = self.failures
         if failures.error is None and size == 1:
-            return f"commit:{self.client.latest()}"
+            return "discard" if self._dissolved(q) else f"commit:{self.client.latest()}"
         if failures.error is not None:
             return self.decide(key, "discard")
         if st.add(f"{q.prefix}ok/{step}", 1) == size:
-            return self.decide(key, f"commit:{self.client.latest()}")
+            return self.decide(key, "discard" if self._dissolved(q) else f"commit:{self.client.latest()}")
         start = time.monotonic()
         deadline, pause, beats = start + self.timeouts.quorum, 5e-5, self._beats(q)
         next_probe = start + self.timeouts.probe
@@ -116,6 +116,17 @@ class Ballot:
             time.sleep(pause)
             pause = min(2 * pause, 0.001)   # the decision is read at most ~1 ms late (a store RTT is ~15 us)
         return self.decision(st.get(key))
+
+    def _dissolved(self, q: Quorum) -> bool:
+        """Whether ``q``'s abort flag is raised: a member failed, or the coordinator dropped one.
+
+        Read in the store, not from the heartbeat thread's watch, before any commit is decided. A
+        quorum cut off whole from the coordinator (all its members behind a link that went down, or
+        a quorum of one) has nobody on the coordinator's side to write ``discard`` first; when the
+        link returns its votes would complete the count, and it would commit a step of a quorum
+        the coordinator has dropped while the run went on without it (a split brain).
+        """
+        return bool(self.client.store.check([q.prefix + "abort"]))
 
     def decide(self, key: str, verdict: str) -> str:
         """Write ``verdict`` as the step's decision unless one is there; return the one that stands.
@@ -148,13 +159,21 @@ class DiscardStreak:
     def __init__(self) -> None:
         self.reasons: list[str] = []
 
-    def state(self) -> list[str]:
-        """The streak, as healed into newcomers."""
-        return list(self.reasons)
+    def state(self) -> dict[int, str]:
+        """The streak, as healed into newcomers: ``{position: reason}``.
 
-    def load(self, reasons: list[str]) -> None:
-        """Take a peer's streak (from a heal)."""
-        self.reasons = [str(r) for r in reasons]
+        A dict, not a list: the received-state check refuses a list whose
+        length differs from the receiver's own (:mod:`shoal.membership.received`),
+        and a member that discarded steps and then rejoins (a partition, a
+        probe it missed) legitimately holds a streak of another length than
+        its healer's.
+        """
+        return dict(enumerate(self.reasons))
+
+    def load(self, reasons: dict[int, str] | list[str]) -> None:
+        """Take a peer's streak (from a heal, or this member's own rollback snapshot)."""
+        items = [reasons[k] for k in sorted(reasons)] if isinstance(reasons, dict) else list(reasons)
+        self.reasons = [str(r) for r in items]
 
     def reset(self) -> None:
         """A step committed: the streak ends."""

@@ -12,6 +12,7 @@ from shoal.comm.group import Group
 from shoal.errors import ConfigError
 from shoal.parallel import DistributedDataParallel
 from shoal.strategies.base import Strategy
+from shoal.membership.catchup import OptimizerReplay
 
 
 class Sync(Strategy):
@@ -55,7 +56,11 @@ class Sync(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
         ddp = DistributedDataParallel(model, process_group=group, codec=self.codec, **self._ddp_kwargs)
-        group.register_state(group.unique_name("ddp/optimizer"), optimizer.state_dict, optimizer.load_state_dict)
+        key = group.unique_name("ddp/optimizer")
+        group.register_state(key, optimizer.state_dict, optimizer.load_state_dict)
+        register_replay = getattr(group, "register_replay", None)   # elastic: a background heal replays steps
+        if register_replay is not None:
+            register_replay(OptimizerReplay(optimizer, key))
         return ddp
 
     def before_step(self) -> bool | None:

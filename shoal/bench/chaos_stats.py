@@ -1,0 +1,144 @@
+"""Per-kill and per-join figures of the chaos bench (:mod:`shoal.bench.chaos`), computed from its step logs.
+
+Pure functions over what the workers log (no clock of their own, so they are
+unit-tested on made-up logs). A worker's log is a list of entries: one
+``{"event": "joined", "t", "started", "pid", ...}`` when it is ready to join,
+then one ``{"t", "dt", "step", "discards", ...}`` per optimizer step, where
+``step`` is the worker's step counter after it (committed steps for DDP,
+local steps for LocalSGD and DiLoCo) and ``discards`` counts the rounds the
+step had to re-run; a step logged with ``contributes: false`` (a joiner not
+contributing yet) makes no progress. A step *made progress* when its counter advanced (a
+discarded DDP step did not; a DiLoCo local step whose averaging round was
+re-run with the survivors did, its work stands).
+
+- **stall per kill**: for every worker alive at the kill (a survivor), the
+  gap between its last step that made progress before the kill's failure
+  (its first step after the kill with ``discards > 0``: the discarded DDP
+  step, or the local step whose round was re-run, which for DiLoCo may come
+  many steps after the kill) and its first one from that failure on, minus the
+  run's median step; without such a failure before the next kill, the gap
+  across the kill itself. The kill's figure is the largest over its
+  survivors. It is the step in flight, the detection, the new quorum and the
+  retried step (and whatever else that retry waited for: the restarted
+  worker's admission, if it came in the same round).
+- **stall per join**: for the restarted incarnation's admission, every
+  survivor's longest gap between steps that made progress that ends between
+  the newcomer being ready to join (its ``joined`` entry) and its first step
+  (plus one median step, as the survivors log the same step a little
+  apart), and that starts after the kill's gap; minus the median step; the
+  largest over the survivors. ``first_commit_s``: the newcomer's process
+  start to its first step.
+Example::
+
+    >>> logs = {(0, 0): [{"event": "joined", "t": 0.0, "started": 0.0, "pid": 1},
+    ...                  {"t": 1.0, "dt": 1.0, "step": 1, "discards": 0},
+    ...                  {"t": 2.0, "dt": 1.0, "step": 2, "discards": 0},
+    ...                  {"t": 6.0, "dt": 4.0, "step": 2, "discards": 1},     # discarded: no progress
+    ...                  {"t": 7.0, "dt": 1.0, "step": 3, "discards": 0}]}
+    >>> kill_stalls(logs, [{"t": 2.5, "rank": 1, "life": 0, "survivors": [1]}], median=1.0)[0]["stall_s"]
+    4.0
+    >>> goodput(logs, samples_per_step=8, wall=8.0)   # 3 committed steps of 8 samples in 8 s
+    3.0
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+Logs = dict[tuple[int, int], list[dict[str, Any]]]   # (rank, life) -> that incarnation's log
+
+
+def committed_times(log: list[dict[str, Any]]) -> list[float]:
+    """When the incarnation logged each step that made progress (see the module docstring), in order."""
+    out, last = [], None
+    for e in log:
+        if "dt" in e:
+            # ``contributes: false``: a joiner still catching up in the background (its steps carry zero
+            # weight); its own progress starts with its first contributing step.
+            if (last is None or e["step"] > last) and e.get("contributes", True):
+                out.append(e["t"])
+            last = e["step"]
+    return out
+
+
+def median_step(logs: Logs) -> float:
+    """The median duration of a step without a re-run round over the whole run (0.0 without any)."""
+    dts = [e["dt"] for lg in logs.values() for e in lg if "dt" in e and not e["discards"]]
+    return statistics.median(dts) if dts else 0.0
+
+
+def _by_pid(logs: Logs) -> dict[int, list[dict[str, Any]]]:
+    out = {}
+    for lg in logs.values():
+        pid = next((e["pid"] for e in lg if e.get("event") == "joined"), None)
+        if pid is not None:
+            out[pid] = lg
+    return out
+
+
+def _kill_gap(log: list[dict[str, Any]], t_kill: float, until: float) -> tuple[float, float] | None:
+    """The survivor's gap (start, end) that the kill cost it (see the module docstring), or None."""
+    ts = committed_times(log)
+    pivot = next((e["t"] for e in log if "dt" in e and e["discards"] and t_kill < e["t"] < until), None)
+    if pivot is None:
+        before, after = [x for x in ts if x <= t_kill], [x for x in ts if x > t_kill]
+    else:
+        before, after = [x for x in ts if x < pivot], [x for x in ts if x >= pivot]
+    return (before[-1], after[0]) if before and after else None
+
+
+def _until(kills: list[dict[str, Any]], n: int) -> float:
+    return kills[n + 1]["t"] if n + 1 < len(kills) else float("inf")
+
+
+def kill_stalls(logs: Logs, kills: list[dict[str, Any]], median: float) -> list[dict[str, Any]]:
+    """Per kill: ``stall_s`` (largest over the survivors) and the survivors measured (``n``)."""
+    by_pid, out = _by_pid(logs), []
+    for n, k in enumerate(kills):
+        gaps = [g[1] - g[0] for pid in k["survivors"]
+                if (g := _kill_gap(by_pid.get(pid, []), k["t"], _until(kills, n))) is not None]
+        out.append({"rank": k["rank"], "life": k["life"], "n": len(gaps),
+                    "stall_s": round(max(gaps) - median, 3) if gaps else None})
+    return out
+
+
+def join_stalls(logs: Logs, kills: list[dict[str, Any]], median: float) -> list[dict[str, Any]]:
+    """Per restarted incarnation that made progress: ``stall_s`` (survivors' largest) and ``first_commit_s``."""
+    by_pid, out = _by_pid(logs), []
+    for n, k in enumerate(kills):
+        new = logs.get((k["rank"], k["life"] + 1), [])
+        joined = next((e for e in new if e.get("event") == "joined"), None)
+        mine = committed_times(new)
+        if joined is None or not mine:
+            continue
+        ready, first = joined["t"], mine[0]
+        gaps = []
+        for pid in k["survivors"]:
+            log = by_pid.get(pid, [])
+            kill_gap = _kill_gap(log, k["t"], _until(kills, n))
+            if kill_gap is None:
+                continue
+            ts = committed_times(log)
+            gaps += [b - a for a, b in zip(ts, ts[1:]) if a >= kill_gap[1] and ready <= b <= first + median]
+        out.append({"rank": k["rank"], "life": k["life"] + 1, "first_commit_s": round(first - joined["started"], 3),
+                    "stall_s": round(max(gaps) - median, 3) if gaps else None})
+    return out
+
+
+def goodput(logs: Logs, samples_per_step: int, wall: float, lost: int = 0) -> float:
+    """Committed samples per second: every incarnation's steps that made progress, less ``lost`` local steps."""
+    n = sum(len(committed_times(lg)) for lg in logs.values()) - lost
+    return samples_per_step * n / wall if wall > 0 else 0.0
+
+
+def trained_s(logs: Logs, began: float, wall: float) -> float:
+    """Seconds from ``began`` (the run's start, wall clock) to the last ``done`` entry; ``wall`` if none."""
+    ends = [e["t"] for lg in logs.values() for e in lg if e.get("event") == "done"]
+    return max(ends) - began if ends else wall
+
+
+def spread(values: list[float | None]) -> dict[str, float | int]:
+    """``{"n", "median", "max"}`` of the values that are not None (``{"n": 0}`` if none)."""
+    v = sorted(x for x in values if x is not None)
+    return {"n": len(v), "median": round(statistics.median(v), 3), "max": round(v[-1], 3)} if v else {"n": 0}

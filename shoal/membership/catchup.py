@@ -1,0 +1,441 @@
+"""The background heal: a joiner is admitted at once, downloads the run's state while the others train,
+replays the steps it missed, and contributes from then on. No survivor waits for the transfer.
+
+Enabled with ``SHOAL_HEAL=background`` (or ``group.catchup.enabled = True`` on
+every worker before the first step), for step-synchronous training whose
+updates can be replayed: shoal's DistributedDataParallel without a codec or
+comm hook, stepped by :class:`~shoal.elastic.ElasticOptimizer` (which
+registers its :class:`OptimizerReplay`). Where a quorum's members do not all
+enable it, or none of them holds the run's state, the blocking heal of
+:mod:`shoal.membership.heal` runs as before.
+
+How a join goes (``t`` is the run's committed step)::
+
+    admission (quorum q, step t0)   every member: plan (one all_gather); the joiner takes step t0 and
+                                    is a non-contributor: it zeroes its gradients, the others divide by
+                                    the contributors; each source clones its state (no host sync) and a
+                                    side thread serialises and serves it (stateserve.SnapshotServer)
+    steps t0 .. t-1                 survivors train and commit; the joiner fetches the snapshot
+                                    striped over every source, and records each committed step's
+                                    averaged gradients (it receives them as a zero-weight member)
+    begin_step(t), download done    joiner: load the snapshot (checked as any heal), replay the
+                                    t - t0 recorded steps (optimizer steps): its model and optimizer
+                                    now equal the survivors' at t; it publishes "contributes from
+                                    t+1" with the state keys the replay does not cover
+    begin_step(t+1)                 every member reads that record (signed, in the store): from this
+                                    step on the joiner contributes; the lowest-ranked source writes
+                                    the uncovered states (the sampler's cursor, the discard streak:
+                                    a few bytes) to the store, the joiner loads them
+
+Every member computes the contributors from the same facts: who was
+admitted (the plan, the same table everywhere) and the joiner's signed
+record, which it writes before its vote on step ``t``, so every member
+reads it before ``begin_step(t+1)`` (no one passes step ``t`` without that
+vote). A source that dies mid-transfer loses its ranges to the other
+sources; if all of them fail, the joiner fails that step and asks for a
+new quorum, where it is needy again (a new snapshot, from whoever is there).
+
+Example::
+
+    # every worker, before its first step (or SHOAL_HEAL=background in their environment)
+    group = ElasticGroup()
+    group.catchup.enabled = True
+    model = shoal.DistributedDataParallel(net, process_group=group)
+    opt = ElasticOptimizer(torch.optim.AdamW(model.parameters()), group)   # registers the replay
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from shoal.comm.objects import from_bytes, to_bytes
+from shoal.comm.stepping import StateEntry
+from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
+from shoal.membership.heal import HealPlan, load_blob
+from shoal.membership.received import check_received
+from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, local_address
+
+log = logging.getLogger("shoal.elastic")
+MODES = ("blocking", "background")
+
+
+class Replayer(Protocol):
+    """Something that can record a committed step's update and apply it again later."""
+
+    def covers(self, states: dict[str, StateEntry]) -> set[str]:
+        """The registered state keys that replaying keeps up to date."""
+
+    def record(self) -> Any:
+        """This committed step's update (called before it is applied)."""
+
+    def replay(self, update: Any) -> None:
+        """Apply a recorded update."""
+
+
+class OptimizerReplay:
+    """Replays optimizer steps: records the averaged ``.grad`` of every parameter, then steps with it.
+
+    Covers the optimizer's state key and every registered state whose tensors
+    are all parameters of the optimizer (a module without buffers). Exact for
+    a deterministic optimizer whose hyperparameters do not change during the
+    download (a learning-rate scheduler is not replayed).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, key: str) -> None:
+        self.optimizer, self.key = optimizer, key
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def covers(self, states: dict[str, StateEntry]) -> set[str]:
+        ptrs = {p.data_ptr() for p in self._params()}
+        out = {self.key}
+        for k, s in states.items():
+            found = _leaves(s.get())
+            if found and all(t.data_ptr() in ptrs for t in found):
+                out.add(k)
+        return out
+
+    def record(self) -> list[torch.Tensor | None]:
+        return [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
+
+    def replay(self, update: list[torch.Tensor | None]) -> None:
+        params = self._params()
+        for p, g in zip(params, update):
+            p.grad = g
+        self.optimizer.step()
+        for p in params:
+            p.grad = None
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _leaves(v)]
+    return []
+
+
+@dataclass
+class Pending:
+    """A joiner still catching up, as every member of the quorum sees it."""
+
+    hid: int                      # the heal it downloads (the quorum id of its admission)
+    ready: int | None = None      # the step from which it contributes (from its signed record)
+    keys: tuple[str, ...] = ()    # the state keys its replay does not cover (topped up at ``ready``)
+
+
+@dataclass
+class CatchUpStats:
+    """What this worker's background heals did (a joiner's side and a source's side)."""
+
+    admitted_step: int = -1       # the step at which this worker was admitted as a non-contributor
+    caught_up_step: int = -1      # the step at whose begin it loaded and replayed (contributes from the next)
+    replayed: int = 0             # steps replayed (the survivors' commits during the download)
+    download_bytes: int = 0
+    download_s: float = 0.0
+    admitted_at: float = 0.0      # time.time() of the admission and of the first contributing step
+    contributes_at: float = 0.0
+    by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
+    failed_sources: list[int] = field(default_factory=list)
+    served: int = 0               # snapshots this worker offered as a source
+    admissions: int = 0           # times admitted as a downloader (again after a download that failed)
+
+
+class CatchUp:
+    """The background heal of one :class:`~shoal.membership.elastic.ElasticGroup` (see the module docstring)."""
+
+    def __init__(self, group: Any) -> None:
+        mode = os.environ.get("SHOAL_HEAL", "blocking")
+        if mode not in MODES:
+            raise ConfigError(f"SHOAL_HEAL must be one of {MODES}, got {mode!r}")
+        self.group = group
+        self.enabled = mode == "background"
+        self.replayers: list[Replayer] = []
+        self.refusals: list[tuple[str, Callable[[], bool] | None]] = []   # why (and when) it cannot
+        self._generation = 0                    # a download given up on never reports into a later one
+        self.pending: dict[int, Pending] = {}   # member id -> joiner still catching up, this quorum
+        self.server: SnapshotServer | None = None
+        self.stats = CatchUpStats()
+        self.before_chunk: Any = None           # tests: handed to the Download (parks it)
+        self.hid = -1                           # joiner: the heal it downloads, -1 when none
+        self.records: list[list[Any]] = []
+        self.loaded = False
+        self._covered: set[str] = set()
+        self._done = threading.Event()
+        self._result: tuple[bytes | None, str | None] = (None, None)
+        group.on_commit(self._record)
+
+    # --- what every member sees -------------------------------------------------------
+    def register(self, replayer: Replayer) -> None:
+        self.replayers.append(replayer)
+
+    def refuse(self, why: str, when: Callable[[], bool] | None = None) -> None:
+        """A component that cannot have a non-contributor among its members (whenever ``when()`` is True,
+        asked at each quorum's plan; default: always): those quorums heal blocking."""
+        self.refusals.append((why, when))
+
+    def column(self) -> tuple[int, bool]:
+        """This member's entries of the heal plan's table: the heal it downloads (-1: none), capable."""
+        refused = any(when is None or when() for _, when in self.refusals)
+        return self.hid, self.enabled and bool(self.replayers) and not refused
+
+    def contribution(self) -> tuple[bool, int]:
+        """(whether this member contributes to this step's means, how many members do)."""
+        g = self.group
+        if not self.pending or g.quorum is None:
+            return True, g.size
+        out = [m for m, p in self.pending.items() if p.ready is None or p.ready > g.step]
+        return g.client.member_id not in out, g.size - len(out)
+
+    def adopt(self, q: Any, plan: HealPlan) -> bool:
+        """A new quorum's plan: who is still catching up; admit the needy as downloaders if all can.
+
+        True when the needy members were admitted this way (no blocking heal).
+        """
+        old = self.pending
+        self.pending = {}
+        for r, hid in plan.downloading.items():
+            kept = old.get(q.members[r])
+            self.pending[q.members[r]] = kept if kept is not None and kept.hid == hid else Pending(hid)
+        if self.server is not None:   # a joiner that died or gave up no longer needs its snapshot
+            self.server.keep({(m, p.hid) for m, p in self.pending.items()})
+        g, me = self.group, self.group.client.member_id
+        if self.hid >= 0 and g.rank in plan.needy and not plan.background:
+            log.warning("giving up the background heal %d: this quorum heals blocking", self.hid)
+            self.hid, self._generation = -1, self._generation + 1
+        if not (plan.background and plan.needy):
+            return False
+        joiners = {q.members[r] for r in plan.needy}
+        for m in joiners:
+            self.pending[m] = Pending(q.qid)
+        sources = [q.members[r] for r in plan.ready]
+        if me in joiners:
+            self._admit(q.qid, sources, plan.top)
+        elif me in sources:
+            self._serve(q.qid, joiners)
+        return True
+
+    def at_begin(self) -> None:
+        """Every begin_step, after the quorum is adopted and before the rollback snapshot."""
+        if not self.pending:
+            return
+        self._read_ready()
+        if self.group.client.member_id in self.pending:
+            self._joiner_begin(self.group.step)
+        else:
+            self._write_topups(self.group.step)
+
+    def _key(self, hid: int, what: str) -> str:
+        return str(self.group.client.key(f"heal/{hid}/{what}"))
+
+    def _read_ready(self) -> None:
+        st, book = self.group.client.store, self.group.client.book
+        for m, p in self.pending.items():
+            if p.ready is not None or m == self.group.client.member_id:
+                continue
+            k = self._key(p.hid, f"ready/{m}")
+            if st.check([k]):
+                rec = book.open(st.get(k), writer=m, kind="heal ready")
+                if rec is not None:
+                    p.ready, p.keys = int(rec["from"]), tuple(str(x) for x in rec["keys"])
+
+    def _write_topups(self, t: int) -> None:
+        """The lowest-ranked member holding the run's state writes what joiners entering now still lack."""
+        g = self.group
+        holders = [r for r, m in enumerate(g.quorum.members) if m not in self.pending]
+        if not holders or g.rank != holders[0]:
+            return
+        states = g.hooks.states
+        for m, p in self.pending.items():
+            if p.ready == t:
+                blob = to_bytes({k: states[k].get() for k in p.keys})
+                rec = g.client.book.seal({"b": base64.b64encode(blob.numpy().tobytes()).decode()})
+                g.client.store.set(self._key(p.hid, f"top/{m}/{t}"), rec)
+
+    # --- a source -------------------------------------------------------------------------
+    def _serve(self, hid: int, joiners: set[int]) -> None:
+        g = self.group
+        if self.server is None:
+            self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),
+                                         idle=g.timeouts.join)
+        server, key = self.server, self._key(hid, f"src/{g.client.member_id}")
+        tree = clone_tree({k: s.get() for k, s in g.hooks.states.items()})   # the step boundary
+        book, client = g.client.book, g.client
+
+        def published(size: int, sha: str) -> None:   # on the serialising thread: its own store connection
+            client.store.clone().set(key, book.seal({"addr": server.address, "size": size, "sha": sha}))
+
+        server.offer(hid, tree, joiners, published)
+        self.stats.served += 1
+
+    # --- the joiner -------------------------------------------------------------------------
+    def _admit(self, hid: int, sources: list[int], top: int) -> None:
+        g = self.group
+        g.step = top
+        g._healed_since_commit = True
+        self.hid, self.records, self.loaded = hid, [], False
+        self.stats.admitted_step, self.stats.admitted_at = top, time.time()
+        self.stats.admissions += 1
+        self._done.clear()
+        self._generation += 1
+        store = g.client.store.clone()
+        threading.Thread(target=self._fetch, args=(hid, sources, store, self._generation), name="shoal-heal-fetch",
+                         daemon=True).start()
+        log.info("admitted at step %d as a non-contributor; fetching heal %d from members %s", top, hid, sources)
+
+    def _fetch(self, hid: int, members: list[int], store: Any, generation: int) -> None:
+        g = self.group
+        result: tuple[bytes | None, str | None]
+        try:
+            sources = self._sources(hid, members, store)
+            dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,
+                          chunk=min(g.heal_chunk, 1 << 20), timeout=g.timeouts.op)   # finer stripes
+            dl.before_chunk = self.before_chunk
+            dl.run()    # in this thread
+            result = (dl.blob, dl.error)
+        except Exception as e:  # noqa: BLE001 - reported to the training thread, which fails the step
+            dl, result = None, (None, f"{type(e).__name__}: {e}")
+        try:   # the sources stop waiting for this joiner when they leave (see finish)
+            store.set(self._key(hid, f"fetched/{g.client.member_id}"), "1")
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody waits any more
+            pass
+        if generation != self._generation:
+            return    # given up on (the quorum healed this worker blocking, or admitted it again)
+        if dl is not None:
+            self.stats.download_bytes, self.stats.download_s = dl.received, dl.seconds
+            self.stats.by_source, self.stats.failed_sources = dict(dl.by_source), sorted(dl.failed)
+        self._result = result
+        self._done.set()
+
+    def _sources(self, hid: int, members: list[int], store: Any) -> list[Source]:
+        """The sources' published (address, size, sha256), waiting until all or, 2 s after the first, some."""
+        g = self.group
+        deadline, first = time.monotonic() + g.timeouts.join, None
+        found: dict[int, Source] = {}
+        while time.monotonic() < deadline:
+            for m in members:
+                k = self._key(hid, f"src/{m}")
+                if m not in found and store.check([k]):
+                    rec = g.client.book.open(store.get(k), writer=m, kind="heal source")
+                    if rec is not None:
+                        found[m] = Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"]))
+                        first = first or time.monotonic()
+            if len(found) == len(members) or (first is not None and time.monotonic() - first > 2.0):
+                break
+            time.sleep(0.01)
+        if not found:
+            raise ShoalError(f"no source of heal {hid} published its snapshot within {g.timeouts.join} s")
+        sha = Counter(s.sha for s in found.values()).most_common(1)[0][0]
+        return [s for s in found.values() if s.sha == sha]
+
+    def finish(self) -> None:
+        """At ``leave()``: a joiner still downloading waits for it and catches up its model and optimizer
+        (so that what it saves is the run's state); a source waits until its joiners have fetched what
+        it serves. Both bounded by ``Timeouts.quorum``."""
+        g = self.group
+        deadline = time.monotonic() + g.timeouts.quorum
+        if self.hid >= 0 and not self.loaded:
+            blob, error = self._result if self._done.wait(g.timeouts.quorum) else (None, "it did not finish")
+            if blob is not None and error is None:
+                self._replay(blob)
+                self.loaded = True
+            else:
+                log.error("left before catching up (%s): this worker's model and optimizer are NOT the run's "
+                          "state (group.catchup.caught_up is False)", error)
+        while self.server is not None and time.monotonic() < deadline:
+            owed = self.server.owed()
+            if all(g.client.store.check([self._key(h, f"fetched/{m}")]) for h, m in owed):
+                return
+            time.sleep(0.01)
+
+    @property
+    def caught_up(self) -> bool:
+        """False while this worker holds no copy of the run's state yet (fresh, or admitted in the background
+        and still downloading)."""
+        return not self.group._fresh and (self.hid < 0 or self.loaded)
+
+    def _replay(self, blob: bytes) -> None:
+        """Load the snapshot's model and optimizer (what the replay covers) and replay the recorded steps."""
+        g = self.group
+        states = g.hooks.states
+        # Only what the replay brings up to date; the rest (a sampler's cursor, the discard streak) is the
+        # joiner's own until the top-up (it counts zero meanwhile, so its own is harmless there).
+        covered: set[str] = set().union(*(r.covers(states) for r in self.replayers))
+        load_blob(states, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1, "(background heal)",
+                  g._depart, keys=covered)
+        for rec in self.records:
+            for r, update in zip(self.replayers, rec):
+                r.replay(update)
+        self.stats.replayed, self.records = len(self.records), []
+        self._covered = covered
+        g.stats.heals_received += 1
+        g.stats.heal_bytes = len(blob)
+
+    def _record(self) -> None:
+        if self.hid >= 0 and not self.loaded:
+            self.records.append([r.record() for r in self.replayers])
+
+    def _joiner_begin(self, t: int) -> None:
+        p = self.pending[self.group.client.member_id]
+        if not self.loaded:
+            if self._done.is_set():
+                self._catch_up(p, t)
+        elif p.ready is not None and p.ready <= t and self.hid >= 0:
+            self._top_up(p, t)
+
+    def _catch_up(self, p: Pending, t: int) -> None:
+        g = self.group
+        blob, error = self._result
+        if blob is None or error is not None:
+            log.warning("background heal %d failed (%s); asking for a new quorum to heal again", self.hid, error)
+            g._record(PeerLostError(f"this joiner's download of the run's state failed: {error}"))
+            self.hid, g._fresh = -1, True   # still counted out in this (lost) step; needy in the next quorum
+            return
+        if len(self.records) != t - self.stats.admitted_step:
+            raise ShoalError(f"background heal: {len(self.records)} updates recorded for steps "
+                             f"{self.stats.admitted_step}..{t - 1}; a committed step was not recorded")
+        self._replay(blob)
+        p.ready, p.keys = t + 1, tuple(sorted(set(g.hooks.states) - self._covered))
+        g.client.store.set(self._key(self.hid, f"ready/{g.client.member_id}"),
+                           g.client.book.seal({"from": p.ready, "keys": list(p.keys)}))
+        self.stats.caught_up_step, self.loaded = t, True
+        log.info("caught up at step %d (%d steps replayed); contributing from step %d", t,
+                 self.stats.replayed, p.ready)
+
+    def _top_up(self, p: Pending, t: int) -> None:
+        """Load the states the replay does not cover, written by a source at this step (Timeouts.quorum)."""
+        g = self.group
+        st, k = g.client.store, self._key(self.hid, f"top/{g.client.member_id}/{t}")
+        deadline = time.monotonic() + g.timeouts.quorum
+        while not st.check([k]):
+            if g.link.failures.aborted or time.monotonic() > deadline:
+                g._record(CommTimeoutError(f"the top-up of heal {self.hid} did not arrive (Timeouts.quorum)"))
+                return
+            time.sleep(0.002)
+        rec = g.client.book.open(st.get(k), kind="heal top-up")
+        states = g.hooks.states
+        got: Any = None
+        if rec is not None:
+            got = from_bytes(torch.frombuffer(bytearray(base64.b64decode(str(rec["b"]))), dtype=torch.uint8))
+        why = "it does not verify" if not isinstance(got, dict) or set(got) != set(p.keys) else \
+            check_received(got, {key: states[key].get() for key in p.keys})
+        if why is not None:
+            log.error("refusing the top-up of heal %d: %s; this worker leaves the run", self.hid, why)
+            g._depart()
+            raise ShoalError(f"refused the top-up of the background heal: {why}; nothing of it was loaded")
+        for key in p.keys:
+            (states[key].heal_load or states[key].load)(got[key])
+        self.hid = -1
+        self.stats.contributes_at = time.time()

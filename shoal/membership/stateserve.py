@@ -1,0 +1,356 @@
+"""Serving the run's state to joiners from a side thread, and fetching it striped over several members.
+
+The transport of the background heal (:mod:`shoal.membership.catchup`):
+survivors never block on sending state. Each member that holds the run's
+state takes a *consistent snapshot* at a step boundary (:func:`clone_tree`:
+a copy of every registered state on the tensors' own devices, issued on the
+training thread's stream, so no host sync), and a background thread turns it
+into bytes (on CUDA: on its own stream, after an event recorded behind the
+copy) and serves them over plain TCP (:class:`SnapshotServer`), on the
+address the member reaches the coordinator from. The joiner
+(:class:`Download`) asks every source for byte ranges of the same snapshot,
+one thread per source pulling chunks from a shared queue, so the transfer is
+striped; a source that dies mid-transfer loses its chunk back to the queue,
+and the others finish.
+
+Security: a joiner proves it holds the run token before anything is served
+(``HMAC-SHA256(token, "<run>/heal/<member>", nonce)`` for a fresh nonce of
+the server's, as at the join; the token never travels). What it receives is
+checked against the sha256 each source published in the coordinator's store,
+in a record signed with that source's session key
+(:mod:`shoal.membership.records`), before anything is loaded; then
+:mod:`shoal.membership.received` checks shapes, dtypes and NaN/Inf as for a
+blocking heal.
+
+Example (what :class:`~shoal.membership.catchup.CatchUp` does)::
+
+    server = SnapshotServer(token, run_id, host="127.0.0.1")
+    server.offer(hid=7, tree=clone_tree(states), joiners={5}, published=lambda size, sha: ...)
+    dl = Download(hid=7, sources={0: ("127.0.0.1:4123", size, sha)}, token=token, run_id=run_id, member=5)
+    dl.start(); dl.join(); blob = dl.blob
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from shoal.comm.objects import to_bytes
+from shoal.comm.streams import SideStream
+from shoal.membership import auth
+
+log = logging.getLogger("shoal.elastic")
+_REQ = struct.Struct("!cqqq")     # kind (G: get a range, D: done), heal id, offset or member, length
+_LEN = struct.Struct("!q")        # reply: bytes that follow, -1 if the snapshot is not (or no longer) here
+_HELLO = struct.Struct("!q")      # the joiner's member id, then its 64-hex-digit proof
+
+
+def local_address(coordinator: str) -> str:
+    """The address this host reaches ``coordinator`` ("host:port") from: where peers can reach it too."""
+    host, port = coordinator.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))   # no packet is sent: this only picks the route
+        return str(s.getsockname()[0])
+
+
+def clone_tree(obj: Any) -> Any:
+    """A copy of ``obj`` (nested dicts, lists, tuples) whose tensors are cloned on their own devices.
+
+    Issued on the current stream: the copy is ordered after the step that
+    produced the values and before the next one changes them, with no host sync.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tree(v) for v in obj)
+    return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def serialise_snapshot(tree: Any, side: SideStream, ready: Any) -> bytes:
+    """``tree`` (from :func:`clone_tree`) as bytes, on a background thread.
+
+    On CUDA the host copy runs on ``side``'s stream after ``ready`` (an event
+    the training thread recorded right behind the clone); the clones are
+    marked as used by that stream so the allocator keeps them, and only this
+    background thread waits for the copy.
+    """
+    def to_host() -> Any:
+        if side.stream is not None:
+            for t in _tensors(tree):
+                if t.is_cuda:
+                    t.record_stream(side.stream)
+        return _to_cpu(tree)
+
+    host, done = side.run(ready, to_host)
+    if done is not None:
+        done.synchronize()
+    return bytes(to_bytes(host).numpy().tobytes())
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cpu", non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+@dataclass
+class _Snap:
+    data: bytes | None = None
+    joiners: set[int] = field(default_factory=set)
+    used: float = field(default_factory=time.monotonic)
+
+
+class SnapshotServer:
+    """Serves snapshots of this member's state to authenticated joiners, from daemon threads.
+
+    Args:
+        token: the run token (joiners prove they hold it).
+        run_id: the run (binds the proofs to it).
+        host: the address to listen on (:func:`local_address`).
+        idle: a snapshot nobody asked for in this many seconds is dropped.
+    """
+
+    def __init__(self, token: str, run_id: str, host: str, idle: float = 300.0) -> None:
+        self.token, self.run_id, self.idle = token, run_id, idle
+        self._snaps: dict[int, _Snap] = {}
+        self._lock = threading.Lock()
+        self._sock = socket.create_server((host, 0))
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self.served = 0          # bytes sent, all joiners together
+        threading.Thread(target=self._accept, name="shoal-heal-serve", daemon=True).start()
+
+    def offer(self, hid: int, tree: Any, joiners: set[int], published: Callable[[int, str], None]) -> None:
+        """Serve ``tree`` as heal ``hid`` to ``joiners`` once serialised in a thread, then ``published(size, sha)``."""
+        with self._lock:
+            self._snaps[hid] = _Snap(joiners=set(joiners))
+        cuda = [t.device for t in _tensors(tree) if t.is_cuda]
+        side = SideStream(cuda[0] if cuda else torch.device("cpu"))
+        ready = side.ready()    # behind the clones, on the training thread's stream (None on the CPU)
+
+        def work() -> None:
+            try:
+                data = serialise_snapshot(tree, side, ready)
+            except Exception:  # noqa: BLE001 - nothing to serve: the joiner times out and asks again
+                log.exception("could not serialise the snapshot of heal %d", hid)
+                self.drop(hid)
+                return
+            with self._lock:
+                snap = self._snaps.get(hid)
+                if snap is None:
+                    return
+                snap.data = data
+            published(len(data), hashlib.sha256(data).hexdigest())
+
+        threading.Thread(target=work, name="shoal-heal-snapshot", daemon=True).start()
+
+    def drop(self, hid: int) -> None:
+        with self._lock:
+            self._snaps.pop(hid, None)
+
+    def keep(self, wanted: set[tuple[int, int]]) -> None:
+        """Drop every snapshot none of whose joiners still wants it (``wanted``: (joiner, heal id) pairs)."""
+        with self._lock:
+            for hid in [h for h, s in self._snaps.items() if not any((m, h) in wanted for m in s.joiners)]:
+                del self._snaps[hid]
+
+    def owed(self) -> list[tuple[int, int]]:
+        """(heal id, joiner) for every joiner that has not said it is done with a snapshot held here."""
+        with self._lock:
+            return [(hid, m) for hid, snap in self._snaps.items() for m in snap.joiners]
+
+    def holding(self) -> list[int]:
+        """The heal ids served now (snapshots idle for longer than ``idle`` are dropped first)."""
+        now = time.monotonic()
+        with self._lock:
+            for hid in [h for h, s in self._snaps.items() if now - s.used > self.idle]:
+                del self._snaps[hid]
+            return sorted(self._snaps)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="shoal-heal-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                nonce = auth.new_nonce()
+                conn.sendall(nonce.encode())
+                member = _HELLO.unpack(_recv(conn, _HELLO.size))[0]
+                proof = _recv(conn, 64).decode(errors="replace")
+                if not auth.verify(self.token, f"{self.run_id}/heal/{member}", nonce, proof):
+                    log.warning("refused a state download by a peer claiming member %d: wrong proof", member)
+                    return
+                conn.sendall(b"K")
+                while True:
+                    kind, hid, a, n = _REQ.unpack(_recv(conn, _REQ.size))
+                    if kind == b"D":
+                        self._done(hid, member)
+                        continue
+                    self._send_range(conn, hid, a, n)
+            except (OSError, ConnectionError, struct.error):
+                return    # the joiner went away (or finished): nothing to clean up
+
+    def _send_range(self, conn: socket.socket, hid: int, start: int, n: int) -> None:
+        with self._lock:
+            snap = self._snaps.get(hid)
+            data = snap.data if snap is not None else None
+            if snap is not None:
+                snap.used = time.monotonic()
+        if data is None or start < 0 or n < 0 or start + n > len(data):
+            conn.sendall(_LEN.pack(-1))
+            return
+        conn.sendall(_LEN.pack(n))
+        conn.sendall(memoryview(data)[start:start + n])
+        self.served += n
+
+    def _done(self, hid: int, member: int) -> None:
+        with self._lock:
+            snap = self._snaps.get(hid)
+            if snap is not None:
+                snap.joiners.discard(member)
+                if not snap.joiners:
+                    del self._snaps[hid]
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _recv(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        got = conn.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("peer closed the connection")
+        buf += got
+    return bytes(buf)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One member serving a heal: its member id, address and the size and sha256 it published."""
+
+    member: int
+    address: str
+    size: int
+    sha: str
+
+
+class Download(threading.Thread):
+    """Fetch heal ``hid`` from ``sources`` (all with the same size and sha256), striped, in the background.
+
+    One thread per source pulls ``chunk``-byte ranges from a shared queue; a
+    source that fails gives its range back and stops, the others go on. When
+    every range arrived and the sha256 matches, :attr:`blob` holds the bytes;
+    if every source failed (or the bytes do not match), :attr:`error` says why.
+    ``before_chunk(source, received_so_far)``, if set, runs before every request
+    (tests park a download there).
+    """
+
+    def __init__(self, hid: int, sources: list[Source], token: str, run_id: str, member: int,
+                 chunk: int = 1 << 20, timeout: float = 60.0) -> None:
+        super().__init__(name="shoal-heal-download", daemon=True)
+        self.hid, self.sources, self.token, self.run_id, self.member = hid, sources, token, run_id, member
+        self.chunk, self.timeout = chunk, timeout
+        self.blob: bytes | None = None
+        self.error: str | None = None
+        self.received = 0
+        self.by_source: dict[int, int] = {s.member: 0 for s in sources}
+        self.failed: dict[int, str] = {}
+        self.before_chunk: Callable[[int, int], None] | None = None
+        self.t0 = time.monotonic()
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        size, sha = self.sources[0].size, self.sources[0].sha
+        buf = bytearray(size)
+        todo: queue.Queue[tuple[int, int]] = queue.Queue()
+        for start in range(0, size, self.chunk):
+            todo.put((start, min(self.chunk, size - start)))
+        left = [todo.qsize()]
+        lock = threading.Lock()
+        threads = [threading.Thread(target=self._pull, args=(s, buf, todo, left, lock), daemon=True)
+                   for s in self.sources]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.seconds = time.monotonic() - self.t0
+        if left[0] > 0:
+            self.error = (f"every source of heal {self.hid} failed "
+                          f"({'; '.join(f'member {m}: {why}' for m, why in sorted(self.failed.items()))})")
+        elif hashlib.sha256(buf).hexdigest() != sha:
+            self.error = f"the state downloaded for heal {self.hid} does not match the sha256 its sources published"
+        else:
+            self.blob = bytes(buf)
+
+    def _pull(self, src: Source, buf: bytearray, todo: queue.Queue[tuple[int, int]], left: list[int],
+              lock: threading.Lock) -> None:
+        job: tuple[int, int] | None = None
+        try:
+            host, port = src.address.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=self.timeout) as conn:
+                nonce = _recv(conn, 2 * auth.NONCE_BYTES).decode()
+                proof = auth.answer(self.token, f"{self.run_id}/heal/{self.member}", nonce)
+                conn.sendall(_HELLO.pack(self.member) + proof.encode())
+                if _recv(conn, 1) != b"K":
+                    raise ConnectionError("refused our proof of the run token")
+                while True:
+                    with lock:
+                        if left[0] == 0:
+                            break
+                    try:
+                        job = todo.get(timeout=0.05)
+                    except queue.Empty:
+                        continue   # another source holds the last ranges; it may still fail and give them back
+                    if self.before_chunk is not None:
+                        self.before_chunk(src.member, self.received)
+                    start, n = job
+                    conn.sendall(_REQ.pack(b"G", self.hid, start, n))
+                    if _LEN.unpack(_recv(conn, _LEN.size))[0] != n:
+                        raise ConnectionError(f"does not serve heal {self.hid} (any more)")
+                    buf[start:start + n] = _recv(conn, n)
+                    job = None
+                    with lock:
+                        left[0] -= 1
+                        self.received += n
+                        self.by_source[src.member] += n
+                try:
+                    conn.sendall(_REQ.pack(b"D", self.hid, self.member, 0))
+                except OSError:
+                    pass
+        except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
+            self.failed[src.member] = f"{type(e).__name__}: {e}"
+            log.warning("heal %d: source member %d failed (%s); its ranges go to the others", self.hid,
+                        src.member, e)
+        finally:
+            if job is not None:
+                todo.put(job)

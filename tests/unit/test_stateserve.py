@@ -1,0 +1,117 @@
+"""The background heal's transport (shoal.membership.stateserve), in one process over loopback."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.comm.objects import from_bytes
+from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree
+
+TOKEN, RUN = "test-token-123", "run-x"
+
+
+def _serve(tree: Any, hid: int = 3, joiners: frozenset[int] = frozenset({9})) -> tuple[SnapshotServer, Source]:
+    server = SnapshotServer(TOKEN, RUN, "127.0.0.1")
+    got: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def published(size: int, sha: str) -> None:
+        got.update(size=size, sha=sha)
+        ready.set()
+
+    server.offer(hid, tree, set(joiners), published)
+    assert ready.wait(30)
+    return server, Source(0, server.address, got["size"], got["sha"])
+
+
+def _tree() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(64, 32, generator=g)}, "cursor": {"cursor": 48}}
+
+
+def test_snapshot_is_a_copy_taken_at_the_boundary() -> None:
+    w = torch.zeros(3)
+    snap = clone_tree({"w": w, "groups": [{"lr": 0.1}]})
+    w.add_(1.0)      # the next step changes the live state
+    assert torch.equal(snap["w"], torch.zeros(3)) and snap["groups"] == [{"lr": 0.1}]
+
+
+@pytest.mark.timeout(60)
+def test_striped_download_resumes_from_the_other_source_when_one_stops_serving() -> None:
+    tree = _tree()
+    a, sa = _serve(clone_tree(tree))
+    b, sb = _serve(clone_tree(tree))
+    sa, sb = Source(1, sa.address, sa.size, sa.sha), Source(2, sb.address, sb.size, sb.sha)
+    assert sa.sha == sb.sha   # the same state serialises to the same bytes: it can be striped
+    dl = Download(3, [sa, sb], TOKEN, RUN, member=9, chunk=512)
+    dropped = threading.Event()
+
+    def before_chunk(source: int, received: int) -> None:
+        if source == 1 and received > 0 and not dropped.is_set():
+            a.drop(3)      # source 1 goes away mid-transfer (as a killed member's server would)
+            dropped.set()
+
+    dl.before_chunk = before_chunk
+    dl.run()
+    assert dl.error is None and dl.blob is not None
+    assert list(dl.failed) == [1] and dl.by_source[2] > 0
+    assert dl.received == sa.size
+    got = from_bytes(torch.frombuffer(bytearray(dl.blob), dtype=torch.uint8))
+    assert torch.equal(got["model"]["w"], tree["model"]["w"]) and got["cursor"] == {"cursor": 48}
+    a.close(), b.close()
+
+
+def test_a_joiner_without_the_run_token_is_served_nothing() -> None:
+    server, src = _serve(_tree())
+    dl = Download(3, [src], "not-the-token", RUN, member=9, chunk=512)
+    dl.run()
+    assert dl.blob is None and dl.error is not None and "every source" in dl.error
+    assert server.served == 0
+    server.close()
+
+
+def test_bytes_that_do_not_match_the_published_sha256_are_refused() -> None:
+    server, src = _serve(_tree())
+    dl = Download(3, [Source(0, src.address, src.size, "0" * 64)], TOKEN, RUN, member=9, chunk=4096)
+    dl.run()
+    assert dl.blob is None and dl.error is not None and "sha256" in dl.error
+    server.close()
+
+
+def test_a_snapshot_is_dropped_once_every_joiner_said_done() -> None:
+    server, src = _serve(_tree(), joiners=frozenset({9}))
+    assert server.holding() == [3]
+    dl = Download(3, [src], TOKEN, RUN, member=9, chunk=4096)
+    dl.run()
+    assert dl.error is None
+    for _ in range(200):   # the server thread handles the joiner's "done" asynchronously
+        if not server.holding():
+            break
+        threading.Event().wait(0.01)
+    assert server.holding() == []
+    server.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_snapshot_serialises_on_a_side_stream() -> None:
+    tree = {"w": torch.randn(1000, device="cuda")}
+    server, src = _serve(clone_tree(tree))
+    dl = Download(3, [src], TOKEN, RUN, member=9, chunk=1024)
+    dl.run()
+    assert dl.blob is not None
+    got = from_bytes(torch.frombuffer(bytearray(dl.blob), dtype=torch.uint8))
+    assert torch.equal(got["w"], tree["w"].cpu())
+    server.close()
+
+
+def test_a_snapshot_nobody_wants_any_more_is_dropped() -> None:
+    server, _ = _serve(_tree(), hid=3, joiners=frozenset({9}))
+    server.keep({(9, 3), (7, 4)})
+    assert server.holding() == [3]
+    server.keep({(7, 4)})            # joiner 9 left the quorum (died, or is needy again under a new heal)
+    assert server.holding() == []
+    server.close()
