@@ -63,7 +63,7 @@ class ElasticOptimizer:
             sched.step()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: Group, key: str = "optimizer") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Group | ElasticGroup, key: str = "optimizer") -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(group, Group):
@@ -122,7 +122,7 @@ class ElasticSampler:
         idx = data.next_batch()           # list of 32 indices for this worker
     """
 
-    def __init__(self, num_samples: int, group: Group, batch_size: int, seed: int = 0,
+    def __init__(self, num_samples: int, group: Group | ElasticGroup, batch_size: int, seed: int = 0,
                  shuffle: bool = True, key: str = "sampler") -> None:
         for name, v in (("num_samples", num_samples), ("batch_size", batch_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -10,7 +10,7 @@ so a bench command line says exactly what ran.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ import shoal
 from shoal import codecs
 from shoal.bench.registry import OptimizerFactory, Trainer, register
 from shoal.comm.group import Group
-from shoal.comm.meter import CommCounters
+from shoal.comm.meter import CommCounters, Meter
 from shoal.strategies.outer import OuterSGD
 from shoal.errors import ConfigError
 
@@ -30,7 +30,12 @@ def _need_group(name: str, group: Group | None) -> Group:
     return group
 
 
-def _counter(group: Group, *prefixes: str) -> Callable[[], CommCounters]:
+class _Metered(Protocol):
+    @property
+    def meter(self) -> Meter: ...
+
+
+def _counter(group: _Metered, *prefixes: str) -> Callable[[], CommCounters]:
     """Bytes under ``prefixes`` since now (setup traffic such as the initial broadcast excluded)."""
     def now() -> CommCounters:
         total = CommCounters()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -139,7 +139,8 @@ class Hierarchical(LossyCodec):
             for r in residuals:
                 r.zero_()  # non-leaders' contributions travel exactly
         if levels.leaders is not None:
-            self._leaders_mean(flat, tensors, names, levels.leaders, topo, tag, residuals)
+            # a level is a Group or an ElasticSubgroup (a registered virtual subclass of Group)
+            self._leaders_mean(flat, tensors, names, cast(Group, levels.leaders), topo, tag, residuals)
         if levels.local.size > 1:
             levels.local.broadcast(flat, src=0, tag=intra).wait()
         unflatten_from(flat, tensors)

@@ -26,7 +26,7 @@ import torch
 from shoal.codecs.base import Codec
 from shoal.collaborative.config import CollaborativeConfig
 from shoal.collaborative.progress import ProgressTracker
-from shoal.collaborative.rounds import RoundGroup, RoundReport
+from shoal.collaborative.rounds import RoundGroup, RoundReport, as_group
 from shoal.collaborative.state import average_tensors, decode_state, encode_state, exchange_state, stat_tensors
 from shoal.collaborative.validate import Verdict
 from shoal.comm.flat import flat_views
@@ -192,13 +192,13 @@ class StateMixin:
         work = contrib.to(dev, copy=True).mul_(g.size / total) if w > 0 \
             else torch.zeros(self._numel, dtype=torch.float32, device=dev)
         with torch.no_grad():
-            codec.mean(self._views(work), self.names, g, tag)
+            codec.mean(self._views(work), self.names, as_group(g.group), tag)
         if g.error is not None or bool(torch.isfinite(work).all()):
             return work, []
         # Someone sent NaN/Inf into the sum: gather everyone's raw contribution to find them.
         mine = contrib.to(dev) if w > 0 else torch.zeros(self._numel, dtype=torch.float32, device=dev)
         everyone = torch.empty(g.size * self._numel, dtype=torch.float32, device=dev)
-        g.all_gather_into(everyone, mine, tag=tag + "/check").wait()
+        g.group.all_gather_into(everyone, mine, tag=tag + "/check").wait()
         rows = everyone.view(g.size, self._numel)
         finite = torch.isfinite(rows).all(dim=1).tolist()
         bad = [r for r in range(g.size) if not finite[r] or (weights[r] == 0 and bool(rows[r].any()))]

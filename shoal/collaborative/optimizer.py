@@ -378,7 +378,7 @@ class CollaborativeOptimizer(StateMixin):
                  excluded: set[int], t0: float) -> tuple[RoundReport, torch.Tensor | None] | None:
         g = self.group
         table = torch.empty(HEADER_LEN * g.size, dtype=torch.int64, device=g.device)
-        g.all_gather_into(table, self._header(my_epoch, weight, finite), tag="collab/header").wait()
+        g.group.all_gather_into(table, self._header(my_epoch, weight, finite), tag="collab/header").wait()
         if g.error is not None:
             g.vote()
             return None

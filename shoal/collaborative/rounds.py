@@ -19,10 +19,12 @@ Members are ordered full peers first, then client-mode peers, each by id, so
 that the lowest-ranked up-to-date member, which sends state to peers that
 need it, is a client only when nobody else can.
 
-The group itself is an :class:`~shoal.membership.elastic.ElasticGroup` entered
-with the round's member list as its quorum: it rendezvous under a fresh
-prefix, records failures instead of raising, and votes commit/discard
-through the store. When a round has the same members as the last committed
+The group itself is an :class:`~shoal.membership.elastic.ElasticGroup`
+(``RoundGroup.group``, held, not inherited) entered with the round's member
+list as its quorum (:meth:`~shoal.membership.elastic.ElasticGroup.enter_quorum`):
+it rendezvous under a fresh prefix, records failures instead of raising, and
+votes commit/discard through the store
+(:meth:`~shoal.membership.elastic.ElasticGroup.vote_quorum`). When a round has the same members as the last committed
 one, the closer names that round's prefix and everybody reuses the group
 already built (no reconnection on a steady swarm).
 
@@ -31,7 +33,7 @@ Example::
     group = RoundGroup(cfg, info={"role": "peer"})
     q = group.matchmake(epoch=3, attempt=0, contributing=True, excluded=set(), deadline=t)
     if q is not None and group.enter(q, deadline=t):
-        ...collectives...; group.vote()
+        group.group.all_reduce(t, op="avg", tag="round").wait(); group.vote()
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, cast
+
+import torch
 
 from shoal.collaborative.records import RecordBook
 from shoal.membership.elastic import ElasticGroup
-from shoal.membership.transport import ElasticCollectives
-from shoal.comm.group import Handle
+from shoal.comm.group import Group
+from shoal.comm.meter import Meter
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, Timeouts
 from shoal.errors import ConfigError, ShoalError
@@ -63,6 +67,12 @@ def _coordinator_address(coordinator: str | None) -> str:
     return address
 
 
+def as_group(group: ElasticGroup) -> Group:
+    """``group`` where a :class:`~shoal.comm.Group` is expected (e.g. a codec's ``mean``): an elastic group
+    is a registered virtual subclass of Group, which the type checker does not follow."""
+    return cast(Group, group)
+
+
 @dataclass
 class RoundReport:
     """What one epoch's averaging did (``CollaborativeOptimizer.last_round``)."""
@@ -78,13 +88,21 @@ class RoundReport:
     source: int | None = None        # member id that sent state in this round, if any did
 
 
-class RoundGroup(ElasticGroup):
-    """An ElasticGroup whose quorums come from matchmaking (see the module docstring)."""
+class RoundGroup:
+    """Matchmaking, and the :class:`ElasticGroup` (``.group``) whose quorums it forms (see the module docstring).
+
+    The collectives of a round go to ``.group``; :attr:`rank`, :attr:`size`,
+    :attr:`quorum`, :attr:`error`, :attr:`meter` and :attr:`device` are the group's.
+    """
 
     def __init__(self, run_id: str, coordinator: str | None, timeouts: Timeouts, token: str | None,
                  matchmaking_time: float, role: dict[str, Any]) -> None:
-        client = MemberClient(_coordinator_address(coordinator), run_id, timeouts, 1, role, token=token)
-        super().__init__(run_id, coordinator=client.address, timeouts=timeouts, min_workers=1, client=client)
+        self.client = MemberClient(_coordinator_address(coordinator), run_id, timeouts, 1, role, token=token)
+        # Every round ends in its own vote, never in a step of the group: no orderly-leave counting (each
+        # member would publish its collective count at begin_step, which a round never calls, and leave()
+        # would wait Timeouts.quorum for peers that never publish).
+        self.group = ElasticGroup(run_id, coordinator=self.client.address, timeouts=timeouts, min_workers=1,
+                                  client=self.client, orderly_leave=False)
         self.mm_store = self.client.store.clone()  # type: ignore[attr-defined]
         self.matchmaking_time = matchmaking_time
         self.role = role
@@ -102,6 +120,41 @@ class RoundGroup(ElasticGroup):
 
     def key(self, k: str) -> str:
         return self.client.key(k)
+
+    # --- the group's, read-only ------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This peer's rank in the round's group."""
+        return self.group.rank
+
+    @property
+    def size(self) -> int:
+        """The number of peers in the round's group."""
+        return self.group.size
+
+    @property
+    def quorum(self) -> Quorum | None:
+        """The round's member list, as the group's quorum (None between rounds)."""
+        return self.group.quorum
+
+    @property
+    def error(self) -> BaseException | None:
+        """This round's first failure, or None."""
+        return self.group.error
+
+    @property
+    def meter(self) -> Meter:
+        """Where the round's collectives are counted."""
+        return self.group.meter
+
+    @property
+    def device(self) -> torch.device:
+        """Where the round's collectives take tensors."""
+        return self.group.device
+
+    def leave(self, finished: bool | None = None) -> None:
+        """Leave the run (see :meth:`ElasticGroup.leave`)."""
+        self.group.leave(finished)
 
     # --- who is alive ------------------------------------------------------
     def live_members(self) -> set[int]:
@@ -249,45 +302,25 @@ class RoundGroup(ElasticGroup):
     # --- the group of a round ------------------------------------------------
     def enter(self, q: Quorum, deadline: float) -> bool:
         """Use the round's group: the current one if the prefix is the same, else build it."""
-        self._release_abandoned()
-        if self.quorum is not None and q.prefix == self.quorum.prefix and q.members == self.quorum.members \
-                and (self.pg is not None or self.size == 1) and self.error is None:
-            self.quorum = q
-            return True
-        self.error = None
-        return bool(self._enter(q, deadline))
+        return self.group.enter_quorum(q, deadline)
 
     def vote(self, keep: bool = True) -> bool:
         """Commit (True) or discard, the same on every member; on discard the group is dropped.
 
         ``keep``: a committed round's group is published for reuse by the next round.
         """
-        if self.quorum is None:
+        q = self.group.quorum
+        if q is None:
             raise ShoalError("vote() outside a round")
-        q = self.quorum
-        verdict = self._vote(q)
-        self.step += 1
-        if verdict.startswith("commit"):
-            if keep and self.rank == 0:
+        if self.group.vote_quorum():
+            if keep and self.group.rank == 0:
                 self.mm_store.set(self.key("mm/last"), self.book.seal({"members": list(q.members), "prefix": q.prefix}))
             return True
         self.drop()
         return False
 
-    # A round ends in its own vote, never in a step of the elastic group: the group's orderly leave (each
-    # member publishes its collective count at begin_step, and leave waits for everyone's) does not apply.
-    # Counting here would keep every round's handles and make shutdown wait Timeouts.quorum for peers that
-    # never publish.
-    def _issue(self, tag: str, result: Any, launch: Callable[[Any], Any],
-               post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
-        return ElasticCollectives._issue(self, tag, result, launch, post, whole)
-
-    def _await_peers(self) -> None:
-        """Nothing to wait for at leave: every round this peer took part in ended in its vote."""
-
     def drop(self) -> None:
         """Abandon the current group (never reused again)."""
-        if self.quorum is not None and self.rank == 0:
+        if self.group.quorum is not None and self.group.rank == 0:
             self.mm_store.set(self.key("mm/last"), self.book.seal({}))
-        self._abandon()
-        self.quorum = None
+        self.group.abandon()

@@ -30,7 +30,7 @@ import torch
 
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
-from shoal.collaborative.rounds import RoundGroup
+from shoal.collaborative.rounds import RoundGroup, as_group
 from shoal.comm.flat import flat_views
 from shoal.comm.objects import broadcast_bytes, from_bytes, to_bytes
 from shoal.collaborative.validate import Verdict, check_finite_tree, check_state
@@ -80,7 +80,7 @@ def exchange_state(g: RoundGroup, verdict: Verdict, make_blob: Callable[[], torc
     """The source broadcasts ``make_blob()`` to the round; the blob if this member must load it, else None."""
     if not verdict.behind or verdict.source is None:
         return None
-    blob = broadcast_bytes(g, make_blob() if g.rank == verdict.source else None, verdict.source, "collab/state",
+    blob = broadcast_bytes(g.group, make_blob() if g.rank == verdict.source else None, verdict.source, "collab/state",
                            max_bytes=max_bytes, timeout=timeout)
     if blob is None or g.rank not in verdict.behind:
         return None
@@ -117,7 +117,7 @@ def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str]
     """
     numel, dev = sum(t.numel() for t in tensors), g.device
     sizes = torch.empty(g.size, dtype=torch.int64, device=dev)
-    g.all_gather_into(sizes, torch.tensor([numel], dtype=torch.int64, device=dev), tag="collab/state-avg").wait()
+    g.group.all_gather_into(sizes, torch.tensor([numel], dtype=torch.int64, device=dev), tag="collab/state-avg").wait()
     keep = [r for r in range(g.size) if r not in skip]
     if g.error is not None or not keep or len({int(sizes[r]) for r in keep}) != 1:
         log.warning("state averaging skipped: the members' optimizer statistics differ in size")
@@ -133,14 +133,14 @@ def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str]
             g.vote(keep=False)
             return False
         rows = torch.empty(g.size * numel, dtype=torch.float32, device=dev)
-        g.all_gather_into(rows, work, tag="collab/state-avg/check").wait()
+        g.group.all_gather_into(rows, work, tag="collab/state-avg/check").wait()
         work = rows.view(g.size, numel)[keep].mean(dim=0)
     else:
         with torch.no_grad():
-            codec.mean(flat_views(work, tensors), names, g, "collab/state-avg")
+            codec.mean(flat_views(work, tensors), names, as_group(g.group), "collab/state-avg")
     finite = bool(torch.isfinite(work).all())
     if not finite:
-        g.report_error(PeerLostError("state averaging produced NaN/Inf"))
+        g.group.report_error(PeerLostError("state averaging produced NaN/Inf"))
     if not (g.vote() and finite):
         return False
     with torch.no_grad():

@@ -16,22 +16,25 @@ Example (inside a process started by ``shoal run`` or ``torchrun``)::
 
 from __future__ import annotations
 
-import datetime
-import os
-import queue
-import threading
-import time
-from typing import Any, Callable, Sequence
+import abc
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shoal.comm.flat import flat_views
+from shoal.comm.handle import Handle
 from shoal.comm.meter import Meter
 from shoal.comm.objects import all_gather_object
-from shoal.comm.stepping import Stepping
+from shoal.comm.rules import MemberInfo, Partition
+from shoal.comm.start import STATIC, Traits, broadcast_module, check_same_model
+from shoal.comm.stepping import Levels, Outside, StaticLevels, StepHooks
 from shoal.comm.streams import connect
-from shoal.errors import CommTimeoutError, ConfigError, ShoalError
+from shoal.comm.topology import HostGroups, discover
+from shoal.errors import ConfigError, ShoalError
+
+__all__ = ["Group", "Handle", "check_reduce_op", "check_all_to_all", "start_gather_into", "broadcast_coalesced"]
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -43,11 +46,6 @@ _REDUCE_OPS = {
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _is_timeout(err: BaseException) -> bool:
-    text = str(err).lower()
-    return "timed out" in text or "timeout" in text
 
 
 def check_reduce_op(op: str) -> None:
@@ -85,148 +83,38 @@ def start_gather_into(output: torch.Tensor, tensor: torch.Tensor, size: int) -> 
     return size > 1
 
 
-class Handle:
-    """An in-flight collective; :meth:`wait` returns its result.
+class _Broadcasts(Protocol):
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "misc") -> Handle: ...
 
-    ``result`` is what the collective produces (the reduced tensor, the list
-    of gathered tensors, ...). ``post`` runs once on completion before the
-    result is returned (e.g. division for an average on gloo).
+
+def broadcast_coalesced(group: _Broadcasts, tensors: Sequence[torch.Tensor], src: int = 0, tag: str = "misc",
+                        cache: dict[torch.dtype, torch.Tensor] | None = None) -> None:
+    """Blocking: overwrite ``tensors`` with rank ``src``'s, one flat broadcast per dtype over ``group``.
+
+    ``cache`` keeps the flat buffers between calls (pass the same dict
+    each time on hot paths, e.g. buffers broadcast before every forward).
+
+    Example::
+
+        broadcast_coalesced(group, list(model.buffers()), src=0, tag="ddp/buffers")
     """
-
-    def __init__(
-        self,
-        work: Any,
-        result: Any,
-        meter: Meter,
-        tag: str,
-        timeout: float | None,
-        post: Callable[[Any], Any] | None = None,
-    ) -> None:
-        self._work = work
-        self._result = result
-        self._meter = meter
-        self._tag = tag
-        self._timeout = timeout
-        self._post = post
-        self._done = work is None
-        if self._done and post is not None:
-            self._result = post(result)
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until done (at most ``timeout`` seconds, else the group's op timeout).
-
-        Raises :class:`~shoal.errors.CommTimeoutError` when the deadline passes.
-        """
-        return self._wait(self._timeout if timeout is None else timeout, None)
-
-    def _wait(self, limit: float | None, shown: float | None) -> Any:
-        """:meth:`wait` for at most ``limit`` s; ``shown``: the timeout an error names (default ``limit``)."""
-        if not self._done:
-            t0 = time.perf_counter()
-            try:
-                if limit is None:
-                    self._work.wait()
-                else:
-                    self._work.wait(datetime.timedelta(seconds=limit))
-            except RuntimeError as e:
-                if _is_timeout(e):
-                    raise CommTimeoutError(
-                        f"collective tagged {self._tag!r} did not finish within {shown or limit} s; "
-                        "a peer is slow, hung or gone (raise the op timeout if the network is just slow)"
-                    ) from e
-                raise
-            finally:
-                self._meter.add_wait(self._tag, time.perf_counter() - t0)
-            self._done = True
-            if self._post is not None:
-                self._result = self._post(self._result)
-        return self._result
-
-    def future(self) -> torch.futures.Future[Any]:
-        """A ``torch.futures.Future[Any]`` of the result, for comm hooks; it fails as :meth:`wait` would.
-
-        The future completes with the result, or with the collective's error
-        (the backend's ``RuntimeError`` when a peer failed it), or
-        with :class:`~shoal.errors.CommTimeoutError` once the op timeout,
-        counted from this call, passes: never with the unreduced local data.
-        A torch future of a ``Work`` neither times out nor may safely run
-        Python callbacks that raise (gloo runs them on its own threads), so
-        the waiting is done by :meth:`wait` on this process's comm watcher
-        thread (:func:`_watcher`), which completes the returned future. Use
-        either ``future()`` or ``wait()`` on one handle, not both.
-
-        Example::
-
-            fut = group.all_reduce(bucket.buffer(), op="avg", tag="grad").future()
-            fut.wait()   # raises CommTimeoutError if a peer never joins the all-reduce
-        """
-        if self._work is None:
-            fut: torch.futures.Future[Any] = torch.futures.Future()
-            fut.set_result(self._result)
-            return fut
-        devices: list[int | str | torch.device] = [d for d in _result_devices(self._result) if d.type != "cpu"]
-        out: torch.futures.Future[Any] = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        _watcher().submit(self, deadline, out)
-        return out
-
-    def is_completed(self) -> bool:
-        return self._done or bool(self._work.is_completed())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.detach())
+    with torch.no_grad():
+        for dtype, same in by_dtype.items():
+            total = sum(t.numel() for t in same)
+            flat = cache.get(dtype) if cache is not None else None
+            if flat is None or flat.numel() != total:
+                flat = torch.empty(total, dtype=dtype, device=same[0].device)
+                if cache is not None:
+                    cache[dtype] = flat
+            torch.cat([t.reshape(-1) for t in same], out=flat)
+            group.broadcast(flat, src=src, tag=tag).wait()
+            torch._foreach_copy_(same, flat_views(flat, same))
 
 
-def _result_devices(result: Any) -> list[torch.device]:
-    """The distinct devices of the tensors in ``result`` (a tensor or a list of them)."""
-    items = result if isinstance(result, (list, tuple)) else [result]
-    return list(dict.fromkeys(t.device for t in items if isinstance(t, torch.Tensor)))
-
-
-class _Watcher:
-    """A daemon thread that completes the futures of :meth:`Handle.future`.
-
-    It waits for each handle in turn with :meth:`Handle.wait` (what raises
-    :class:`~shoal.errors.CommTimeoutError` past the op timeout and the
-    backend's error when a peer failed the collective) and sets the result or
-    the exception on the future. Deadlines are fixed when the future is made,
-    so waiting in turn delays no failure past its own deadline. Waiting in
-    this thread, rather than in a callback on the work's own future, keeps
-    shoal code off gloo's threads (see :meth:`ElasticGroup._await`), and on
-    CUDA the result is published with the stream this thread waited on,
-    which the future's consumer then synchronises with.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Handle, float | None, torch.futures.Future[Any]]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="shoal-comm-watcher", daemon=True).start()
-
-    def submit(self, handle: Handle, deadline: float | None, out: torch.futures.Future[Any]) -> None:
-        self._queue.put((handle, deadline, out))
-
-    def _run(self) -> None:
-        while True:
-            handle, deadline, out = self._queue.get()
-            try:
-                limit = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-                value = handle._wait(limit, handle._timeout)
-            except BaseException as e:  # noqa: BLE001 - handed to the future's consumer
-                out.set_exception(e)
-            else:
-                out.set_result(value)
-
-
-_WATCHER: tuple[int, _Watcher] | None = None
-_WATCHER_LOCK = threading.Lock()
-
-
-def _watcher() -> _Watcher:
-    """This process's watcher, started on first use (again in a forked child: threads do not survive a fork)."""
-    global _WATCHER
-    with _WATCHER_LOCK:
-        if _WATCHER is None or _WATCHER[0] != os.getpid():
-            _WATCHER = (os.getpid(), _Watcher())
-        return _WATCHER[1]
-
-
-class Group(Stepping):
+class Group(metaclass=abc.ABCMeta):
     """Workers over one ProcessGroup, with metered asynchronous collectives.
 
     Args:
@@ -242,7 +130,19 @@ class Group(Stepping):
         group = Group()                            # default group
         h = group.all_reduce(torch.ones(3), op="avg", tag="x")
         out = h.wait()
+
+    It implements the step interface (:class:`~shoal.comm.stepping.StepInterface`)
+    with the static answers: every step commits, nobody is ever healed, and
+    a failed collective raises. An elastic group
+    (:class:`~shoal.membership.elastic.ElasticGroup`) is not a subclass: it
+    implements the same interface over a process group per quorum, and is
+    registered as a virtual subclass so that ``isinstance(g, Group)`` holds
+    for every group.
     """
+
+    elastic = False       # True on groups whose members change between steps
+    traits: Traits = STATIC
+    newcomers: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -269,6 +169,7 @@ class Group(Stepping):
         self.size = dist.get_world_size(self.pg)
         self.backend = str(dist.get_backend(self.pg)).lower()
         self._global_ranks = [dist.get_global_rank(self.pg, r) for r in range(self.size)] if self.pg is not dist.group.WORLD else list(range(self.size))
+        self.hooks = StepHooks()   # registered states and step hooks (kept, never healed: no member changes)
 
     @property
     def device(self) -> torch.device:
@@ -391,26 +292,9 @@ class Group(Stepping):
 
     def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0, tag: str = "misc",
                             cache: dict[torch.dtype, torch.Tensor] | None = None) -> None:
-        """Blocking: overwrite ``tensors`` with rank ``src``'s, one flat broadcast per dtype.
-
-        ``cache`` keeps the flat buffers between calls (pass the same dict
-        each time on hot paths, e.g. buffers broadcast before every forward).
-        """
+        """Blocking: overwrite ``tensors`` with rank ``src``'s (see :func:`broadcast_coalesced`)."""
         self._check_rank(src, "src")
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t.detach())
-        with torch.no_grad():
-            for dtype, same in by_dtype.items():
-                total = sum(t.numel() for t in same)
-                flat = cache.get(dtype) if cache is not None else None
-                if flat is None or flat.numel() != total:
-                    flat = torch.empty(total, dtype=dtype, device=same[0].device)
-                    if cache is not None:
-                        cache[dtype] = flat
-                torch.cat([t.reshape(-1) for t in same], out=flat)
-                self.broadcast(flat, src=src, tag=tag).wait()
-                torch._foreach_copy_(same, flat_views(flat, same))
+        broadcast_coalesced(self, tensors, src, tag, cache)
 
     def barrier(self, tag: str = "control") -> None:
         self.meter.record(tag, "barrier", 0, self.size, self.rank)
@@ -425,6 +309,119 @@ class Group(Stepping):
         numbers, strings and plain containers).
         """
         return all_gather_object(self, obj, tag)
+
+    # --- the step interface (static) -----------------------------------------------
+    @property
+    def member(self) -> bool:
+        """Whether this worker belongs to this group (False only for a subgroup whose rule leaves it out)."""
+        return True
+
+    @property
+    def quorum_pending(self) -> bool:
+        """Whether the next :meth:`begin_step` adopts a new membership (never, on a static group)."""
+        return False
+
+    def begin_step(self) -> None:
+        """Begin a step (:mod:`shoal.comm.stepping`); on a static group only the hooks run."""
+        self.hooks.run_before_begin()
+
+    def commit(self) -> bool:
+        """End the step; True on every member of a static group (the hooks of :meth:`on_commit` run)."""
+        self.hooks.run_on_commit()
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        """This step's first failure; always None on a static group (a failed collective raises there)."""
+        return None
+
+    def report_error(self, err: BaseException) -> None:
+        """Make this step fail on every member; a static group cannot vote, so ``err`` is raised at once."""
+        raise err
+
+    def start_state(self, module: nn.Module, named_params: list[tuple[str, Any]] | None = None,
+                    tag: str = "init", buffers: bool = True) -> None:
+        """Give every member rank 0's model (collective): check that every rank built the same model, then broadcast.
+
+        ``named_params`` (default: the module's parameters that require grad)
+        are the ones compared; ``buffers=False`` broadcasts parameters only
+        (torch DDP's ``broadcast_buffers=False`` at start). An elastic group does nothing here: it has no
+        members yet, and its first quorum's heal gives newcomers the state.
+
+        Example::
+
+            group.start_state(model, tag="mystrategy/init")
+        """
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad] \
+            if named_params is None else named_params
+        check_same_model(self, named)
+        broadcast_module(module, self, tag=tag, buffers=buffers)
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
+        self.hooks.on_commit.append(fn)
+
+    def before_begin_step(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` at the top of every :meth:`begin_step` (e.g. to end a lazily ended step)."""
+        self.hooks.before_begin.append(fn)
+
+    def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
+                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None,
+                       snapshot: Callable[[], Any] | None = None) -> None:
+        """Add state that newcomers receive when they heal (and, with ``rollback``, that a discard restores).
+
+        ``get()`` returns something ``torch.save`` can write; ``load(x)``
+        restores it. With ``rollback=True`` it is also snapshotted at each
+        step start and restored when the step is discarded (e.g. a codec's
+        error feedback, which a failed step may have half-updated); then
+        ``get()`` must return a copy, not views of live tensors (codecs'
+        ``state_dict()`` do), because it is called every step and copying
+        it again would double the cost.
+        ``heal_load(x)``, if given, replaces ``load`` when the state comes
+        from a peer rather than from a rollback snapshot: state that is the
+        peer's own and must not be copied (an error-feedback residual, see
+        :meth:`shoal.codecs.Codec.newcomer_state`) is dropped there.
+        ``snapshot()``, if given, replaces ``get`` for the per-step rollback
+        snapshot: something cheaper that ``load`` accepts and that stays valid
+        through one step (a codec's :meth:`~shoal.codecs.Codec.rollback_state`
+        holds its tensors by reference and never overwrites them in place).
+        Every member must register the same keys (a key twice: ConfigError).
+        On a static group nothing heals and nothing is discarded: the
+        registration is checked and kept, never used. This is the group's one
+        registry (:class:`StepHooks`): an elastic group heals and rolls back exactly these states.
+
+        Example::
+
+            group.register_state("optimizer", opt.state_dict, opt.load_state_dict)
+        """
+        self.hooks.register(key, get, load, rollback, heal_load, snapshot)
+
+    def unique_name(self, name: str) -> str:
+        """``name``, or ``name-2``, ``name-3``... if taken on this group (every worker asks in the same order)."""
+        return self.hooks.unique_name(name)
+
+    def member_infos(self) -> list[MemberInfo]:
+        """Every member's slot (its rank here) and host identity, by rank (collective the first time)."""
+        if self.hooks.infos is None:
+            topo = discover(self)
+            hosts = {r: i for i, h in enumerate(topo.hosts) for r in h}
+            self.hooks.infos = [MemberInfo(r, f"host-{hosts[r]}") for r in range(self.size)]
+        return self.hooks.infos
+
+    def subgroup(self, rule: Partition, name: str) -> "Group | Outside":
+        """This worker's subgroup under ``rule`` (collective: every member calls it, in the same order).
+
+        On a static group the rule is applied once; a worker that the rule
+        leaves out gets an :class:`~shoal.comm.stepping.Outside` (``member`` False).
+        """
+        name = self.unique_name(name)
+        mine = self.split(rule(self.member_infos()))
+        return mine if mine is not None else Outside(name)
+
+    def host_groups(self, name: str) -> Levels:
+        """The subgroups of a two-level mean (``.current()`` -> :class:`~shoal.comm.topology.HostGroups`)."""
+        self.unique_name(name)
+        return StaticLevels(HostGroups.build(self))
 
     # --- structure ---------------------------------------------------------
     def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":

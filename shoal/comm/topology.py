@@ -25,10 +25,9 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:  # the group imports this module (Group.host_groups); only annotations here
-    from shoal.comm.group import Group
+from shoal.comm.collectives import Collectives
 from shoal.errors import ConfigError
 
 HOST_ID_ENV = "SHOAL_HOST_ID"
@@ -132,7 +131,7 @@ class Topology:
         return self.num_hosts > 1 and self.max_ranks_per_host > 1
 
 
-def discover(group: Group, host_id: str | None = None) -> Topology:
+def discover(group: Collectives, host_id: str | None = None) -> Topology:
     """All-gather every rank's host identity over ``group`` (collective) and derive the layout.
 
     Args:
@@ -158,12 +157,12 @@ class HostGroups:
     """
 
     topology: Topology
-    parent: Group
-    local: Group
-    leaders: Group | None
+    parent: Collectives
+    local: Collectives
+    leaders: Collectives | None
 
     @classmethod
-    def build(cls, group: Group, topology: Topology | None = None) -> "HostGroups":
+    def build(cls, group: Collectives, topology: Topology | None = None) -> "HostGroups":
         """Create the subgroups (collective over ``group``: every rank calls it, in the same order).
 
         Example::

@@ -16,8 +16,11 @@ imports from here. Modules, from the store up:
 - :mod:`~shoal.membership.heal` and :mod:`~shoal.membership.received`:
   bringing newcomers to the run's state, and checking it before loading.
 - :mod:`~shoal.membership.views`: subgroups re-applied to every quorum.
+- :mod:`~shoal.membership.leaving`: an orderly leave (collectives counted
+  per quorum) and the marks the launcher reads.
 - :mod:`~shoal.membership.elastic`: :class:`ElasticGroup`, the group that
-  follows the run's quorums.
+  follows the run's quorums: it holds a per-quorum seat (rank, size, process
+  group) and swaps it, rather than subclassing :class:`~shoal.comm.Group`.
 
 Example::
 

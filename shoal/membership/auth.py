@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 
 from shoal.errors import ConfigError
@@ -82,3 +83,27 @@ def mac(key: bytes, text: str) -> str:
 def check_mac(key: bytes, text: str, tag: object) -> bool:
     """Constant-time check of a record's MAC (False for anything that is not a string)."""
     return isinstance(tag, str) and hmac.compare_digest(mac(key, text), tag)
+
+
+def env_or(name: str, value: str | None, what: str) -> str:
+    """``value`` if given, else the environment variable ``name`` (ConfigError naming ``what`` if unset)."""
+    if value is not None:
+        return value
+    found = os.environ.get(name)
+    if not found:
+        raise ConfigError(f"{what} not given and {name} is not set; `shoal run --elastic` sets it, "
+                          f"or pass it explicitly")
+    return found
+
+
+def run_token(token: str | None) -> str:
+    """The elastic run's token: ``token`` if given (it wins over the environment), else ``$SHOAL_TOKEN``."""
+    if token is not None:
+        return str(check_token(token))
+    found = os.environ.get("SHOAL_TOKEN")
+    if not found:
+        raise ConfigError("an elastic group needs the run token, so that only workers holding it join the "
+                          "run: pass ElasticGroup(token=...) or set $SHOAL_TOKEN (`shoal run --elastic` sets "
+                          "it for its workers; with `--coordinator` or `shoal coordinator` give them the same "
+                          "--token)")
+    return str(check_token(found))

@@ -257,7 +257,7 @@ class CatchUp:
         holders = [r for r, m in enumerate(g.quorum.members) if m not in self.pending]
         if not holders or g.rank != holders[0]:
             return
-        states = g._hooks().states
+        states = g.hooks.states
         for m, p in self.pending.items():
             if p.ready == t:
                 blob = to_bytes({k: states[k].get() for k in p.keys})
@@ -271,7 +271,7 @@ class CatchUp:
             self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),
                                          idle=g.timeouts.join)
         server, key = self.server, self._key(hid, f"src/{g.client.member_id}")
-        tree = clone_tree({k: s.get() for k, s in g._hooks().states.items()})   # the step boundary
+        tree = clone_tree({k: s.get() for k, s in g.hooks.states.items()})   # the step boundary
         book, client = g.client.book, g.client
 
         def published(size: int, sha: str) -> None:   # on the serialising thread: its own store connection
@@ -369,7 +369,7 @@ class CatchUp:
     def _replay(self, blob: bytes) -> None:
         """Load the snapshot's model and optimizer (what the replay covers) and replay the recorded steps."""
         g = self.group
-        states = g._hooks().states
+        states = g.hooks.states
         # Only what the replay brings up to date; the rest (a sampler's cursor, the discard streak) is the
         # joiner's own until the top-up (it counts zero meanwhile, so its own is harmless there).
         covered: set[str] = set().union(*(r.covers(states) for r in self.replayers))
@@ -407,7 +407,7 @@ class CatchUp:
             raise ShoalError(f"background heal: {len(self.records)} updates recorded for steps "
                              f"{self.stats.admitted_step}..{t - 1}; a committed step was not recorded")
         self._replay(blob)
-        p.ready, p.keys = t + 1, tuple(sorted(set(g._hooks().states) - self._covered))
+        p.ready, p.keys = t + 1, tuple(sorted(set(g.hooks.states) - self._covered))
         g.client.store.set(self._key(self.hid, f"ready/{g.client.member_id}"),
                            g.client.book.seal({"from": p.ready, "keys": list(p.keys)}))
         self.stats.caught_up_step, self.loaded = t, True
@@ -425,7 +425,7 @@ class CatchUp:
                 return
             time.sleep(0.002)
         rec = g.client.book.open(st.get(k), kind="heal top-up")
-        states = g._hooks().states
+        states = g.hooks.states
         got: Any = None
         if rec is not None:
             got = from_bytes(torch.frombuffer(bytearray(base64.b64decode(str(rec["b"]))), dtype=torch.uint8))

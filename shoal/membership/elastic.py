@@ -1,4 +1,4 @@
-"""ElasticGroup: a :class:`~shoal.comm.Group` rebuilt for each quorum of a run.
+"""ElasticGroup: a group that follows the quorums of a run, with a process group per quorum.
 
 Workers come and go; an ElasticGroup stays the same Python object while the
 gloo group under it is replaced for every quorum (a fresh store prefix, a
@@ -11,40 +11,23 @@ on an elastic group has three parts::
 
 This module owns the group itself: adopting a quorum (rendezvous, building
 its process group, healing, abandoning it after a failure) and the step
-(begin, vote, commit or roll back). The rest is split by responsibility:
-
-- :mod:`shoal.membership.transport`: the process group of a quorum and the
-  collectives over it; collective failures (a peer's socket closed, the op
-  timeout passed, another member reporting a failure) are recorded as
-  :class:`~shoal.errors.PeerLostError` or :class:`~shoal.errors.CommTimeoutError`
-  in :attr:`ElasticGroup.error`; from then on this step's collectives return
-  at once with unreduced data, so the step finishes quickly and the vote
-  discards it. A failed gloo group is abandoned: never waited on, never
-  destroyed in the training thread (its destructor would wait for its
-  stuck operations).
-- :mod:`shoal.membership.vote`: the abort flag, the commit vote and the
-  limit on consecutive discards.
-- :mod:`shoal.membership.heal`: healing newcomers and the rollback
-  snapshot of the registered state (the step interface's one registry,
-  :mod:`shoal.comm.stepping`).
-- :mod:`shoal.membership.views`: subgroups, views over this group's quorums.
+(begin, vote, commit or roll back). The rest is split by responsibility
+(see :mod:`shoal.membership`): the quorum's collectives, which record
+failures (:class:`~shoal.errors.PeerLostError`,
+:class:`~shoal.errors.CommTimeoutError`) in :attr:`ElasticGroup.error`
+instead of raising, in :mod:`~shoal.membership.transport`; the abort flag
+and the vote in :mod:`~shoal.membership.vote`; healing and rollback in
+:mod:`~shoal.membership.heal`; subgroups in :mod:`~shoal.membership.views`;
+the bookkeeping of an orderly leave in :mod:`~shoal.membership.leaving`.
 
 The commit vote (:mod:`shoal.membership.vote`): through the store, peer to peer while the coordinator is down.
 
-Healing: in each new group the members exchange (committed step, fresh); if
-anyone is behind or new, the lowest-ranked up-to-date member sends every
-registered state (model, optimizer, codec, counters) as one serialised blob,
-point to point and in chunks, to those members only. A receiver checks it
-against its own state before loading any of it (:mod:`shoal.membership.received`:
-shapes, dtypes, NaN/Inf); state that fails is refused and never loaded: the
-receiver logs why, leaves the run and raises :class:`~shoal.errors.ShoalError`.
-
-Authentication: every member proves it holds the run token when it joins
-(:mod:`shoal.membership.auth`); the token is ``ElasticGroup(token=...)``, else
-``$SHOAL_TOKEN`` (set by ``shoal run --elastic``), and a group without either
-refuses to start (ConfigError). A wrong token gets
-:class:`~shoal.errors.AuthError` at the first :meth:`ElasticGroup.begin_step`,
-and its holder is never admitted into a quorum.
+Healing (:mod:`shoal.membership.heal`): the lowest-ranked up-to-date member
+sends every registered state to the members behind or new, who check it
+before loading any of it (:mod:`shoal.membership.received`); or, with
+``SHOAL_HEAL=background``, joiners download it while training
+(:mod:`shoal.membership.catchup`). Every member proves it holds the run
+token when it joins (:mod:`shoal.membership.auth`; the ``token`` argument).
 
 Example::
 
@@ -63,15 +46,17 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
-from shoal.membership.auth import check_token
+from shoal.membership.auth import env_or, run_token
 from shoal.membership.catchup import CatchUp, Replayer
 from shoal.membership.heal import (CONTROL_TAG, HEAL_CHUNK, HEAL_TAG, healed_barrier, load_blob, plan_heal, restore,
                                      send_state, snapshot, state_blob)
-from shoal.membership.transport import BackendFactory, BackendSpec, ElasticCollectives, ElasticStats, Link, gloo_backend
+from shoal.membership.leaving import PastCount, mark_life, run_counter
+from shoal.membership.transport import (BackendFactory, BackendSpec, ElasticCollectives, ElasticStats, Link, Seat,
+                                        gloo_backend)
 from shoal.membership.views import ElasticHostGroups, ElasticSubgroup
 from shoal.membership.vote import Ballot, DiscardStreak, Failures
 from shoal.comm.group import Group, Handle
@@ -79,34 +64,12 @@ from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, Timeouts, Trace
 from shoal.comm.meter import Meter
 from shoal.comm.rules import Partition
+from shoal.comm.stepping import StepHooks
 from shoal.comm.topology import host_identity
 from shoal.errors import ConfigError, PeerLostError, ShoalError
 
 __all__ = ["ElasticGroup", "ElasticStats", "BackendSpec", "BackendFactory", "gloo_backend", "run_token",
            "CONTROL_TAG", "HEAL_TAG", "HEAL_CHUNK"]
-
-
-def _env(name: str, value: str | None, what: str) -> str:
-    if value is not None:
-        return value
-    found = os.environ.get(name)
-    if not found:
-        raise ConfigError(f"{what} not given and {name} is not set; `shoal run --elastic` sets it, "
-                          f"or pass it explicitly")
-    return found
-
-
-def run_token(token: str | None) -> str:
-    """The elastic run's token: ``token`` if given (it wins over the environment), else ``$SHOAL_TOKEN``."""
-    if token is not None:
-        return str(check_token(token))
-    found = os.environ.get("SHOAL_TOKEN")
-    if not found:
-        raise ConfigError("an elastic group needs the run token, so that only workers holding it join the "
-                          "run: pass ElasticGroup(token=...) or set $SHOAL_TOKEN (`shoal run --elastic` sets "
-                          "it for its workers; with `--coordinator` or `shoal coordinator` give them the same "
-                          "--token)")
-    return str(check_token(found))
 
 
 class ElasticGroup(ElasticCollectives):
@@ -132,6 +95,16 @@ class ElasticGroup(ElasticCollectives):
             wins over it). Required: without either, ConfigError. A wrong one
             raises :class:`~shoal.errors.AuthError` at the first
             :meth:`begin_step`.
+        orderly_leave: count this member's collectives on each quorum so
+            that :meth:`leave` waits for the others to be past them
+            (:mod:`shoal.membership.leaving`); False for a caller whose every
+            quorum ends in its own vote (:meth:`enter_quorum`, :meth:`vote_quorum`).
+
+    It is not a subclass of :class:`~shoal.comm.Group`: it holds a
+    :class:`~shoal.membership.transport.Seat` (rank, size, process group)
+    that it replaces with each quorum, and implements the same collectives
+    and step interface (``isinstance(group, Group)`` holds: it is registered
+    as a virtual subclass).
 
     Example::
 
@@ -142,23 +115,16 @@ class ElasticGroup(ElasticCollectives):
     def __init__(self, run_id: str | None = None, *, coordinator: str | None = None,
                  timeouts: Timeouts | None = None, min_workers: int | None = None, meter: Meter | None = None,
                  backend_factory: BackendFactory | None = None, client: MemberClient | None = None,
-                 host_id: str | None = None, token: str | None = None) -> None:
-        # Group.__init__ wants the default process group; an elastic group has none.
+                 host_id: str | None = None, token: str | None = None, orderly_leave: bool = True) -> None:
         if timeouts is not None and not isinstance(timeouts, Timeouts):
             raise ConfigError(f"timeouts must be a shoal Timeouts, got {type(timeouts).__name__}")
         self.timeouts = timeouts if timeouts is not None else Timeouts()
-        self.timeout: float | None = self.timeouts.op
-        self.meter = meter if meter is not None else Meter()
-        self.pg: Any = None
-        self.rank, self.size = 0, 1
-        self._global_ranks = [0]
+        self.seat = Seat()   # this member's place in the current quorum's group; replaced with each quorum
         self.step = 0
         self.quorum: Quorum | None = None
         self.stats = ElasticStats()
         self._snapshots: dict[str, Any] = {}
         self._in_step = False
-        self._pending: list[Handle] = []  # collectives issued on this quorum since the last _tell
-        self._issued = self._told = 0     # collectives issued on this quorum; the count last published
         self._after = 0              # adopt a quorum newer than this one at the next begin_step
         self._fresh = True           # holds no state received from the run yet
         self._healed_since_commit = False  # loaded a heal since this member's last committed step
@@ -167,14 +133,15 @@ class ElasticGroup(ElasticCollectives):
         if min_workers is None:
             min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid(), "host": host_identity(host_id)}
-        # ``client``: a subclass that joins with its own MemberClient (a token, a role) passes it, so
-        # that no second store connection is opened for nothing.
-        self.client = client or MemberClient(_env("SHOAL_COORDINATOR", coordinator, "coordinator"),
-                                             _env("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info,
+        self.client = client or MemberClient(env_or("SHOAL_COORDINATOR", coordinator, "coordinator"),
+                                             env_or("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info,
                                              token=run_token(token))
+        self.hooks = StepHooks()   # registered states (healed, rolled back) and step hooks
         self.trace = Trace()
         failures = Failures(self.client, lambda: self.quorum.prefix if self.quorum is not None else None, self.trace)
-        self.link = Link(self.client, self.timeouts, backend_factory or gloo_backend, failures, lambda: self.step)
+        super().__init__(Link(self.client, self.timeouts, backend_factory or gloo_backend, failures, lambda: self.step),
+                         meter if meter is not None else Meter(), self.timeouts.op)
+        self.past: PastCount | None = PastCount(self.client) if orderly_leave else None
         self.ballot = Ballot(self.client, self.timeouts, failures, lambda: (self.pg, self.rank, self.device))
         self.discards = DiscardStreak()   # why each step since the last commit was discarded
         self.register_state("elastic/discards", self.discards.state, self.discards.load)
@@ -182,11 +149,46 @@ class ElasticGroup(ElasticCollectives):
         # Joining waits for the first begin_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
+    @property
+    def rank(self) -> int:
+        """This member's rank in the current quorum (0 before the first)."""
+        return self.seat.rank
+
+    @property
+    def size(self) -> int:
+        """The current quorum's size (1 before the first)."""
+        return self.seat.size
+
+    @property
+    def pg(self) -> Any:
+        """The current quorum's process group (None: a quorum of one, none yet, or abandoned after a failure)."""
+        return self.seat.pg
+
     def _live_pg(self) -> Any:
-        return self.pg
+        return self.seat.pg
 
     def _started(self) -> bool:
         return self.quorum is not None
+
+    # --- the registry (the step interface's, see shoal.comm.stepping) -------------------
+    def register_state(self, key: str, get: Callable[[], Any], load: Callable[[Any], Any],
+                       rollback: bool = False, heal_load: Callable[[Any], Any] | None = None,
+                       snapshot: Callable[[], Any] | None = None) -> None:
+        """State that newcomers receive when they heal and, with ``rollback``, that a discard restores
+        (the arguments: :meth:`shoal.comm.Group.register_state`)."""
+        self.hooks.register(key, get, load, rollback, heal_load, snapshot)
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` after every committed step (e.g. to advance a data cursor)."""
+        self.hooks.on_commit.append(fn)
+
+    def before_begin_step(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` at the top of every :meth:`begin_step` (e.g. to end a lazily ended step)."""
+        self.hooks.before_begin.append(fn)
+
+    def unique_name(self, name: str) -> str:
+        """``name``, or ``name-2``, ``name-3``... if taken on this group (every worker asks in the same order)."""
+        return self.hooks.unique_name(name)
 
     @property
     def quorum_pending(self) -> bool:
@@ -207,7 +209,7 @@ class ElasticGroup(ElasticCollectives):
         state in this call (empty when no quorum was adopted): they bring no
         progress of their own to this step.
         """
-        hooks = self._hooks()
+        hooks = self.hooks
         for fn in hooks.before_begin:
             fn()
         if self._in_step:
@@ -221,7 +223,8 @@ class ElasticGroup(ElasticCollectives):
             t0 = time.monotonic()
             self._reconfigure()
             self.stats.reconfigure_s = time.monotonic() - t0
-            self._pending, self._issued, self._told = [], 0, 0   # the heal's collectives differ per member
+            if self.past is not None:
+                self.past.reset()   # the heal's collectives differ per member
         self.error = None
         self.catchup.at_begin()   # may record a failure (a download that failed): this step is then lost
         self._snapshots = snapshot(hooks.states)
@@ -239,7 +242,7 @@ class ElasticGroup(ElasticCollectives):
             raise ShoalError("commit() called outside a step: call begin_step() first "
                              "(shoal's DistributedDataParallel does so in forward)")
         self._in_step = False
-        q, hooks = self.quorum, self._hooks()
+        q, hooks = self.quorum, self.hooks
         self._tell()   # a member leaving in this step waits for it (see _await_peers)
         verdict = self._vote(q)
         self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
@@ -248,7 +251,7 @@ class ElasticGroup(ElasticCollectives):
             self._healed_since_commit = False
             self.stats.commits += 1
             if self.stats.commits == 1:   # once per life: the launcher reads it (shoal.cli.elastic_launch)
-                self._mark("trained")
+                mark_life(self.client, "trained")
             self.discards.reset()
             for fn in hooks.on_commit:
                 fn()
@@ -272,13 +275,7 @@ class ElasticGroup(ElasticCollectives):
         return self.commit()
 
     def before_start_step(self, fn: Callable[[], None]) -> None:
-        """The older name of :meth:`before_begin_step`: call ``fn()`` at the top of every step's begin.
-
-        For a strategy whose step ends lazily (NonBlocking votes an exchange
-        when it waits for it, in the next forward): ``fn`` ends the open step
-        (``commit()``), so that whatever begins the next one (a sampler's
-        ``next_batch``, a forward) begins it after the verdict.
-        """
+        """The older name of :meth:`before_begin_step` (NonBlocking ends its lazily ended step there)."""
         self.before_begin_step(fn)
 
     def _vote(self, q: Quorum) -> str:
@@ -292,10 +289,6 @@ class ElasticGroup(ElasticCollectives):
     def host_groups(self, name: str) -> ElasticHostGroups:
         """The two levels of a host-aware mean, recomputed for each quorum (an ElasticHostGroups)."""
         return ElasticHostGroups(self, name)
-
-    def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
-        raise ShoalError("an elastic group cannot be split: its members change from one quorum to the "
-                         "next; use shoal.membership.views.ElasticSubgroup (a rule applied to each quorum)")
 
     # --- quorums ---------------------------------------------------------------
     def _reconfigure(self) -> None:
@@ -327,11 +320,11 @@ class ElasticGroup(ElasticCollectives):
             time.sleep(0.002)
         self.trace("barrier", qid=q.qid)
         self.client.abort.watch(q.prefix)
-        self.quorum, self.rank, self.size = q, q.rank_of(self.client.member_id), len(q.members)
-        self._global_ranks = list(range(self.size))
+        self.quorum, self.seat = q, Seat(q.rank_of(self.client.member_id), len(q.members))
         self.error = None
         try:
-            self.pg = self.link.build(q.prefix + "pg/", self.rank, self.size) if self.size > 1 else None
+            if self.size > 1:
+                self.seat = replace(self.seat, pg=self.link.build(q.prefix + "pg/", self.rank, self.size))
         except Exception as e:  # noqa: BLE001 - a peer did not connect: next quorum
             self._record(PeerLostError(f"building the group of quorum {q.qid} failed: {e}"))
         self.stats.quorums += 1
@@ -348,7 +341,7 @@ class ElasticGroup(ElasticCollectives):
     def _heal(self, q: Quorum) -> None:
         """Bring the quorum's needy members to the run's state (see :mod:`shoal.membership.heal`)."""
         t0 = time.monotonic()
-        finished = self._fresh and self._store_add("finished", 0) > 0   # read before the gather: one verdict
+        finished = self._fresh and run_counter(self.client, "finished", 0) > 0   # read before the gather: one verdict
         plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit, *self.catchup.column(),
                          run_finished=finished)
         if plan is None:
@@ -390,21 +383,56 @@ class ElasticGroup(ElasticCollectives):
         self.catchup.register(replayer)
 
     def _blob(self) -> torch.Tensor:
-        return state_blob(self._hooks().states)
+        return state_blob(self.hooks.states)
 
     def _load_blob(self, blob: torch.Tensor, src: int) -> None:
         """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it."""
         member = self.quorum.members[src] if self.quorum is not None else "?"
-        load_blob(self._hooks().states, blob, src, member, self._depart)
+        load_blob(self.hooks.states, blob, src, member, self._depart)
 
     def _abandon(self) -> None:
-        self.link.retire(self.pg)
-        self.pg = None
+        self.link.retire(self.seat.pg)
+        self.seat = replace(self.seat, pg=None)
         for drop in self.link.on_abandon:
             drop()
 
-    def _release_abandoned(self) -> None:
+    # --- quorums that the caller forms (collaborative rounds) ----------------------------
+    def enter_quorum(self, q: Quorum, deadline: float) -> bool:
+        """Work in ``q``, a quorum formed by the caller rather than the coordinator (e.g. by matchmaking).
+
+        The current group is kept when ``q`` has its prefix and members and no
+        failure; else rendezvous, build and heal as :meth:`begin_step` does,
+        giving up at ``deadline`` (``time.monotonic()``) or on a newer quorum.
+        False: not entered. Its work ends with :meth:`vote_quorum`
+        (example: :mod:`shoal.collaborative.rounds`).
+        """
         self.link.release()
+        cur = self.quorum
+        if cur is not None and q.prefix == cur.prefix and q.members == cur.members \
+                and (self.pg is not None or self.size == 1) and self.error is None:
+            self.quorum = q
+            return True
+        self.error = None
+        return self._enter(q, deadline)
+
+    def vote_quorum(self) -> bool:
+        """The commit vote on the work done in the entered quorum: the same True/False on every member.
+
+        Outside :meth:`begin_step`/:meth:`commit`: nothing is rolled back
+        and no hook runs; the step counter advances either way (each vote is
+        one step of the run's numbering).
+        """
+        q = self.quorum
+        if q is None:
+            raise ShoalError("vote_quorum() without a quorum: enter one first (enter_quorum)")
+        verdict = self._vote(q)
+        self.step += 1
+        return verdict.startswith("commit")
+
+    def abandon(self) -> None:
+        """Drop the current quorum's group (never reused; its subgroups' too) and forget the quorum."""
+        self._abandon()
+        self.quorum = None
 
     def leave(self, finished: bool | None = None) -> None:
         """Leave the run: the others go on without this worker (at most one step is discarded).
@@ -434,87 +462,40 @@ class ElasticGroup(ElasticCollectives):
             finished = self.stats.commits > 0 and sys.exc_info()[1] is None
         self.catchup.finish()   # a joiner still catching up finishes; a source serves what it still owes
         if finished:
-            self._mark("finished")
-            self._store_add("finished", 1)
+            mark_life(self.client, "finished")
+            run_counter(self.client, "finished", 1)
         self._await_peers()
         self._depart()
 
-    # --- an orderly leave ----------------------------------------------------------------------
-    # Collectives that no vote covers (ZeroRedundancyOptimizer.consolidate_state_dict's gather after the
-    # last step) end at different times on different members: one that finished may leave at once, and its
-    # leave makes the coordinator abort the quorum under a slower member still inside. So each member
-    # publishes how many collectives it has been through on this quorum (``past/<member id>`` under the
-    # quorum's prefix) before each vote, at each begin_step and at its leave, and leave() waits until every
-    # member has published at least its own count.
+    # --- an orderly leave (shoal.membership.leaving) ------------------------------------
     def _issue(self, tag: str, result: Any, launch: Callable[[Any], Any],
                post: Callable[[Any], Any] | None = None, whole: bool = False) -> Handle:
         handle = super()._issue(tag, result, launch, post, whole)
-        if self.size > 1:
-            self._pending.append(handle)
-            self._issued += 1
+        if self.size > 1 and self.past is not None:
+            self.past.add(handle)
         return handle
 
     def _tell(self) -> None:
         """Publish this member's collective count on this quorum, if it grew since the last time."""
-        if self._issued > self._told and self.quorum is not None:
-            self._pending = []
-            try:
-                self.client.store.set(f"{self.quorum.prefix}past/{self.client.member_id}", str(self._issued))
-            except Exception:  # noqa: BLE001 - the coordinator is gone: the step fails on its own
-                pass
-            self._told = self._issued
+        if self.past is not None:
+            self.past.tell(self.quorum)
 
     def _await_peers(self) -> None:
-        """Before leaving: wait until every member is past this member's collectives on this quorum
-        (bounded by ``Timeouts.quorum``; a failure, an abort or a newer quorum ends the wait)."""
-        q = self.quorum
-        if q is None or self._issued == 0 or self.size == 1:
-            return
-        for h in self._pending:
-            h.wait()
-        mine = self._issued
-        self._tell()
-        if self.error is not None:
-            return
-        st, deadline = self.client.store, time.monotonic() + self.timeouts.quorum
-        keys = [f"{q.prefix}past/{m}" for m in q.members]
-        while time.monotonic() < deadline and self.client.lost_prefix != q.prefix:
-            try:
-                if (st.check(keys) and all(int(v) >= mine for v in st.multi_get(keys))) or \
-                        self.link.failures.aborted or self.client.latest() > q.qid:
-                    return
-            except Exception:  # noqa: BLE001 - the coordinator is down: nobody can tell; leave now
-                return
-            time.sleep(0.002)
+        """Before leaving: wait until every member is past this member's collectives on this quorum."""
+        if self.past is not None:
+            self.past.await_peers(self.quorum, self.size, self.link.failures, self.timeouts.quorum,
+                                  lambda: self.error)
 
     def _depart(self) -> None:
         """Leave without the finished mark (a refused heal: the launcher may restart this worker)."""
         self.client.leave()
         self._abandon()
 
-    def _label(self) -> str:
-        """This life's launcher label, ``RANK-SHOAL_RESTART@SHOAL_LAUNCH_ID`` (``m<member id>`` outside a
-        launcher; without a launch id, no ``@`` part)."""
-        rank, launch = os.environ.get("RANK"), os.environ.get("SHOAL_LAUNCH_ID")
-        if not rank:
-            return f"m{self.client.member_id}"
-        return f"{rank}-{os.environ.get('SHOAL_RESTART', '0')}" + (f"@{launch}" if launch else "")
-
-    def _mark(self, what: str) -> None:
-        self._store_set(f"{what}/{self._label()}", "1")
-
-    def _store_set(self, key: str, value: str) -> None:
-        try:
-            self.client.store.set(self.client.key(key), value)
-        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody is left to read it
-            pass
-
-    def _store_add(self, key: str, n: int) -> int:
-        try:
-            return int(self.client.store.add(self.client.key(key), n))
-        except Exception:  # noqa: BLE001 - as above
-            return 0
-
     def __repr__(self) -> str:
         qid = self.quorum.qid if self.quorum else None
         return f"ElasticGroup(member={self.client.member_id}, quorum={qid}, rank={self.rank}, size={self.size}, step={self.step})"
+
+
+# Not a subclass (no fixed process group to wrap, no Group.__init__ to run) but the same interface: code
+# that asks ``isinstance(g, Group)`` before wrapping a torch ProcessGroup takes an elastic group as it is.
+Group.register(ElasticGroup)

@@ -33,14 +33,14 @@ import abc
 import datetime
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shoal.comm.group import (_REDUCE_OPS, Group, Handle, _nbytes, check_all_to_all, check_reduce_op,
-                              start_gather_into)
+from shoal.comm.group import (_REDUCE_OPS, Group, Handle, _nbytes, broadcast_coalesced, check_all_to_all,
+                              check_reduce_op, start_gather_into)
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Timeouts
 from shoal.comm.meter import Meter
@@ -72,6 +72,20 @@ BackendFactory = Callable[[BackendSpec], Any]
 def gloo_backend(spec: BackendSpec) -> Any:
     """The default factory: a gloo group on the quorum's own store prefix."""
     return dist.ProcessGroupGloo(spec.store, spec.rank, spec.size, datetime.timedelta(seconds=spec.timeout))
+
+
+@dataclass(frozen=True)
+class Seat:
+    """This member's place in one quorum's group: its rank, the group's size, and its process group.
+
+    An :class:`~shoal.membership.elastic.ElasticGroup` holds one and replaces
+    it with each quorum it adopts; ``pg`` is None for a quorum of one, and
+    once the group is abandoned after a failure.
+    """
+
+    rank: int = 0
+    size: int = 1
+    pg: Any = None
 
 
 @dataclass
@@ -202,21 +216,41 @@ class _ElasticHandle(Handle):
         return self._done or self._link.failures.error is not None or bool(self._work.is_completed())
 
 
-class ElasticCollectives(Group, metaclass=abc.ABCMeta):
+class ElasticCollectives(abc.ABC):
     """Collectives over a quorum's process group that record failures (see the module docstring).
 
     Not built directly: the base of :class:`~shoal.membership.elastic.ElasticGroup`
     and :class:`~shoal.membership.views.ElasticSubgroup`, which say where
-    their process group comes from (:meth:`_live_pg`) and whether a quorum
-    was adopted yet (:meth:`_started`).
+    their process group comes from (:meth:`_live_pg`), whether a quorum was
+    adopted yet (:meth:`_started`), and this member's :attr:`rank` and the
+    :attr:`size` in the current quorum. It is not a :class:`~shoal.comm.Group`
+    (it has no fixed process group to wrap), but it offers the same
+    collectives and step interface, and the concrete ones are registered as
+    virtual subclasses of Group so that ``isinstance(g, Group)`` holds for
+    every group.
+
+    Args:
+        link: what a quorum group shares with its subgroups.
+        meter: where bytes are counted.
+        timeout: the per-collective timeout (``Timeouts.op``).
     """
 
     elastic = True
     traits = ELASTIC
-    link: Link
-    meter: Meter
-    timeout: float | None
     backend = "gloo"
+
+    def __init__(self, link: Link, meter: Meter, timeout: float | None) -> None:
+        self.link, self.meter, self.timeout = link, meter, timeout
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This member's rank in the current quorum's group."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """The size of the current quorum's group."""
 
     @abc.abstractmethod
     def _live_pg(self) -> Any:
@@ -225,6 +259,23 @@ class ElasticCollectives(Group, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def _started(self) -> bool:
         """Whether a quorum was adopted (a collective before that is a usage error)."""
+
+    @property
+    def member(self) -> bool:
+        """Whether this worker belongs to this group (a subgroup's rule may leave it out)."""
+        return True
+
+    def global_rank(self, group_rank: int) -> int:
+        """A quorum's group is built on its own store: its ranks are the only ranks."""
+        return group_rank
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not 0 <= r < self.size:
+            raise ConfigError(f"{what} {r} is outside this group of {self.size} ranks")
+
+    def split(self, ranks_per_subgroup: Sequence[Sequence[int]]) -> "Group | None":
+        raise ShoalError("an elastic group cannot be split: its members change from one quorum to the "
+                         "next; use shoal.membership.views.ElasticSubgroup (a rule applied to each quorum)")
 
     @property
     def device(self) -> torch.device:
@@ -345,3 +396,10 @@ class ElasticCollectives(Group, metaclass=abc.ABCMeta):
     def all_gather_object(self, obj: Any, tag: str = "control") -> list[Any]:
         """Gather objects (see :func:`shoal.comm.objects.all_gather_object`); after a failure, ``[obj] * size``."""
         return all_gather_object(self, obj, tag)
+
+    def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0, tag: str = "misc",
+                            cache: dict[torch.dtype, torch.Tensor] | None = None) -> None:
+        """Overwrite ``tensors`` with rank ``src``'s (see :func:`shoal.comm.group.broadcast_coalesced`)."""
+        self._check_rank(src, "src")
+        broadcast_coalesced(self, tensors, src, tag, cache)
+

@@ -64,11 +64,12 @@ class QuorumParent(Protocol):
     meter: Meter
     timeout: float | None
     quorum: Quorum | None
-    rank: int
     step: int
     stats: ElasticStats
     newcomers: tuple[int, ...]
 
+    @property
+    def rank(self) -> int: ...
     @property
     def quorum_pending(self) -> bool: ...
     def begin_step(self) -> None: ...
@@ -109,8 +110,8 @@ class ElasticSubgroup(ElasticCollectives):
             raise ConfigError(f"parent must be a shoal ElasticGroup, got {type(parent).__name__}")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"subgroup name must be a non-empty string, got {name!r}")
+        super().__init__(parent.link, parent.meter, parent.timeout)
         self.parent, self.name, self.partition = parent, name, partition
-        self.link, self.meter, self.timeout = parent.link, parent.meter, parent.timeout
         self.pg: Any = None
         self._qid = -1              # quorum whose layout is current
         self._pg_qid = -1           # quorum whose subgroup self.pg is
@@ -146,17 +147,19 @@ class ElasticSubgroup(ElasticCollectives):
         return self.link.timeouts
 
     @property
-    def rank(self) -> int:  # type: ignore[override]   # read-only: it follows the quorum
+    def rank(self) -> int:
+        """This worker's rank in its subgroup of the current quorum (0 outside)."""
         self._layout()
         return self._ranks.index(self.parent.rank) if self._member else 0
 
     @property
-    def size(self) -> int:  # type: ignore[override]   # read-only: it follows the quorum
+    def size(self) -> int:
+        """The size of this worker's subgroup in the current quorum (1 outside)."""
         self._layout()
         return len(self._ranks) if self._member else 1
 
     @property
-    def newcomers(self) -> tuple[int, ...]:  # type: ignore[override]   # read-only: the parent's, in subgroup ranks
+    def newcomers(self) -> tuple[int, ...]:
         """Subgroup ranks healed in this step's ``begin_step``."""
         self._layout()
         healed = self.parent.newcomers
@@ -186,6 +189,10 @@ class ElasticSubgroup(ElasticCollectives):
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.parent.on_commit(fn)
+
+    def unique_name(self, name: str) -> str:
+        """A name not yet taken on the parent (the registry of states and names is the parent's)."""
+        return self.parent.unique_name(name)
 
     def before_begin_step(self, fn: Callable[[], None]) -> None:
         self.parent.before_begin_step(fn)
@@ -299,6 +306,9 @@ class ElasticSubgroup(ElasticCollectives):
                 f"quorum={self._qid})")
 
 
+
+Group.register(ElasticSubgroup)   # the same interface as a Group, not a subclass (see shoal.membership.elastic)
+
 class ElasticHostGroups:
     """The subgroups of a two-level mean over an elastic group, for each quorum.
 
@@ -310,7 +320,7 @@ class ElasticHostGroups:
     collective). Subgroup names are ``<name>/host`` and ``<name>/leaders``;
     a second instance on the same group gets ``<name>-2``, ... (every worker
     builds them in the same order, so they agree; the names are the group's
-    :meth:`~shoal.comm.stepping.Stepping.unique_name`).
+    :meth:`~shoal.comm.stepping.StepHooks.unique_name`).
 
     Example::
 

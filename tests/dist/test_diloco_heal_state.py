@@ -44,7 +44,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         opt.zero_grad()
     f = strategy.fragments[0]
     drifted = any(not torch.equal(p, v) for p, v in zip(f.params, f.global_views))
-    states = group._hooks().states
+    states = group.hooks.states
     blob = {k: s.get() for k, s in states.items()}
     buffers = blob[[k for k in blob if k.endswith("/buffers")][0]]
     carried = sum(t.numel() for t in _tensors(blob))

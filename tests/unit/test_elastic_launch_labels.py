@@ -69,17 +69,14 @@ def test_one_machine_never_declares_a_run_across_machines_over() -> None:
 def test_a_relaunched_machine_never_reads_an_earlier_launchers_marks(monkeypatch: Any) -> None:
     # A machine's launcher started again in the same run (a re-created pod) counts lives from 0 again: the
     # worker's mark carries its launcher's id, and the new launcher reads only marks with its own.
-    import types
-
     from shoal.cli.elastic_launch import RunEnd
     from shoal.membership.coordinator import Coordinator
-    from shoal.membership.elastic import ElasticGroup
+    from shoal.membership.leaving import life_label
 
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("SHOAL_RESTART", "0")
     monkeypatch.setenv("SHOAL_LAUNCH_ID", "aaaa1111")
-    fake = types.SimpleNamespace(client=types.SimpleNamespace(member_id=7))
-    label = ElasticGroup._label(fake)  # type: ignore[arg-type]
+    label = life_label(7)
     assert label == "2-0@aaaa1111"
     coord = Coordinator(port=0).start()
     try:
@@ -89,4 +86,4 @@ def test_a_relaunched_machine_never_reads_an_earlier_launchers_marks(monkeypatch
     finally:
         coord.stop()
     monkeypatch.delenv("RANK")
-    assert ElasticGroup._label(fake) == "m7"  # type: ignore[arg-type]
+    assert life_label(7) == "m7"

@@ -67,6 +67,9 @@ def test_a_subgroup_is_a_view_whose_step_interface_is_the_parents() -> None:
         host.register_state("box", lambda: dict(box), lambda s: box.update(s), rollback=True)
         with pytest.raises(ConfigError, match="already registered"):
             group.register_state("box", dict, print)
+        # ...and so are the names: a DDP over the view (shoal.parallel: unique_name("ddp")) and one over
+        # the parent register apart.
+        assert host.unique_name("ddp") == "ddp" and group.unique_name("ddp") == "ddp-2"
         committed: list[int] = []
         host.on_commit(lambda: committed.append(group.step))
 

@@ -89,19 +89,6 @@ def test_the_scan_sees_typing_only_and_function_level_imports(tmp_path: Path) ->
     assert _imports(tmp_path / "m.py", "shoal.comm.x", {"shoal.comm.group", "shoal.comm"}) == {"shoal.comm.group"}
 
 
-# The one circle left (issue 19): the Stepping mixin and HostGroups name Group in annotations while Group
-# inherits Stepping. The composition refactor removes it; until then only it is tolerated.
-_KNOWN = {"shoal.comm.group", "shoal.comm.stepping", "shoal.comm.topology"}
-
-
-def test_no_import_circle_but_the_known_one_not_even_typing_only() -> None:
-    graph = {m: (deps - _KNOWN if m in _KNOWN else deps) for m, deps in _graph().items()}
-    cycle = _cycle(graph)
-    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
-
-
-@pytest.mark.xfail(strict=True, reason="typing-only circle shoal.comm.group <-> stepping <-> topology (issue 19); "
-                   "strict: once it is gone this xfail fails and must be removed")
 def test_shoal_has_no_import_circle_at_all() -> None:
     cycle = _cycle(_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
