@@ -73,8 +73,7 @@ class ElasticOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """End the step: run the inner optimizer if it commits (always, on a static group); its verdict."""
-        self.group.begin_step()  # a step with no collective still needs a quorum to vote in
-        if self.group.commit():
+        if run_round(self.group):
             self.optimizer.step(closure)
             return True
         self.optimizer.zero_grad(set_to_none=True)

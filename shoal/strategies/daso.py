@@ -71,7 +71,7 @@ from shoal.errors import ConfigError, ShoalError
 from shoal.parallel import DistributedDataParallel
 from shoal.strategies.base import Strategy
 from shoal.strategies.daso_schedule import DASOConfig, DASOSchedule, check_hosts  # noqa: F401 - public here too
-from shoal.strategies.rounds import ADOPT, Rounds
+from shoal.strategies.rounds import ADOPT, Rounds, run_round
 
 TAG = "daso/global"
 
@@ -380,8 +380,7 @@ class DASO(Strategy):
         """The gradient step's vote (a failed step is dropped on every worker; always True on a static group)."""
         if self.group is None:
             raise ShoalError("DASO is not set up: pass it to shoal.wrap(model, optimizer, strategy) first")
-        self.group.begin_step()
-        return self.group.commit()
+        return run_round(self.group)
 
     def report_loss(self, loss: float | torch.Tensor) -> None:
         """This step's training loss on this rank (the schedule adapts to the world's epoch mean)."""
