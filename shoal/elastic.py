@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from shoal.comm.asks import members_fixed
 from shoal.comm.group import Group
 from shoal.membership.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
 from shoal.membership.coordinator import Coordinator, Quorum, Timeouts
@@ -141,7 +142,7 @@ class ElasticSampler:
 
     def next_batch(self) -> list[int]:
         """This worker's indices for the current step (starts the step: may rebuild and heal)."""
-        if self._pending and not self.group.traits.members_change:
+        if self._pending and members_fixed(self.group):
             self._advance()   # a static group's step always commits, whether or not anything voted it
         self.group.begin_step()
         self._pending = self.group.size * self.batch_size

@@ -61,6 +61,7 @@ from torch import nn
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.codecs.identity import Identity
+from shoal.comm.asks import members_fixed, step_ends_at_vote
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
@@ -294,7 +295,7 @@ class DASO(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
-        if not group.traits.members_change:   # an elastic group has no members yet: nothing to check
+        if members_fixed(group):   # otherwise there are no members yet: nothing to check
             check_hosts(group.member_infos())
         group.start_state(model, list(zip(self.names, self.params)), tag="daso/init")
         dtype = self.config.downcast_type
@@ -363,7 +364,7 @@ class DASO(Strategy):
             self._shared = t
         elif kind.startswith("global"):
             sync.launch()
-            if not sync.group.traits.work_in_flight and sync.active:   # no reduction may outlive the round's vote
+            if step_ends_at_vote(sync.group) and sync.active:   # no reduction may outlive the round's vote
                 sync.finish()
 
     def _apply(self, kind: str) -> None:

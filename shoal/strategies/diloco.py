@@ -26,6 +26,7 @@ from torch import nn
 
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
+from shoal.comm.asks import step_ends_at_vote
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.streams import SideStream
@@ -314,7 +315,7 @@ class DiLoCo(Strategy):
         overlap on an elastic group. Never on a static group: its quorum does
         not change and nothing rolls back.
         """
-        if self.group is not None and not self.group.traits.work_in_flight:
+        if self.group is not None and step_ends_at_vote(self.group):
             for f in self.fragments:
                 self._land(f)
 
@@ -399,7 +400,7 @@ class DiLoCo(Strategy):
             return
         self._land(f)
         f.redo = True   # until this round commits: a retry reduces in the foreground
-        if self.group is not None and not self.group.traits.work_in_flight:
+        if self.group is not None and step_ends_at_vote(self.group):
             self._check_landed(f, self.group)
 
     def _check_landed(self, f: _Fragment, group: Any) -> None:   # an elastic group (report_error)

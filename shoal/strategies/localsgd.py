@@ -19,6 +19,7 @@ from torch import nn
 from shoal.averagers import Hierarchy, Levels, ModelAverager, Periodic, PeriodicModelAverager, check_slot
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
+from shoal.comm.asks import members_fixed
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.rules import by_slot
@@ -166,7 +167,7 @@ class AveragingStrategy(Strategy):
             return True
         if self.averager is not None:
             self.averager.last_left_out = contributors - finite
-        if finite == 0 and not self.group_.traits.members_change:
+        if finite == 0 and members_fixed(self.group_):
             raise ShoalError(
                 f"every one of the {group.size} members averaging under {self.name!r} holds non-finite (NaN/Inf) "
                 "parameters: training has diverged on all of them and there is nothing finite to average; lower "
@@ -300,7 +301,7 @@ class PostLocalSGD(AveragingStrategy):
             elif group.size % size:
                 raise ConfigError(f"local_group_size {size} does not divide the {group.size} ranks")
             self.local_group = group.subgroup(by_slot(size), f"{self.name}/local")
-        if group.traits.members_change:
+        if not members_fixed(group):
             # DDP's comm hooks cannot run on an elastic group: gradient means are rounds at opt.step().
             return self._start(model, model)
         ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=self.bucket_cap_mb)
