@@ -117,11 +117,6 @@ class Rounds:
     Args:
         group: the group (static or elastic).
         name: the strategy's name (prefix of the state keys it registers).
-        reduce: (the untyped form) ``reduce(kind, contributes)`` issues the
-            collectives of a round named ``kind`` into scratch buffers (see
-            :meth:`mean`); None when every round is a :class:`Round` given
-            to :meth:`add`.
-        apply: (the untyped form) ``apply(kind)`` applies a committed round.
         policy: :class:`FailurePolicy` of the rounds (a :class:`Round` may
             name its own).
         max_attempts: tries per round under ``AVERAGE_SURVIVORS``; past them the
@@ -136,9 +131,8 @@ class Rounds:
         committed = rounds.run(params)
     """
 
-    def __init__(self, group: Group, name: str, reduce: Callable[[str, bool], None] | None = None,
-                 apply: Callable[[str], None] | None = None,
-                 policy: FailurePolicy = FailurePolicy.AVERAGE_SURVIVORS, max_attempts: int = 3) -> None:
+    def __init__(self, group: Group, name: str, policy: FailurePolicy = FailurePolicy.AVERAGE_SURVIVORS,
+                 max_attempts: int = 3) -> None:
         if not isinstance(group, Group):
             raise ConfigError(f"Rounds needs a shoal Group, got {type(group).__name__}")
         if not isinstance(policy, FailurePolicy):
@@ -149,9 +143,6 @@ class Rounds:
         self._tries = max_attempts
         self.max_attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
         self.module: nn.Module | None = None   # registered by register(); broadcast by join() on a static group
-        if (reduce is None) != (apply is None):
-            raise ConfigError("give Rounds both reduce and apply (the untyped form) or neither (typed rounds: add)")
-        self._reduce, self._apply = reduce, apply
         self._rounds: dict[str, Round] = {}   # typed rounds by name (add)
         self.current = ADOPT      # the round in progress; healed, so a newcomer joins the same one
         self.last_kind = ADOPT    # the round the last run() ran
@@ -186,10 +177,14 @@ class Rounds:
                              snapshot=codec.rollback_state)
 
     def add(self, round: Round) -> Round:
-        """Make ``round`` one of this runner's rounds (every member adds the same ones); returns it."""
+        """Make ``round`` one of this runner's rounds (every member adds the same ones); returns it.
+
+        A round named :data:`ADOPT` replaces the empty round's default (no
+        collective), e.g. with a strategy's own heal of this round's newcomers.
+        """
         if not isinstance(round, Round):
             raise ConfigError(f"add needs a Round, got {type(round).__name__}")
-        if round.name == ADOPT or round.name in self._rounds:
+        if round.name in self._rounds:
             raise ConfigError(f"{self.name!r} already has a round named {round.name!r}: round names must be unique")
         self._rounds[round.name] = round
         return round
@@ -199,9 +194,6 @@ class Rounds:
         found = self._rounds.get(name)
         if found is not None:
             return found
-        reduce, apply = self._reduce, self._apply
-        if reduce is not None and apply is not None:   # the untyped form: every name goes to the callbacks
-            return Round(name, reduce=lambda live: reduce(name, live), apply=lambda: apply(name))
         if name == ADOPT:
             return _ADOPT
         raise ConfigError(f"{self.name!r} has no round named {name!r} (its rounds: {sorted(self._rounds)}); "
