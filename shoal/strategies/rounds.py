@@ -31,7 +31,7 @@ a whole: its collectives wrote only scratch buffers, state registered with
 A member healed in this round's ``begin_step`` (a newcomer, a restarted
 worker) holds a copy of a peer's progress, not its own: :attr:`Rounds.contributes`
 is False for it and :meth:`Rounds.mean` gives it zeros and rescales, so a mean
-divides by the number of live contributors. The kind of round in progress
+divides by the number of live contributors. The name of the round in progress
 travels with the healed state, so a newcomer runs the same collectives as its
 peers even when it lands in the retry of a failed round. After a committed
 round, if a newer quorum is waiting, an empty round (``ADOPT``) admits it at
