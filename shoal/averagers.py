@@ -32,6 +32,7 @@ import torch
 
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
+from shoal.comm.asks import members_fixed
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.rules import by_slot
@@ -373,10 +374,10 @@ class Levels(ModelAverager):
     def __init__(self, hierarchy: Hierarchy, group: Group, codec: Codec | None, who: str = "Hierarchical") -> None:
         super().__init__(group, codec)
         self.hierarchy = hierarchy
-        if self.group.traits.members_change:
-            check_slots(hierarchy, who)
-        else:
+        if members_fixed(self.group):
             hierarchy.check_world(self.group.size)
+        else:
+            check_slots(hierarchy, who)
         last = len(hierarchy.levels) - 1
         self.groups: list[Any] = [
             self.group if i == last else self.group.subgroup(by_slot(size), f"levels/{i}")

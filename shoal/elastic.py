@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from shoal.comm.asks import members_fixed
 from shoal.comm.group import Group
 from shoal.membership.catchup import OptimizerReplay
 from shoal.membership.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
@@ -78,8 +79,7 @@ class ElasticOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """End the step: run the inner optimizer if it commits (always, on a static group); its verdict."""
-        self.group.begin_step()  # a step with no collective still needs a quorum to vote in
-        if self.group.commit():
+        if run_round(self.group):
             self.optimizer.step(closure)
             return True
         self.optimizer.zero_grad(set_to_none=True)
@@ -147,7 +147,7 @@ class ElasticSampler:
 
     def next_batch(self) -> list[int]:
         """This worker's indices for the current step (starts the step: may rebuild and heal)."""
-        if self._pending and not self.group.traits.members_change:
+        if self._pending and members_fixed(self.group):
             self._advance()   # a static group's step always commits, whether or not anything voted it
         self.group.begin_step()
         self._pending = self.group.size * self.batch_size

@@ -8,6 +8,7 @@ import torch
 
 from shoal.codecs.base import BufferPool, Codec, LossyCodec, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
 from shoal.codecs.identity import Identity
+from shoal.comm.asks import members_fixed
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
 from shoal.comm.stepping import StaticLevels
@@ -238,7 +239,7 @@ def reduction_codec(group: Group, codec: Codec | None, hierarchical: bool | None
             raise ConfigError("codec is a Hierarchical codec but hierarchical=False; pass its inner codec instead")
         codec.attach(group)
         return codec, codec.current_topology(group)
-    changing = group.traits.members_change
+    changing = not members_fixed(group)
     if hierarchical is False or (group.size == 1 and not changing):
         return codec, None
     if changing:    # no collective: the layout is the quorum's, known at each step

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from shoal.comm.asks import members_fixed, step_ends_at_vote
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.objects import all_gather_bytes, failed, from_bytes, to_bytes
@@ -270,7 +271,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                              "train in bf16 autocast without a scaler")
         if verdict_for(self._all_params()):  # shoal's DDP found NaN/Inf (counted there): every rank steps nothing
             self.zero_grad(set_to_none=True)
-        ends_here = not self.group.traits.work_in_flight   # no step may stay open past step(): it votes here
+        ends_here = step_ends_at_vote(self.group)   # no step may stay open past step(): it votes here
         if ends_here and (closure is not None or kwargs):
             raise ConfigError("step(closure) is not supported on an elastic group: the closure's forward "
                               "would run outside the step's vote")
@@ -342,9 +343,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._buckets is not None:
             raise ConfigError("this ZeroRedundancyOptimizer is already attached to a DistributedDataParallel")
         group = self.group
-        elastic = group.traits.members_change
-        if reducer.group is not group and (elastic or reducer.group.pg is not group.pg):
-            what = "ElasticGroup (process_group=group on both)" if elastic else "process group"
+        fixed = members_fixed(group)
+        if reducer.group is not group and (not fixed or reducer.group.pg is not group.pg):
+            what = "process group" if fixed else "ElasticGroup (process_group=group on both)"
             raise ConfigError(f"the optimizer and DistributedDataParallel must use the same {what}: "
                               "gradient buckets are assigned to the optimizer's ranks")
         if reducer.on_bucket_reduced is not None:
@@ -361,7 +362,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         managed = set(self._all_params())
         busy = {r for r, b in zip(owners, buckets) if any(p in managed for p in b)}
         idle = sorted(set(range(self.world_size)) - busy)
-        if idle and not group.traits.members_change:   # elastic: the quorum's size is known only per quorum
+        if idle and members_fixed(group):   # elastic: the quorum's size is known only per quorum
             warnings.warn(f"only {len(busy)} rank(s) own a gradient bucket for {self.world_size} ranks: "
                           f"rank(s) {idle} hold no optimizer state; lower bucket_cap_mb for a finer split",
                           stacklevel=3)
@@ -426,7 +427,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             zero.load_state_dict(torch.load("opt.pt"))   # saved at another world size
         """
         saved = _check_state_dict(state_dict, self.param_groups)
-        if self.group.traits.members_change:   # no layout to load into: shards are laid out per quorum
+        if not members_fixed(self.group):   # no layout to load into: shards are laid out per quorum
             self._shards.load_whole(state_dict)
             return
         self.wait_for_params()

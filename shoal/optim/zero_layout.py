@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 import torch
 
+from shoal.comm.asks import members_fixed
+
 PARAM_TAG = "zero/params"
 GRAD_TAG = "zero/grad"   # where a skipped non-finite step is counted (meter.add_nonfinite_skip)
 STATE_TAG = "zero/state"
@@ -46,7 +48,7 @@ def membership_id(group: Any) -> int | None:
 
     A layout made for another id is stale: the next step re-shards.
     """
-    if not group.traits.members_change:
+    if members_fixed(group):
         return STATIC
     q = group.quorum
     return None if q is None else int(q.qid)

@@ -7,7 +7,8 @@ around each optimizer step by :class:`StrategyOptimizer`, the optimizer proxy
 that :func:`shoal.wrap` returns. The user's loop stays
 ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
 
-Writing a strategy (elastic-safe: every collective runs inside a round of
+Writing a strategy (elastic-safe: every collective runs inside a typed
+:class:`~shoal.strategies.rounds.Round`, run by
 :class:`~shoal.strategies.rounds.Rounds`, which begins the step, votes and
 retries; ``tests/dist/test_strategy_template.py`` runs this very code on a
 static and on an elastic group)::
@@ -15,7 +16,7 @@ static and on an elastic group)::
     import torch
     from shoal.codecs import Identity
     from shoal.strategies.base import Strategy
-    from shoal.strategies.rounds import Rounds
+    from shoal.strategies.rounds import Round, Rounds
 
     class EveryStep(Strategy):
         # Average the parameters after every optimizer step.
@@ -24,23 +25,22 @@ static and on an elastic group)::
         def setup(self, model, optimizer, group):
             self._bind(model, optimizer, group)
             self.scratch = [p.detach().clone() for p in self.params]
-            self.rounds = Rounds(group, self.name, self._reduce, self._apply)
+            self.rounds = Rounds(group, self.name)
+            self.params_round = self.rounds.add(Round("params", reduce=self._reduce, apply=self._apply))
             self.rounds.register(model, optimizer)   # what a newcomer heals
             self.rounds.join()   # static: check the model, broadcast rank 0's; elastic: the first heal
             return model
 
         def after_step(self):
-            self.rounds.run("params")
+            self.rounds.run(self.params_round)
 
-        def _reduce(self, kind, contributes):   # collectives into scratch only
-            if kind == "params":
-                torch._foreach_copy_(self.scratch, [p.detach() for p in self.params])
-                self.rounds.mean(self.scratch, self.names, Identity(), f"{self.name}/params")
+        def _reduce(self, contributes):   # collectives into scratch only
+            torch._foreach_copy_(self.scratch, [p.detach() for p in self.params])
+            self.rounds.mean(self.scratch, self.names, Identity(), f"{self.name}/params")
 
-        def _apply(self, kind):                 # after the round committed on every member
-            if kind == "params":
-                with torch.no_grad():
-                    torch._foreach_copy_(self.params, self.scratch)
+        def _apply(self):                 # after the round committed on every member
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.scratch)
 """
 
 from __future__ import annotations

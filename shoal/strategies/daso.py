@@ -61,6 +61,7 @@ from torch import nn
 from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.codecs.identity import Identity
+from shoal.comm.asks import members_fixed, step_ends_at_vote
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.group import Group
@@ -71,7 +72,7 @@ from shoal.errors import ConfigError, ShoalError
 from shoal.parallel import DistributedDataParallel
 from shoal.strategies.base import Strategy
 from shoal.strategies.daso_schedule import DASOConfig, DASOSchedule, check_hosts  # noqa: F401 - public here too
-from shoal.strategies.rounds import ADOPT, Rounds
+from shoal.strategies.rounds import ADOPT, Round, Rounds, run_round
 
 TAG = "daso/global"
 
@@ -285,6 +286,7 @@ class DASO(Strategy):
         self.host: Any = None
         self.leaders: Any = None
         self.rounds: Rounds | None = None
+        self._rounds: dict[str, Round] = {}   # by name (see _make_rounds)
         self._sync: _GlobalSync | None = None
         self._loss_sum = 0.0
         self._loss_count = 0
@@ -294,7 +296,7 @@ class DASO(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> nn.Module:
         self._bind(model, optimizer, group)
-        if not group.traits.members_change:   # an elastic group has no members yet: nothing to check
+        if members_fixed(group):   # otherwise there are no members yet: nothing to check
             check_hosts(group.member_infos())
         group.start_state(model, list(zip(self.names, self.params)), tag="daso/init")
         dtype = self.config.downcast_type
@@ -303,7 +305,8 @@ class DASO(Strategy):
         self.leaders = group.subgroup(host_leaders, "daso/leaders")
         ddp = DistributedDataParallel(model, process_group=self.host, hierarchical=False)   # + ddp/module
         self._sync = _GlobalSync(self.params, group, self.host, self.leaders, codec)
-        self.rounds = Rounds(group, "daso", self._reduce, self._apply, max_attempts=self.max_attempts)
+        self.rounds = Rounds(group, "daso", max_attempts=self.max_attempts)
+        self._rounds = self._make_rounds(self.rounds)
         self.rounds.register(optimizer=optimizer, get_state=self._state, load_state=self._load_state)
         group.before_begin_step(self._admit)
         self._busy = True
@@ -342,46 +345,57 @@ class DASO(Strategy):
         finally:
             self._busy = False
 
-    def _run(self, kind: str) -> bool:
+    def _make_rounds(self, rounds: Rounds) -> dict[str, Round]:
+        """DASO's rounds: an empty one (newcomers take their host's state), the epoch's loss, a global sync
+        (``global+land``: one whose landing is due in the same step)."""
+        made = [Round(ADOPT, reduce=lambda live: self._host_heal()),
+                Round("loss", reduce=self._reduce_loss, apply=self._apply_loss)]
+        made += [Round(name, reduce=lambda live: self._reduce_global(), apply=lambda: self._ready().commit())
+                 for name in ("global", "global+land")]
+        return {r.name: rounds.add(r) for r in made}
+
+    def _run(self, name: str) -> bool:
         if self.rounds is None:
             raise ShoalError("DASO is not set up: use shoal.wrap(model, optimizer, strategy)")
         self._busy = True
         try:
-            return self.rounds.run(kind)
+            return self.rounds.run(self._rounds[name])
         finally:
             self._busy = False
 
-    def _reduce(self, kind: str, contributes: bool) -> None:
-        sync = self._ready()
+    def _host_heal(self) -> None:
+        """Every round begins here: newcomers of this round take their host's state."""
         if self.optimizer is None or self.module is None:  # pragma: no cover - bound with _sync
             raise ShoalError("DASO is not set up: use shoal.wrap(model, optimizer, strategy)")
-        sync.host_heal(self.module, self.optimizer)   # newcomers of this round take their host's state
-        if kind == "loss":
-            total, count = self._losses if contributes else (0.0, 0)
-            t = torch.tensor([total, float(count)], dtype=torch.float64, device=sync.group.device)
-            sync.group.all_reduce(t, op="sum", tag="daso/control").wait()
-            self._shared = t
-        elif kind.startswith("global"):
-            sync.launch()
-            if not sync.group.traits.work_in_flight and sync.active:   # no reduction may outlive the round's vote
-                sync.finish()
+        self._ready().host_heal(self.module, self.optimizer)
 
-    def _apply(self, kind: str) -> None:
+    def _reduce_loss(self, contributes: bool) -> None:
+        self._host_heal()
         sync = self._ready()
-        if kind == "loss" and self._shared is not None:
+        total, count = self._losses if contributes else (0.0, 0)
+        t = torch.tensor([total, float(count)], dtype=torch.float64, device=sync.group.device)
+        sync.group.all_reduce(t, op="sum", tag="daso/control").wait()
+        self._shared = t
+
+    def _apply_loss(self) -> None:
+        if self._shared is not None:
             total, count = self._shared.tolist()   # the one host read, after the collective
             if count > 0:
                 self.schedule.record_loss(total / count)
-        elif kind.startswith("global"):
-            sync.commit()
+
+    def _reduce_global(self) -> None:
+        self._host_heal()
+        sync = self._ready()
+        sync.launch()
+        if step_ends_at_vote(sync.group) and sync.active:   # no reduction may outlive the round's vote
+            sync.finish()
 
     # --- the schedule ----------------------------------------------------------------
     def before_step(self) -> bool | None:
         """The gradient step's vote (a failed step is dropped on every worker; always True on a static group)."""
         if self.group is None:
             raise ShoalError("DASO is not set up: pass it to shoal.wrap(model, optimizer, strategy) first")
-        self.group.begin_step()
-        return self.group.commit()
+        return run_round(self.group)
 
     def report_loss(self, loss: float | torch.Tensor) -> None:
         """This step's training loss on this rank (the schedule adapts to the world's epoch mean)."""

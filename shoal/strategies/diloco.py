@@ -26,6 +26,7 @@ from torch import nn
 
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
+from shoal.comm.asks import step_ends_at_vote
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.flat import flat_views
 from shoal.comm.streams import SideStream
@@ -33,7 +34,7 @@ from shoal.comm.group import Group
 from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy
-from shoal.strategies.rounds import ADOPT, Rounds
+from shoal.strategies.rounds import Round, Rounds
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -227,6 +228,7 @@ class DiLoCo(Strategy):
         self._side = SideStream(torch.device("cpu"))   # replaced by the parameters' device's with the thread
         self._comm_group: Any = None
         self.rounds: Rounds | None = None
+        self._rounds: list[tuple[Round, Round]] = []   # each fragment's (fragment:<k>, merge:<k>)
 
     @property
     def tag(self) -> str:
@@ -254,7 +256,8 @@ class DiLoCo(Strategy):
         # Every synchronisation is a round. A newcomer heals the global copies, outer state, inner
         # optimizer, codec and the module's buffers; its parameters are rebuilt from the global copies
         # (they are a peer's local drift otherwise, which it would count twice): not sent.
-        self.rounds = Rounds(group, self.name, self._round_reduce, self._round_apply)
+        self.rounds = Rounds(group, self.name)
+        self._rounds = [self._fragment_rounds(self.rounds, f) for f in self.fragments]
         self.rounds.register(None, optimizer, self.codec, self._core_state, self._heal_core_state)
         group.register_state(f"{self.rounds.key}/buffers", self._buffers, self._load_buffers)
         group.before_begin_step(self._settle)
@@ -290,7 +293,7 @@ class DiLoCo(Strategy):
         for f in self.fragments:
             if self.step % self.config.inner_steps == f.offset:
                 if self.config.overlap_steps == 0:
-                    self.rounds.run(f"fragment:{f.index}")
+                    self.rounds.run(self._rounds[f.index][0])
                 else:
                     self._launch(f)
         for f in self.fragments:
@@ -300,7 +303,7 @@ class DiLoCo(Strategy):
 
     def _merge_round(self, f: _Fragment) -> None:
         """The round in which a background reduction lands: voted, then merged (or dropped, given up)."""
-        if self.rounds is not None and not self.rounds.run(f"merge:{f.index}"):
+        if self.rounds is not None and not self.rounds.run(self._rounds[f.index][1]):
             f.merge_at, f.redo = None, False   # given up on every member alike: local parameters kept
 
     def _settle(self) -> None:
@@ -314,7 +317,7 @@ class DiLoCo(Strategy):
         overlap on an elastic group. Never on a static group: its quorum does
         not change and nothing rolls back.
         """
-        if self.group is not None and not self.group.traits.work_in_flight:
+        if self.group is not None and step_ends_at_vote(self.group):
             for f in self.fragments:
                 self._land(f)
 
@@ -382,24 +385,34 @@ class DiLoCo(Strategy):
         torch._foreach_copy_([p.detach() for p in f.params], target)
 
     # --- rounds ----------------------------------------------------------------------
-    def _round_reduce(self, kind: str, contribute: bool) -> None:
-        """``fragment:<k>``: the pseudo-gradient averaged over the live contributors, now.
+    def _fragment_rounds(self, rounds: Rounds, f: _Fragment) -> tuple[Round, Round]:
+        """Fragment ``k``'s two rounds: ``fragment:<k>`` (reduce now) and ``merge:<k>`` (a launched one lands).
 
-        ``merge:<k>``: the background reduction lands (on an elastic group every member checks that all
+        Both merge the mean once they commit. Their names travel with the
+        healed state: a newcomer runs the round its peers are in.
+        """
+        now = Round(f"fragment:{f.index}", reduce=lambda live: self._reduce_now(f), apply=lambda: self._merge(f))
+        land = Round(f"merge:{f.index}", reduce=lambda live: self._reduce_landing(f), apply=lambda: self._merge(f))
+        return rounds.add(now), rounds.add(land)
+
+    def _reduce_now(self, f: _Fragment) -> None:
+        """``fragment:<k>``: the pseudo-gradient averaged over the live contributors, now."""
+        if self.rounds is None:  # pragma: no cover - setup made them
+            return
+        self._pseudo_gradient(f)
+        self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
+
+    def _reduce_landing(self, f: _Fragment) -> None:
+        """``merge:<k>``: the background reduction lands (on an elastic group every member checks that all
         hold the same mean); an attempt after a failed one reduces in the foreground instead, with the
         pseudo-gradient of the current parameters (the launch's was overwritten by the failed mean).
         """
-        if kind == ADOPT or self.rounds is None:
-            return
-        op, _, index = kind.partition(":")
-        f = self.fragments[int(index)]
-        if op == "fragment" or f.redo:
-            self._pseudo_gradient(f)
-            self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
+        if f.redo:
+            self._reduce_now(f)
             return
         self._land(f)
         f.redo = True   # until this round commits: a retry reduces in the foreground
-        if self.group is not None and not self.group.traits.work_in_flight:
+        if self.group is not None and step_ends_at_vote(self.group):
             self._check_landed(f, self.group)
 
     def _check_landed(self, f: _Fragment, group: Any) -> None:   # an elastic group (report_error)
@@ -419,10 +432,6 @@ class DiLoCo(Strategy):
         if not bool((table.view(-1, 2) == mine).all()):   # read after the collective
             group.report_error(ShoalError(f"fragment {f.index}'s background reduction did not land alike on "
                                           "every member"))
-
-    def _round_apply(self, kind: str) -> None:
-        if kind != ADOPT:
-            self._merge(self.fragments[int(kind.partition(":")[2])])
 
     def close(self) -> None:
         """Merge every reduction still in flight now (a round each) and stop the communication thread."""

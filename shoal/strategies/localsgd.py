@@ -19,6 +19,7 @@ from torch import nn
 from shoal.averagers import Hierarchy, Levels, ModelAverager, Periodic, PeriodicModelAverager, check_slot
 from shoal.codecs.base import Codec
 from shoal.codecs.identity import Identity
+from shoal.comm.asks import members_fixed
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.group import Group
 from shoal.comm.rules import by_slot
@@ -26,7 +27,7 @@ from shoal.errors import ConfigError, ShoalError
 from shoal.parallel import DistributedDataParallel
 from shoal.reducer import GradBucket
 from shoal.strategies.base import Strategy, check_state_keys, optimizer_state_tensors
-from shoal.strategies.rounds import ADOPT, FailurePolicy, Rounds
+from shoal.strategies.rounds import FailurePolicy, Round, Rounds
 
 
 class AveragingStrategy(Strategy):
@@ -60,6 +61,7 @@ class AveragingStrategy(Strategy):
         self.average_optimizer_state = check_state_keys(average_optimizer_state)
         self.averager: ModelAverager | None = None
         self.rounds: Rounds | None = None
+        self._rounds: dict[str, Round] = {}   # by name (see _make_rounds)
         self.local_group: Any = None   # post-local SGD's gradient groups after warm-up, if any
         self._grad_codec = Identity()  # post-local SGD's warm-up gradients travel exact, as in its DDP
         # (live, averaged scratch, a parameter round's group)
@@ -83,7 +85,8 @@ class AveragingStrategy(Strategy):
         def load(state: dict[str, Any]) -> None:
             averager.step = int(state["step"])
 
-        self.rounds = Rounds(self.group_, self.name, self._reduce, self._apply)
+        self.rounds = Rounds(self.group_, self.name)
+        self._rounds = {r.name: self.rounds.add(r) for r in self._make_rounds()}
         self.rounds.register(module, self.optimizer, averager.codec, lambda: {"step": averager.step}, load)
         self._finish_joined(self.rounds.join(first))
         self._mark_step()  # the set-up traffic is not the first step's
@@ -98,25 +101,36 @@ class AveragingStrategy(Strategy):
     def _finish_joined(self, kind: str) -> None:
         """A newcomer admitted in a round: do what its peers do after that round."""
 
-    def _reduce(self, kind: str, contribute: bool) -> None:
-        """A round's mean into scratch copies: ``grad``/``local_grad`` (gradients), ``params@<step>``."""
+    def _make_rounds(self) -> list[Round]:
+        """``grad``/``local_grad``: a gradient mean (over the group / the local group); ``params``: the
+        averaging due after the step just counted (every member of the round holds the same count)."""
+        return [Round("grad", reduce=lambda live: self._reduce_grads("grad"), apply=self._apply),
+                Round("local_grad", reduce=lambda live: self._reduce_grads("local_grad"), apply=self._apply),
+                Round("params", reduce=self._reduce_params, apply=self._apply)]
+
+    def _reduce_grads(self, kind: str) -> None:
+        """The gradients' mean into scratch copies (over the whole group, or the local one)."""
         self._pending = None
-        if kind == ADOPT or self.rounds is None or self.optimizer is None or self.averager is None:
+        if self.rounds is None:  # pragma: no cover - setup made them
+            return
+        live = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        scratch = [t.detach().clone() for t in live]
+        # a non-finite mean is caught by the optimizer step's gradient check
+        group = self.group_ if kind == "grad" else self.local_group
+        self.rounds.mean(scratch, list(self.names), self._grad_codec, f"{self.name}/{kind}", group)
+        self._pending = (live, scratch, None)
+
+    def _reduce_params(self, contribute: bool) -> None:
+        """The parameters' (and chosen optimizer state's) mean into scratch copies, over the level due."""
+        self._pending = None
+        if self.rounds is None or self.optimizer is None or self.averager is None:  # pragma: no cover
             return
         names = list(self.names)
-        if kind in ("grad", "local_grad"):
-            live = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            scratch = [t.detach().clone() for t in live]
-            # a non-finite mean is caught by the optimizer step's gradient check
-            group = self.group_ if kind == "grad" else self.local_group
-            self.rounds.mean(scratch, names, self._grad_codec, f"{self.name}/{kind}", group)
-            self._pending = (live, scratch, None)
-            return
-        due = self.averager._group_at(int(kind.partition("@")[2]))
-        if due is None:  # pragma: no cover - kinds are made from due steps
-            raise ConfigError(f"no averaging is due in round {kind!r}")
+        due = self.averager._group_at(self.averager.step - 1)   # after_step counted the step first
+        if due is None:  # pragma: no cover - run only when due
+            raise ConfigError(f"no averaging is due after step {self.averager.step - 1}")
         group, tag = due
-        live = list(self.params)
+        live: list[torch.Tensor] = list(self.params)
         if self.average_optimizer_state:
             extra, extra_names = optimizer_state_tensors(self.optimizer, self.params, self.names,
                                                          self.average_optimizer_state)
@@ -143,7 +157,7 @@ class AveragingStrategy(Strategy):
         return handle
 
     @torch.no_grad()
-    def _apply(self, kind: str) -> None:
+    def _apply(self) -> None:
         if self._pending is None:
             return
         live, scratch, group = self._pending
@@ -166,7 +180,7 @@ class AveragingStrategy(Strategy):
             return True
         if self.averager is not None:
             self.averager.last_left_out = contributors - finite
-        if finite == 0 and not self.group_.traits.members_change:
+        if finite == 0 and members_fixed(self.group_):
             raise ShoalError(
                 f"every one of the {group.size} members averaging under {self.name!r} holds non-finite (NaN/Inf) "
                 "parameters: training has diverged on all of them and there is nothing finite to average; lower "
@@ -191,7 +205,7 @@ class AveragingStrategy(Strategy):
         self.averager.step += 1
         self.averager.last_group, self.averager.last_left_out = None, 0
         if self.averager._group_at(step) is not None:
-            self.rounds.run(f"params@{step}")
+            self.rounds.run(self._rounds["params"])
         self._mark_step()
 
     @property
@@ -300,7 +314,7 @@ class PostLocalSGD(AveragingStrategy):
             elif group.size % size:
                 raise ConfigError(f"local_group_size {size} does not divide the {group.size} ranks")
             self.local_group = group.subgroup(by_slot(size), f"{self.name}/local")
-        if group.traits.members_change:
+        if not members_fixed(group):
             # DDP's comm hooks cannot run on an elastic group: gradient means are rounds at opt.step().
             return self._start(model, model)
         ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=self.bucket_cap_mb)
@@ -314,9 +328,9 @@ class PostLocalSGD(AveragingStrategy):
             return None
         # (a newcomer is admitted at the next round, not between the mean and the optimizer step)
         if self.step < self.warmup_steps:
-            return self.rounds.run("grad", admit=False)
+            return self.rounds.run(self._rounds["grad"], admit=False)
         if self.local_group is not None:
-            return self.rounds.run("local_grad", FailurePolicy.DISCARD, admit=False)
+            return self.rounds.run(self._rounds["local_grad"], FailurePolicy.DISCARD, admit=False)
         return None
 
     def _finish_joined(self, kind: str) -> None:

@@ -6,9 +6,15 @@ exchanges. Every round runs the same way on any group (see
 :mod:`shoal.comm.stepping`)::
 
     group.begin_step()          # elastic: adopt the latest quorum, heal newcomers
-    reduce(kind, contributes)   # collectives into scratch buffers
+    round.reduce(contributes)   # collectives into scratch buffers
     if group.commit():          # the same verdict on every member
-        apply(kind)
+        round.apply()
+
+A round is a :class:`Round` (its name, failure policy, ``reduce``,
+``apply`` and an optional ``after_join``) added to the strategy's
+:class:`Rounds`, the one runner that begins, votes and retries. A strategy
+never writes ``begin_step(); ... commit()`` itself; code outside a strategy
+runs a one-off round with :func:`run_round`.
 
 On a static group ``begin_step`` does nothing and ``commit`` is True, so the
 static and elastic paths are one path. On an elastic group a round fails as
@@ -25,7 +31,7 @@ a whole: its collectives wrote only scratch buffers, state registered with
 A member healed in this round's ``begin_step`` (a newcomer, a restarted
 worker) holds a copy of a peer's progress, not its own: :attr:`Rounds.contributes`
 is False for it and :meth:`Rounds.mean` gives it zeros and rescales, so a mean
-divides by the number of live contributors. The kind of round in progress
+divides by the number of live contributors. The name of the round in progress
 travels with the healed state, so a newcomer runs the same collectives as its
 peers even when it lands in the retry of a failed round. After a committed
 round, if a newer quorum is waiting, an empty round (``ADOPT``) admits it at
@@ -33,16 +39,18 @@ once instead of a period later.
 
 Example (periodic parameter averaging that survives a lost peer)::
 
-    rounds = Rounds(group, "avg", reduce=lambda kind, live: rounds.mean(scratch, names, codec, "avg"),
-                    apply=lambda kind: copy_into_params(scratch))
+    rounds = Rounds(group, "avg")
+    params = rounds.add(Round("params", reduce=lambda live: rounds.mean(scratch, names, codec, "avg"),
+                              apply=lambda: copy_into_params(scratch)))
     rounds.register(model, opt, codec)
     rounds.join()
-    rounds.run("params")
+    rounds.run(params)
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,29 +70,68 @@ class FailurePolicy(enum.Enum):
     AVERAGE_SURVIVORS = "average_survivors"
 
 
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Round:
+    """One kind of round: what it reduces, what it applies, what a failure costs.
+
+    Args:
+        name: unique among the runner's rounds; it travels with the healed
+            state, so a newcomer runs the round its peers are in.
+        reduce: ``reduce(contributes)`` issues the round's collectives into
+            scratch buffers (``contributes`` is False for a member healed in
+            this round: see :meth:`Rounds.mean`).
+        apply: ``apply()`` applies the round once it committed on every member.
+        policy: this round's :class:`FailurePolicy` (None: the runner's).
+        after_join: run once by :meth:`Rounds.join` after the first round
+            (on every member, newcomers included), e.g. to copy a healed
+            state into scratch buffers.
+
+    Example::
+
+        params = Round("params", reduce=lambda live: rounds.mean(scratch, names, codec, "avg"),
+                       apply=lambda: torch._foreach_copy_(weights, scratch))
+        rounds.add(params)
+        rounds.run(params)
+    """
+
+    name: str
+    reduce: Callable[[bool], None] = lambda contributes: None
+    apply: Callable[[], None] = _nothing
+    policy: FailurePolicy | None = None
+    after_join: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"a Round needs a non-empty name, got {self.name!r}")
+        if self.policy is not None and not isinstance(self.policy, FailurePolicy):
+            raise ConfigError(f"policy must be a FailurePolicy, got {self.policy!r}")
+
+
 class Rounds:
     """Runs one strategy's rounds on any group (see the module docstring).
 
     Args:
         group: the group (static or elastic).
         name: the strategy's name (prefix of the state keys it registers).
-        reduce: ``reduce(kind, contributes)`` issues a round's collectives into
-            scratch buffers (see :meth:`mean`).
-        apply: ``apply(kind)`` applies a committed round.
-        policy: :class:`FailurePolicy` of the rounds.
+        policy: :class:`FailurePolicy` of the rounds (a :class:`Round` may
+            name its own).
         max_attempts: tries per round under ``AVERAGE_SURVIVORS``; past them the
             round is skipped on every member alike (training goes on locally).
 
     Example::
 
-        rounds = Rounds(group, "diloco", reduce, apply)
-        rounds.register(model, opt, codec, get_state, load_state)
+        rounds = Rounds(group, "avg")
+        params = rounds.add(Round("params", reduce=average_into_scratch, apply=copy_scratch_in))
+        rounds.register(model, opt, codec)
         rounds.join()
-        committed = rounds.run("fragment:0")
+        committed = rounds.run(params)
     """
 
-    def __init__(self, group: Group, name: str, reduce: Callable[[str, bool], None],
-                 apply: Callable[[str], None], policy: FailurePolicy = FailurePolicy.AVERAGE_SURVIVORS,
+    def __init__(self, group: Group, name: str, policy: FailurePolicy = FailurePolicy.AVERAGE_SURVIVORS,
                  max_attempts: int = 3) -> None:
         if not isinstance(group, Group):
             raise ConfigError(f"Rounds needs a shoal Group, got {type(group).__name__}")
@@ -96,7 +143,7 @@ class Rounds:
         self._tries = max_attempts
         self.max_attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
         self.module: nn.Module | None = None   # registered by register(); broadcast by join() on a static group
-        self._reduce, self._apply = reduce, apply
+        self._rounds: dict[str, Round] = {}   # typed rounds by name (add)
         self.current = ADOPT      # the round in progress; healed, so a newcomer joins the same one
         self.last_kind = ADOPT    # the round the last run() ran
         self.commits = 0
@@ -129,6 +176,29 @@ class Rounds:
                              heal_load=lambda s: codec.load_state_dict(codec.newcomer_state(s)),
                              snapshot=codec.rollback_state)
 
+    def add(self, round: Round) -> Round:
+        """Make ``round`` one of this runner's rounds (every member adds the same ones); returns it.
+
+        A round named :data:`ADOPT` replaces the empty round's default (no
+        collective), e.g. with a strategy's own heal of this round's newcomers.
+        """
+        if not isinstance(round, Round):
+            raise ConfigError(f"add needs a Round, got {type(round).__name__}")
+        if round.name in self._rounds:
+            raise ConfigError(f"{self.name!r} already has a round named {round.name!r}: round names must be unique")
+        self._rounds[round.name] = round
+        return round
+
+    def _round(self, name: str) -> Round:
+        """The round named ``name`` (a healed newcomer knows only its peers' round's name)."""
+        found = self._rounds.get(name)
+        if found is not None:
+            return found
+        if name == ADOPT:
+            return _ADOPT
+        raise ConfigError(f"{self.name!r} has no round named {name!r} (its rounds: {sorted(self._rounds)}); "
+                          "every member must add the same rounds before join()")
+
     def _load_round(self, state: dict[str, Any]) -> None:
         self.current = str(state["kind"])
 
@@ -145,30 +215,40 @@ class Rounds:
         """
         (first or self._start_state)()
         self.run(ADOPT)
+        for r in self._rounds.values():
+            if r.after_join is not None:
+                r.after_join()
         return self.last_kind
 
     def _start_state(self) -> None:
         if self.module is not None:
             self.group.start_state(self.module, tag=f"{self.name}/init")
 
-    def run(self, kind: str, policy: FailurePolicy | None = None, admit: bool = True) -> bool:
-        """Run round ``kind`` until it commits (True) or its attempts failed (False).
+    def run(self, round: Round | str, policy: FailurePolicy | None = None, admit: bool = True) -> bool:
+        """Run ``round`` (a :class:`Round` or a round's name) until it commits (True) or its attempts failed (False).
 
-        ``policy`` (default: the runner's) applies to this round only: e.g.
+        ``policy`` (default: the round's, else the runner's) applies to this run only: e.g.
         ``DISCARD`` for a gradient mean among rounds that otherwise retry.
         ``admit=False``: no empty round admits a waiting newcomer right after
         this one (more of the same optimizer step follows, which a newcomer
         admitted now would miss); the next round admits it.
         """
+        kind = round.name if isinstance(round, Round) else round
+        if isinstance(round, Round) and self._rounds.get(kind) is not round:
+            raise ConfigError(f"round {kind!r} was not added to {self.name!r}: call rounds.add(round) in setup, "
+                              "on every member, so that a newcomer can run it by name")
+        if policy is None and isinstance(round, Round):
+            policy = round.policy
         attempts = self.max_attempts if policy is None else (1 if policy is FailurePolicy.DISCARD else self._tries)
         for _ in range(attempts):
             self.current = kind
             self.group.begin_step()
             kind = self.last_kind = self.current   # a newcomer just healed runs its peers' round
+            now = self._round(kind)
             contributes = self.contributes
-            self._reduce(kind, contributes)
+            now.reduce(contributes)
             if self.group.commit():
-                self._apply(kind)
+                now.apply()
                 self.commits += 1
                 self.contributed += int(contributes and kind != ADOPT)
                 self.current = ADOPT
@@ -210,14 +290,20 @@ class Rounds:
                 torch._foreach_mul_(list(tensors), g.size / live)
 
 
-def run_round(group: Group, fn: Callable[[], None], policy: FailurePolicy = FailurePolicy.DISCARD,
-              max_attempts: int = 3) -> bool:
+_ADOPT = Round(ADOPT)
+
+
+def run_round(group: Group, fn: Callable[[], None] | None = None,
+              policy: FailurePolicy = FailurePolicy.DISCARD, max_attempts: int = 3) -> bool:
     """Run one round ``fn`` on ``group`` under ``policy``; True if it committed.
 
     ``fn`` issues the round's collectives and writes their results in place;
     state it changes must be registered with ``rollback=True`` so that a
     failed attempt leaves no trace before the next one. The one-off form of
-    :class:`Rounds`, for code outside a strategy.
+    :class:`Rounds`, for code outside a strategy. Without ``fn`` it is the
+    vote that ends a step whose collectives already ran (a DDP step's
+    gradient means): the step's verdict, always True on a static group, and
+    the one place outside :class:`Rounds` where a strategy votes.
 
     Example (periodic parameter averaging that survives a lost peer)::
 
@@ -234,8 +320,9 @@ def run_round(group: Group, fn: Callable[[], None], policy: FailurePolicy = Fail
         raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
     attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
     for _ in range(attempts):
-        group.begin_step()
-        fn()
+        group.begin_step()      # a step with no collective still needs a quorum to vote in
+        if fn is not None:
+            fn()
         if group.commit():
             return True
     return False

@@ -13,6 +13,7 @@ from shoal.errors import ConfigError
 from shoal.parallel import DistributedDataParallel
 from shoal.strategies.base import Strategy
 from shoal.membership.catchup import OptimizerReplay
+from shoal.strategies.rounds import run_round
 
 
 class Sync(Strategy):
@@ -67,8 +68,7 @@ class Sync(Strategy):
         """End the step: its verdict (always True on a static group; elastic: False drops it everywhere)."""
         if self.group is None:
             raise ConfigError("Sync is not set up: use shoal.wrap(model, optimizer, strategy)")
-        self.group.begin_step()   # a step with no collective still needs a quorum to vote in
-        return self.group.commit()
+        return run_round(self.group)
 
     def after_step(self) -> None:
         self._mark_step()
