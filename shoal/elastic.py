@@ -73,9 +73,7 @@ class ElasticOptimizer:
         self.group = group
         name = group.unique_name(key)
         group.register_state(name, optimizer.state_dict, optimizer.load_state_dict)
-        register_replay = getattr(group, "register_replay", None)   # elastic: a background heal replays steps
-        if register_replay is not None:
-            register_replay(OptimizerReplay(optimizer, name))
+        group.register_replay(OptimizerReplay(optimizer, name))   # elastic: a background heal replays steps
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """End the step: run the inner optimizer if it commits (always, on a static group); its verdict."""

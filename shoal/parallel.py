@@ -256,14 +256,12 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
     def _refuse_background_heal(self, reducer_codec: Codec | None) -> None:
         """A codec's means (a two-level one's too) count every member: no quorum with a non-contributor
         (shoal.membership.catchup), always with a codec, in quorums that span hosts when automatic."""
-        catchup = getattr(self.group, "catchup", None)
         per_quorum = self._per_quorum
-        if catchup is None:
-            return
         if reducer_codec is not None:
-            catchup.refuse("shoal DDP with a codec or a two-level reduction (its means count every member)")
+            self.group.refuse_background_heal("shoal DDP with a codec or a two-level reduction (its means count "
+                                              "every member)")
         elif per_quorum is not None:
-            catchup.refuse("shoal DDP's two-level reduction in a quorum that spans hosts",
+            self.group.refuse_background_heal("shoal DDP's two-level reduction in a quorum that spans hosts",
                            lambda: bool(per_quorum.levels(self.group).topology.is_hierarchical()))
 
     def _reduction_codec(self, codec: Codec | None, hierarchical: bool | None) -> Codec | None:

@@ -255,8 +255,7 @@ class Reducer:
 
     def _weigh(self, b: _Bucket) -> None:
         """Pre-divide the bucket by the contributors (a joiner still catching up contributes zeros)."""
-        contribution = getattr(self.group, "contribution", None)   # elastic groups: shoal.membership.catchup
-        mine, contributors = contribution() if contribution is not None else (True, self.group.size)
+        mine, contributors = self.group.contribution()   # a joiner catching up counts zero (membership.catchup)
         if contributors != self.group.size and (self.codec is not None or self.comm_hook is not None):
             raise ConfigError("a joiner is catching up in the background (SHOAL_HEAL=background), which shoal's "
                               "DDP supports without a codec or comm hook only: their means count every member; "

@@ -370,17 +370,16 @@ class ElasticGroup(ElasticCollectives):
         self.newcomers = plan.newcomers
         self._fresh = False
 
+    # The background heal (shoal.membership.catchup): a joiner catching up counts zero in the means; replays
+    # what it received while downloading; components that cannot have a non-contributor make quorums heal blocking.
     def contribution(self) -> tuple[bool, int]:
-        """(whether this member's data counts in this step's means, how many members' data does).
-
-        A joiner still catching up in the background counts zero (see
-        :mod:`shoal.membership.catchup`); otherwise every member counts.
-        """
         return self.catchup.contribution()
 
     def register_replay(self, replayer: Replayer) -> None:
-        """Let a background heal replay the updates a joiner receives while it downloads (see catchup)."""
         self.catchup.register(replayer)
+
+    def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
+        self.catchup.refuse(why, when)
 
     def _blob(self) -> torch.Tensor:
         return state_blob(self.hooks.states)

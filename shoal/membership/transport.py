@@ -298,6 +298,18 @@ class ElasticCollectives(abc.ABC):
         """Make this step fail on every member (e.g. a NaN found outside shoal)."""
         self._record(err)
 
+    # --- the background heal (shoal.membership.catchup): ElasticGroup overrides these; a subgroup has none -----------------------
+    def contribution(self) -> tuple[bool, int]:
+        """(whether this member's data counts in this step's means, how many members' data does): every
+        member's, here (an elastic group's joiner catching up in the background counts zero)."""
+        return True, self.size
+
+    def register_replay(self, replayer: Any) -> None:
+        """Nothing here: only an elastic group's background heal replays the updates a joiner received."""
+
+    def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
+        """Nothing here: only an elastic group heals joiners in the background (SHOAL_HEAL=background)."""
+
     def start_state(self, module: nn.Module, named_params: list[tuple[str, Any]] | None = None,
                     tag: str = "init", buffers: bool = True) -> None:
         """Nothing: an elastic group has no members yet; its first quorum's heal gives newcomers the state."""

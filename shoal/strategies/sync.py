@@ -59,9 +59,7 @@ class Sync(Strategy):
         ddp = DistributedDataParallel(model, process_group=group, codec=self.codec, **self._ddp_kwargs)
         key = group.unique_name("ddp/optimizer")
         group.register_state(key, optimizer.state_dict, optimizer.load_state_dict)
-        register_replay = getattr(group, "register_replay", None)   # elastic: a background heal replays steps
-        if register_replay is not None:
-            register_replay(OptimizerReplay(optimizer, key))
+        group.register_replay(OptimizerReplay(optimizer, key))   # elastic: a background heal replays steps
         return ddp
 
     def before_step(self) -> bool | None:
