@@ -116,6 +116,9 @@ class MemberClient:
         # until the next quorum); ``_record``/``_last_q`` are what a re-announcement to a restarted one proves.
         self.down = threading.Event()
         self.lost_prefix: str | None = None
+        # The quorum this member was in when a coordinator that came back did not take it back: dropped
+        # (e.g. cut off by a partition), so no vote of that quorum may commit any more (see vote.Ballot).
+        self.dropped_prefix: str | None = None
         self._lost_at = 0.0
         self._rejoin = False            # a restarted coordinator did not take this id back: join anew
         self._record: dict[str, Any] = {}
@@ -224,6 +227,7 @@ class MemberClient:
                 return True
             log.warning("the coordinator at %s is back but did not take member %d back (%s): joining anew "
                         "(this worker is healed like a newcomer)", self.address, member_id, verdict)
+            self.dropped_prefix = self.lost_prefix
             self._rejoin = True
             return False
         return False

@@ -81,6 +81,11 @@ class QuorumParent(Protocol):
     def before_begin_step(self, fn: Callable[[], None]) -> None: ...
     def unique_name(self, name: str) -> str: ...
     def leave(self, finished: bool | None = None) -> None: ...
+    @property
+    def size(self) -> int: ...
+    def contribution(self) -> tuple[bool, int]: ...
+    def register_replay(self, replayer: Any) -> None: ...
+    def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None: ...
 
 
 def member_infos(client: MemberClient, q: Quorum) -> list[MemberInfo]:
@@ -189,6 +194,21 @@ class ElasticSubgroup(ElasticCollectives):
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.parent.on_commit(fn)
+
+    # The background heal is the parent's (shoal.membership.catchup): refusals and replays go to it; a
+    # subgroup's means count every member, so one used while a joiner catches up is refused, never wrong.
+    def register_replay(self, replayer: Any) -> None:
+        self.parent.register_replay(replayer)
+
+    def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
+        self.parent.refuse_background_heal(why, when)
+
+    def contribution(self) -> tuple[bool, int]:
+        if self.parent.contribution()[1] != self.parent.size:
+            raise ConfigError(f"elastic subgroup {self.name!r}: a joiner is catching up in the background "
+                              "(SHOAL_HEAL=background) and a subgroup's means count every member; run with "
+                              "SHOAL_HEAL=blocking (the default)")
+        return True, self.size
 
     def unique_name(self, name: str) -> str:
         """A name not yet taken on the parent (the registry of states and names is the parent's)."""

@@ -104,6 +104,8 @@ class Ballot:
     def vote(self, q: Quorum, step: int, size: int) -> str:
         """``"commit:<latest quorum id>"`` or ``"discard"``: the same string on every member of ``q``
         (without the coordinator: see :func:`peer_vote` for what a peer lost during the vote does)."""
+        if self.client.dropped_prefix == q.prefix:
+            return "discard"                  # the coordinator dropped this quorum: rejoin, never commit on it
         alone = self.failures.error is None and size == 1
         if alone and self.client.lost_prefix == q.prefix:
             return f"commit:{q.qid}"          # the coordinator is down: a quorum of one trains on

@@ -140,6 +140,8 @@ class Rounds:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
         self.group, self.name = group, name
+        # Its rounds' means count every member: a joiner still downloading in the background has no state yet.
+        group.refuse_background_heal(f"the rounds of {name!r} mean every member")
         self._tries = max_attempts
         self.max_attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
         self.module: nn.Module | None = None   # registered by register(); broadcast by join() on a static group
@@ -318,6 +320,8 @@ def run_round(group: Group, fn: Callable[[], None] | None = None,
         raise ConfigError(f"policy must be a FailurePolicy, got {policy!r}")
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
         raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+    if fn is not None:   # its collectives count every member: a joiner still downloading has no state yet
+        group.refuse_background_heal("a round of collectives (run_round with a function) means every member")
     attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
     for _ in range(attempts):
         group.begin_step()      # a step with no collective still needs a quorum to vote in

@@ -126,3 +126,24 @@ def test_misuse_is_refused_with_what_to_do(world: None) -> None:
     with pytest.raises(ConfigError, match="FailurePolicy"):
         Rounds(_group([]), "u", lambda kind, live: None)   # type: ignore[arg-type]  # the untyped form is gone
     assert rounds.run(r, admit=False)
+
+
+def test_a_round_of_collectives_refuses_the_background_heal() -> None:
+    # A joiner still downloading in the background (SHOAL_HEAL=background) has no state yet: a round that
+    # means every member's tensors must make the quorum heal blocking (the vote-only run_round need not).
+    from shoal.strategies.rounds import run_round
+
+    class _Group:
+        refusals: list[str] = []
+
+        def refuse_background_heal(self, why: str, when: object = None) -> None:
+            self.refusals.append(why)
+
+        def begin_step(self) -> None: ...
+
+        def commit(self) -> bool:
+            return True
+
+    g = _Group()
+    assert run_round(g) and g.refusals == []                      # type: ignore[arg-type]
+    assert run_round(g, lambda: None) and len(g.refusals) == 1    # type: ignore[arg-type]

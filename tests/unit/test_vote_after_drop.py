@@ -19,6 +19,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Coordinator, Quorum, Timeouts, Trace
@@ -94,5 +95,28 @@ def test_a_live_quorum_still_commits() -> None:
         assert verdicts[0] == verdicts[1] and verdicts[0].startswith("commit:"), verdicts
         for c in clients:
             c.leave()
+    finally:
+        coord.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_quorum_cut_off_past_the_heartbeat_timeout_never_commits_once_the_coordinator_answers(size: int) -> None:
+    # The heartbeat thread took the cut-off for a dead coordinator (it cannot tell them apart) and its
+    # members went on voting without the store. When the link returns, the live coordinator does not take
+    # them back (it dropped them): from then on no vote of that quorum may commit (before the fix a quorum
+    # of one committed alone for good, and a larger one by peer vote, beside the run going on elsewhere).
+    coord = Coordinator(port=0, initial_workers=size, token=TOKEN).start()
+    try:
+        clients, q = _members(coord, size)
+        _cut_off(clients)
+        for c in clients:
+            c.abort.watch(q.prefix)
+            assert c._outage(c.member_id, threading.Event(), ConnectionError("link down")) is False
+            assert c.lost_prefix == q.prefix and c.dropped_prefix == q.prefix and not c.down.is_set()
+        group = (lambda: (None, 0, torch.device("cpu")))
+        verdicts = [Ballot(c, TIMEOUTS, Failures(c, lambda: q.prefix, Trace()), group).vote(q, 0, size)
+                    for c in clients]
+        assert verdicts == ["discard"] * size, verdicts
     finally:
         coord.stop()
