@@ -200,13 +200,19 @@ class ElasticSupervisor(_Supervisor):
         self._next_check = elapsed + 0.2
         if self._run_over():
             for w in self.workers:
-                if w.code is None:
+                if w.code is None and not self._finished(w):   # one that finished its part is leaving
                     self.note(f"the run is over (its workers finished); stopping rank {w.rank}, which has not "
                               "trained in it")
                     try:
                         os.killpg(w.proc.pid, signal.SIGTERM)
                     except ProcessLookupError:
                         pass
+
+    def _finished(self, w: _Worker) -> bool:
+        try:
+            return bool(self.end is not None and self.end.finished(self.label(w.rank), self._life(w)))
+        except Exception:  # noqa: BLE001 - the coordinator is gone: stop it as before
+            return False
 
     def on_tick(self, elapsed: float) -> None:
         self._stop_if_over(elapsed)

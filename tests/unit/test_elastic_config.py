@@ -78,6 +78,9 @@ class _FakeGroup:
     def begin_step(self) -> None:
         self.calls.append("start")
 
+    def refuse_background_heal(self, why: str, when: object = None) -> None:
+        self.calls.append("refuse")
+
     def commit(self) -> bool:
         self.calls.append("vote")
         return self.verdicts.pop(0)
@@ -86,7 +89,7 @@ class _FakeGroup:
 def test_run_round_policies() -> None:
     g = _FakeGroup([False, True])
     assert run_round(g, lambda: g.calls.append("fn"), FailurePolicy.AVERAGE_SURVIVORS)  # type: ignore[arg-type]
-    assert g.calls == ["start", "fn", "vote", "start", "fn", "vote"]
+    assert g.calls == ["refuse", "start", "fn", "vote", "start", "fn", "vote"]
     g = _FakeGroup([False, True])
     assert not run_round(g, lambda: None, FailurePolicy.DISCARD)  # type: ignore[arg-type]
-    assert g.calls == ["start", "vote"]
+    assert g.calls == ["refuse", "start", "vote"]
