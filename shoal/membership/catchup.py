@@ -183,8 +183,10 @@ class CatchUp:
 
     def refuse(self, why: str, when: Callable[[], bool] | None = None) -> None:
         """A component that cannot have a non-contributor among its members (whenever ``when()`` is True,
-        asked at each quorum's plan; default: always): those quorums heal blocking."""
-        self.refusals.append((why, when))
+        asked at each quorum's plan; default: always): those quorums heal blocking. Asked again with the
+        same ``why`` (a round run every few steps), it is kept once."""
+        if all(w != why for w, _ in self.refusals):
+            self.refusals.append((why, when))
 
     def column(self) -> tuple[int, bool]:
         """This member's entries of the heal plan's table: the heal it downloads (-1: none), capable."""

@@ -115,3 +115,17 @@ def test_a_snapshot_nobody_wants_any_more_is_dropped() -> None:
     server.keep({(7, 4)})            # joiner 9 left the quorum (died, or is needy again under a new heal)
     assert server.holding() == []
     server.close()
+
+
+def test_a_refusal_asked_every_round_is_kept_once() -> None:
+    # run_round(group, fn) refuses the background heal at every round: the list must not grow with the run.
+    from shoal.membership.catchup import CatchUp
+
+    class _Group:
+        def on_commit(self, fn: Any) -> None: ...
+
+    c = CatchUp(_Group())
+    for _ in range(100):
+        c.refuse("a round of collectives means every member")
+    c.refuse("shoal DDP with a codec")
+    assert [w for w, _ in c.refusals] == ["a round of collectives means every member", "shoal DDP with a codec"]
