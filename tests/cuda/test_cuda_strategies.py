@@ -14,7 +14,10 @@ pytestmark = needs_cuda
 @pytest.mark.parametrize("name", sorted(set(W.STRATEGIES) - {"hierarchical-4"}))
 def test_strategy_on_nccl(name: str) -> None:
     _, _, equal = W.STRATEGIES[name]
-    for r in run_nccl(W.wrapped, 2, name):
+    # DASO refuses a host of one worker among several (daso_schedule.check_hosts): its two ranks share one
+    # host here; test_strategy_on_two_hosts_of_two_ranks runs it across hosts.
+    per_host = 2 if name.startswith("daso") else 1
+    for r in run_nccl(W.wrapped, 2, name, per_host=per_host):
         assert r["finite"] == 1.0, r
         if equal:   # the schedule ends on a synchronisation: every rank holds the same parameters
             assert r["spread"] <= 1e-6, r
