@@ -149,7 +149,12 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             message (docs/codecs.md). ``torch.amp.GradScaler`` works
             unchanged: its ``unscale_`` sees the same Inf on every rank,
             skips the step and lowers its scale. Gradients accumulated under
-            ``no_sync()`` are dropped with the step. ``False``: no check.
+            ``no_sync()`` are dropped with the step. The verdict is read on
+            the host (a sync) only when an optimizer needs it: torch's fused
+            Adam/AdamW (and fused SGD once its momentum exists) get it as
+            their ``found_inf`` and skip on the device, and the warning then
+            comes at the next forward (on an H100 the host read cost ~5 % of
+            a small GPT's step: docs/BENCHMARKS.md). ``False``: no check.
 
     Example::
 

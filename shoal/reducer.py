@@ -124,7 +124,6 @@ class Reducer:
         # gradients are not finite: ZeroRedundancyOptimizer undoes the buckets it stepped.
         self.on_nonfinite: Callable[[], None] | None = None
         self.skip_nonfinite = True
-        self.last_nonfinite = False  # the verdict of the last synchronised backward
         self.verdict = StepVerdict(self.params)  # honoured at the next optimizer step
         self._done_thread: ThreadPoolExecutor | None = None
         self._done_tasks: list[ThreadFuture] = []
@@ -360,16 +359,25 @@ class Reducer:
                 b.buffer.copy_(result.view(-1))
         # Only after every bucket is done: no collective may race the comm thread's.
         globally_used = self._global_usage() if self.find_unused else None
-        self.last_nonfinite = self.skip_nonfinite and self._nonfinite()
-        if self.last_nonfinite:
+        deferred = self.skip_nonfinite and self.on_nonfinite is None and self.group.error is None
+        bad = self.skip_nonfinite and not deferred and self._nonfinite()
+        if bad:
             self._skip_step()
         for b in self.buckets:
             self._write_grads(b, globally_used)
-        if self.skip_nonfinite:
-            self.verdict.set(self.last_nonfinite)
+        if deferred:   # read when an optimizer needs it, or not at all (shoal.nonfinite, "read only when needed")
+            self.verdict.defer(nonfinite_flag([b.buffer for b in self.buckets]), self._skip_step)
+        elif self.skip_nonfinite:
+            self.verdict.set(bad)
         self._used[:] = bytes(len(self._used))  # in place: the hooks hold this bytearray
         if self.on_step_done is not None:
             self.on_step_done()
+
+    @property
+    def last_nonfinite(self) -> bool:
+        """The verdict of the last synchronised backward, until the optimizer step consumes a
+        finite one (reads a deferred verdict now: one host read)."""
+        return bool(self.verdict.resolve())
 
     def _nonfinite(self) -> bool:
         """Whether the averaged gradients hold a NaN/Inf: one fused check, one host read,

@@ -36,6 +36,10 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if kind == "adam":
         return torch.optim.Adam(params, lr=1e-3)
+    if kind == "adamw-fused":   # skips on the device, given found_inf (shoal.nonfinite)
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if kind == "sgd-fused":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
     raise ValueError(kind)
 
 

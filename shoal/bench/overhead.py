@@ -40,6 +40,13 @@ from shoal.testing import run_workers
 
 TASKS = ("mlp", "transformer", "gpt")
 COLUMNS = ("bare", "shoal", "torch")
+# The same optimizer in every column. The fused ones skip a non-finite step on the device, so shoal's
+# DDP reads its verdict without a host sync there (shoal.nonfinite); plain SGD needs the host read.
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=1e-3, fused=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+}
 
 
 def mlp() -> nn.Module:
@@ -148,26 +155,27 @@ def _order(r: int) -> list[str]:
     return order
 
 
-def _worker(rank: int, world: int, work: Workload, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
+def _worker(rank: int, world: int, work: Workload, steps: int, rounds: int, warmup: int,
+            optimizer: str = "sgd") -> dict[str, Any]:
     gpu: int | None = _join_nccl(rank, world, 600.0) if work.device == "cuda" else None
     try:
         work = Workload(work.task, work.batch, work.context, work.gpt_size,
                         "cpu" if gpu is None else f"cuda:{gpu}")
-        return _measure(rank, world, work, steps, rounds, warmup, gpu)
+        return _measure(rank, world, work, steps, rounds, warmup, gpu, optimizer)
     finally:
         if gpu is not None and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _measure(rank: int, world: int, work: Workload, steps: int, rounds: int, warmup: int,
-             gpu: int | None) -> dict[str, Any]:
+             gpu: int | None, optimizer: str = "sgd") -> dict[str, Any]:
     torch.manual_seed(0)
     base = work.build().to(work.device)
     ids = None if gpu is None else [gpu]
     ours = shoal.DistributedDataParallel(copy.deepcopy(base), device_ids=ids)
     models: dict[str, nn.Module] = {"bare": copy.deepcopy(base), "shoal": ours,
                                     "torch": TorchDDP(copy.deepcopy(base), device_ids=ids)}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    opts = {k: OPTIMIZERS[optimizer](m.parameters()) for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in COLUMNS}
     losses: dict[str, list[float]] = {k: [] for k in COLUMNS}
     for k in COLUMNS:  # warm-up: allocator, connections, kernel choice
@@ -208,6 +216,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=0, help="rows per rank and step (default: the task's; gpt 16)")
     ap.add_argument("--context", type=int, default=0,
                     help="tokens per row for transformer/gpt (default: 64; gpt: the size's context, 256)")
+    ap.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd",
+                    help="the optimizer of every column (default sgd; the fused ones skip a non-finite step on "
+                         "the device, so shoal reads its verdict without a host sync)")
     ap.add_argument("--json", help="write results here")
     return ap
 
@@ -255,14 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     backend = "NCCL" if args.device == "cuda" else "gloo on loopback"
     print(f"device {args.device} ({backend}); {args.rounds} rotating blocks of {args.steps} steps per column "
-          f"after {args.warmup} warm-up steps; ms = median step time per rank")
+          f"after {args.warmup} warm-up steps, optimizer {args.optimizer}; ms = median step time per rank")
     print(f"{'task':<12} {'world':>5} {'params':>11} {'bare ms':>8} {'shoal ms':>9} {'torch ms':>9} "
           f"{'shoal/torch':>11} {'shoal/bare':>10} {'torch/bare':>10} {'shoal loss':>10} {'torch loss':>10} "
           f"{'MB/step':>8} {'formula MB':>10} {'bytes':>5}", flush=True)
     for world in worlds:
         for task in tasks:
             work = Workload(task, args.batch, args.context, args.gpt_size, args.device)
-            r = run_workers(_worker, world, work, args.steps, args.rounds, args.warmup, timeout=1800,
+            r = run_workers(_worker, world, work, args.steps, args.rounds, args.warmup, args.optimizer, timeout=1800,
                             init_group=args.device == "cpu")[0]
             med = r["median_s"]
             batch, context = work.shape()
@@ -280,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
-                       "torch": torch.__version__, "results": results}, f, indent=2)
+                       "optimizer": args.optimizer, "torch": torch.__version__, "results": results}, f, indent=2)
     return 0
 
 

@@ -45,13 +45,31 @@ def _params(module: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
+def _count_host_reads() -> Callable[[], int]:
+    """Count the verdict's host reads (shoal.comm.finite.read_flag, as the reducer and shoal.nonfinite call it)."""
+    import shoal.nonfinite
+    import shoal.reducer
+    calls = [0]
+    for mod in (m for m in (shoal.reducer, shoal.nonfinite) if hasattr(m, "read_flag")):
+        def counted(flag: torch.Tensor, read: Callable[[torch.Tensor], bool] = mod.read_flag) -> bool:
+            calls[0] += 1
+            return read(flag)
+        mod.read_flag = counted   # type: ignore[attr-defined]
+    return lambda: calls[0]
+
+
 def _loop(model: nn.Module, opt: Any, rank: int, value: float | None, omit: bool = False,
-          micro: int = 1, sync: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """Train STEPS steps; at BAD rank 1 poisons fc1.weight's gradient (value) or the step is omitted."""
+          micro: int = 1, sync: Callable[[], None] = lambda: None,
+          reads: Callable[[], int] | None = None) -> dict[str, Any]:
+    """Train STEPS steps; at BAD rank 1 poisons fc1.weight's gradient (value) or the step is omitted.
+    ``reads_in_step``: host reads of the verdict between the last backward's start and opt.step()'s end."""
     module = model.module if hasattr(model, "module") else model
     target = module.fc1.weight
     g = torch.Generator().manual_seed(100 + rank)
     out: dict[str, Any] = {"finite": True}
+    count = reads or (lambda: 0)
+    if reads is not None:
+        out["reads_in_step"] = 0
     for step in range(STEPS):
         batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(micro)]
         if step == BAD and omit:
@@ -62,8 +80,12 @@ def _loop(model: nn.Module, opt: Any, rank: int, value: float | None, omit: bool
             before = _params(module)
         for m, (x, y) in enumerate(batches):
             with model.no_sync() if m < micro - 1 else nullcontext():
-                F.mse_loss(model(x), y).backward()
+                loss = F.mse_loss(model(x), y)
+                seen = count()
+                loss.backward()
         opt.step()
+        if reads is not None:
+            out["reads_in_step"] += count() - seen
         opt.zero_grad()
         if handle is not None:
             handle.remove()
@@ -85,7 +107,8 @@ def _ddp_case(rank: int, base: nn.Module, value: float, opt_kind: str, ddp_kw: d
         ref.register_comm_hook(None, hook)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = _loop(ours, make_optimizer(opt_kind, ours.parameters()), rank, value, micro=micro)
+        res = _loop(ours, make_optimizer(opt_kind, ours.parameters()), rank, value, micro=micro,
+                    reads=_count_host_reads())
     res["warned"] = sum("NaN/Inf" in str(w.message) for w in caught)
     _loop(ref, make_optimizer(opt_kind, ref.parameters()), rank, None, omit=True, micro=micro)
     res["vs_ref"] = max_diff(ours.module, ref.module)
@@ -171,6 +194,11 @@ def _worker(rank: int, world: int, which: str) -> dict[str, Any]:
         if which == "ddp":
             out[f"sgd/{vname}"] = _ddp_case(rank, base, value, "sgd", {})
             out[f"adam/{vname}"] = _ddp_case(rank, base, value, "adam", {"bucket_cap_mb": CAP_MB})
+            # Skipped on the device, no host read before the step; fused SGD reads at its first step
+            # only (its momentum buffers do not exist yet: skipping there on the device is not exact).
+            for fused, reads in (("adamw-fused", 0), ("sgd-fused", 1)):
+                out[f"{fused}/{vname}"] = dict(_ddp_case(rank, base, value, fused, {"bucket_cap_mb": CAP_MB}),
+                                               expected_reads=reads)
             out[f"view_nosync/{vname}"] = _ddp_case(rank, base, value, "adam",
                                                     {"gradient_as_bucket_view": True}, micro=2)
             if vname == "inf":
@@ -206,6 +234,10 @@ def _check(results: list[dict[str, Any]], tol: float = 1e-6) -> None:
                 assert r["vs_ref"] <= tol, f"{where}: differs from a run without the bad step by {r['vs_ref']:.3g}"
             if "scale" in r:  # the scaler skipped the Inf step and halved its scale, as under torch's DDP
                 assert r["scale"][0] == r["scale"][1] == 2.0**7, f"{where}: scales {r['scale']}"
+            if "expected_reads" in r:   # a fused optimizer took the verdict as found_inf, unread
+                assert r["reads_in_step"] == r["expected_reads"], f"{where}: {r['reads_in_step']} host reads in steps"
+            elif "reads_in_step" in r:   # any other optimizer reads it once per step, at its step
+                assert r["reads_in_step"] == STEPS, f"{where}: {r['reads_in_step']} host reads in {STEPS} steps"
             if "warned" in r:
                 assert r["warned"] == 1, f"{where}: {r['warned']} warnings about the skipped step, expected 1"
             if "moved" in r:
