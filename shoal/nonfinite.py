@@ -56,9 +56,9 @@ class _Pending:
     """A verdict flag not read yet: a 0/1 float32 copy for ``found_inf``, and a host copy
     made without a sync (CUDA: pinned memory and an event), read by :meth:`read`."""
 
-    def __init__(self, flag: torch.Tensor, on_bad: Callable[[], None]) -> None:
+    def __init__(self, flag: torch.Tensor, on_bad: Callable[[], None], void: Callable[[], bool]) -> None:
         self.unit = (flag > 0).to(torch.float32)
-        self.on_bad = on_bad
+        self.on_bad, self.void = on_bad, void
         self._flag = flag
         self._event: Any = None
         if flag.device.type == "cuda":
@@ -95,11 +95,14 @@ class StepVerdict:
     def set(self, nonfinite: bool) -> None:
         self.value, self._pending = nonfinite, None
 
-    def defer(self, flag: torch.Tensor, on_bad: Callable[[], None]) -> None:
+    def defer(self, flag: torch.Tensor, on_bad: Callable[[], None],
+              void: Callable[[], bool] = lambda: False) -> None:
         """The verdict as an unread device flag (``> 0``: skip); ``on_bad`` (warn, count) runs
         once, when it is read and says skip. An optimizer that skips on the device gets it
-        as ``found_inf`` with no host read (module docstring)."""
-        self.value, self._pending = None, _Pending(flag, on_bad)
+        as ``found_inf`` with no host read (module docstring). ``void()`` true at the read:
+        the step failed since (an elastic group's collective), its vote discards it, and the
+        flag, computed from what the failed collective left, is not a verdict: finite."""
+        self.value, self._pending = None, _Pending(flag, on_bad, void)
 
     @property
     def pending(self) -> bool:
@@ -109,7 +112,7 @@ class StepVerdict:
         """The verdict, reading a deferred flag now (one host read) if there is one."""
         if self._pending is not None:
             p, self._pending = self._pending, None
-            self.value = p.read()
+            self.value = p.read() and not p.void()
             if self.value:
                 p.on_bad()
         return self.value

@@ -366,7 +366,8 @@ class Reducer:
         for b in self.buckets:
             self._write_grads(b, globally_used)
         if deferred:   # read when an optimizer needs it, or not at all (shoal.nonfinite, "read only when needed")
-            self.verdict.defer(nonfinite_flag([b.buffer for b in self.buckets]), self._skip_step)
+            self.verdict.defer(nonfinite_flag([b.buffer for b in self.buckets]), self._skip_step,
+                               void=lambda: self.group.error is not None)
         elif self.skip_nonfinite:
             self.verdict.set(bad)
         self._used[:] = bytes(len(self._used))  # in place: the hooks hold this bytearray

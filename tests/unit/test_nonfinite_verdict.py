@@ -126,3 +126,16 @@ def test_a_found_inf_set_by_a_grad_scaler_is_left_alone_and_a_failed_step_leaves
     broken.step()              # no verdict now: the stale loan (a skip) is taken back first, so this step moves
     assert not hasattr(broken, "found_inf")
     assert not any(torch.equal(x, p) for x, p in zip(before, b.parameters())), "a stale found_inf skipped a step"
+
+
+def test_a_deferred_verdict_of_a_step_that_failed_since_is_no_verdict() -> None:
+    # An elastic step whose collective failed after backward is discarded by its vote; the flag was
+    # computed from what the failed collective left in the buffers and must not warn, count or drop.
+    a, _ = _model()
+    failed = [False]
+    warned: list[int] = []
+    verdict = StepVerdict(list(a.parameters()))
+    verdict.defer(torch.tensor(1.0), lambda: warned.append(1), void=lambda: failed[0])
+    failed[0] = True
+    assert verdict.resolve() is False and warned == []
+    verdict.expire()
