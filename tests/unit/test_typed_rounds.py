@@ -231,3 +231,37 @@ def test_rounds_in_flight_and_their_misuse(world: None) -> None:
     with pytest.raises(ConfigError, match="DISCARD"):
         Round("x", land=lambda: None, policy=FailurePolicy.AVERAGE_SURVIVORS)
     assert flying.in_flight and not params.in_flight and log == []
+
+
+
+def test_localsgd_rounds_keep_their_own_scratch_and_a_discard_drops_it(world: None) -> None:
+    # Each of LocalSGD's rounds holds its state from reduce to apply in typed fields of its own (no shared
+    # tuple): a discarded attempt's scratch is dropped before the retry, whose scratch is applied.
+    import torch
+    from torch import nn
+
+    import shoal
+    from shoal.strategies.localsgd import _Scratch
+
+    g = _group([True, False, True])     # the join's round; the averaging's first attempt fails, its retry commits
+    net = nn.Linear(2, 1)
+    _, opt = shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), shoal.LocalSGD(period=2),
+                        process_group=g)
+    rounds = opt.strategy._rounds
+    held = {name: [c.cell_contents for c in (r.apply.__closure__ or ()) if isinstance(c.cell_contents, _Scratch)]
+            for name, r in rounds.items()}
+    assert sorted(held) == ["grad", "local_grad", "params"] and all(len(v) == 1 for v in held.values()), held
+    assert len({id(v[0]) for v in held.values()}) == 3           # one state per round
+    params = held["params"][0]
+    seen: list[bool] = []
+
+    def at_begin() -> None:             # runs inside each attempt's begin_step
+        seen.append(params.ready)
+        g.heal = at_begin
+
+    g.heal = at_begin
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert seen == [False, False]       # the failed attempt's scratch was dropped before the retry began
+    assert g.calls[-4:] == ["begin", "vote", "begin", "vote"] and opt.strategy.rounds.commits == 2
+    assert not any(v[0].ready for v in held.values())              # applied: nothing held past the round
