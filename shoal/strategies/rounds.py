@@ -107,12 +107,27 @@ class Round:
             and ``land()`` waits for it when :meth:`Rounds.land` votes the
             round (its policy is ``DISCARD``).
 
-    Example::
+    Example (the parameters' mean over the live members, applied once every member committed)::
 
-        params = Round("params", reduce=lambda live: rounds.mean(scratch, names, codec, "avg"),
-                       apply=lambda: torch._foreach_copy_(weights, scratch))
-        rounds.add(params)
-        rounds.run(params)
+        import torch
+        from shoal import Round, Rounds
+        from shoal.codecs import Identity
+
+        rounds = Rounds(group, "avg")
+        scratch = [p.detach().clone() for p in params]
+
+        def reduce(contributes: bool) -> None:     # collectives into scratch only
+            torch._foreach_copy_(scratch, [p.detach() for p in params])
+            rounds.mean(scratch, names, Identity(), "avg/params")
+
+        def apply() -> None:                       # committed on every member
+            with torch.no_grad():
+                torch._foreach_copy_(params, scratch)
+
+        average = rounds.add(Round("params", reduce=reduce, apply=apply))
+        rounds.register(model, optimizer)          # what a newcomer heals
+        rounds.join()
+        rounds.run(average)                        # True: committed and applied everywhere
     """
 
     name: str

@@ -265,3 +265,15 @@ def test_localsgd_rounds_keep_their_own_scratch_and_a_discard_drops_it(world: No
     assert seen == [False, False]       # the failed attempt's scratch was dropped before the retry began
     assert g.calls[-4:] == ["begin", "vote", "begin", "vote"] and opt.strategy.rounds.commits == 2
     assert not any(v[0].ready for v in held.values())              # applied: nothing held past the round
+
+
+def test_the_round_building_blocks_are_public() -> None:
+    import shoal
+    import shoal.strategies as strategies
+    from shoal.strategies import rounds as module
+
+    assert shoal.Round is strategies.Round is module.Round and shoal.Rounds is strategies.Rounds is module.Rounds
+    assert strategies.FailurePolicy is module.FailurePolicy and strategies.run_round is module.run_round
+    assert {"Round", "Rounds"} <= set(shoal.__all__) and {"Round", "Rounds", "FailurePolicy"} <= set(strategies.__all__)
+    for obj in (module.Round, module.Rounds, module.run_round):
+        assert "Example" in (obj.__doc__ or ""), obj
