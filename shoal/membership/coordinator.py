@@ -82,8 +82,9 @@ from shoal.errors import AuthError, ConfigError, ShoalError
 
 _TICK_S = 0.02  # coordinator poll period: membership changes are seen within it
 # A gap between two ticks longer than this is the coordinator's own stall (a loaded host, a GC pause, SIGSTOP):
-# the silence it judges heartbeats by counts only the time it was running (see Coordinator.tick).
-_STALL_S = 0.25
+# the silence it judges heartbeats by does not count it (see Coordinator.tick). Shorter gaps (a busy host's
+# scheduling jitter) count as usual, so that a dead member is still dropped in time on a loaded host.
+_STALL_S = 0.5
 INCARNATION_KEY = "coordinator/incarnation"   # random per coordinator start (see the protocol above)
 log = logging.getLogger("shoal.elastic")
 
@@ -348,10 +349,10 @@ class Coordinator:
         (its thread not scheduled on a loaded host, a GC pause, SIGSTOP) the members' heartbeats could
         not be read, or not be written (a stalled store), and dropping them all at the first tick after
         it would evict a healthy run. So the stall is added to every member's last sighting."""
-        stalled = 0.0 if self._last_tick is None else now - self._last_tick - _STALL_S
+        gap = 0.0 if self._last_tick is None else now - self._last_tick
         self._last_tick = now
-        if stalled > 0:
-            self._forgive(stalled)
+        if gap > _STALL_S:
+            self._forgive(gap - _TICK_S)
         n = self._store.add("runs/n", 0)
         while self._runs_seen < n:
             self._runs_seen += 1
