@@ -238,9 +238,9 @@ class MemberClient:
             try:
                 st = connect(self.address, self.timeouts.heartbeat_timeout)
                 now = incarnation_of(st)
-                if now is None:
+                if now is None and self.incarnation is not None:
                     continue       # a coordinator still starting: it writes its incarnation first
-                if now == self.incarnation:
+                if now is not None and now == self.incarnation:
                     return self._resume(st, member_id)
                 verdict = reclaim(self, member_id)
             except Exception as e:  # noqa: BLE001 - it went away again, or is still starting: try again

@@ -364,7 +364,6 @@ class Coordinator:
 
     def _forgive(self, stalled: float) -> None:
         """Shift every member's last sighting (and an open probe window) by this coordinator's own stall."""
-        log.debug("the coordinator stalled for %.1f s: heartbeat silence is counted without it", stalled)
         for run in self._runs.values():
             for m in run.members.values():
                 m.seen += stalled
