@@ -34,6 +34,7 @@ from shoal.comm.group import Group
 from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy
+from shoal.strategies.diloco_heal import enable_background_heal
 from shoal.strategies.rounds import Round, Rounds
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -256,10 +257,13 @@ class DiLoCo(Strategy):
         # Every synchronisation is a round. A newcomer heals the global copies, outer state, inner
         # optimizer, codec and the module's buffers; its parameters are rebuilt from the global copies
         # (they are a peer's local drift otherwise, which it would count twice): not sent.
-        self.rounds = Rounds(group, self.name)
+        self.rounds = Rounds(group, self.name, background=True)
         self._rounds = [self._fragment_rounds(self.rounds, f) for f in self.fragments]
         self.rounds.register(None, optimizer, self.codec, self._core_state, self._heal_core_state)
         group.register_state(f"{self.rounds.key}/buffers", self._buffers, self._load_buffers)
+        group.register_state(f"{self.rounds.key}/schedule", lambda: {"step": self.step},
+                             lambda s: setattr(self, "step", int(s["step"])))
+        enable_background_heal(self, group, optimizer)   # SHOAL_HEAL=background: shoal.strategies.diloco_heal
         group.before_begin_step(self._settle)
         self.rounds.join(self._first_state)
         self._mark_step()  # the set-up traffic is not the first step's
@@ -460,9 +464,10 @@ class DiLoCo(Strategy):
         return {"step": self.step, "fragments": frags, "codec": self.codec.state_dict()}
 
     def _core_state(self) -> dict[str, Any]:
-        """:meth:`state_dict` without the codec (healed separately, as a newcomer's state)."""
+        """:meth:`state_dict` without the codec and the step (healed separately: ``<key>/codec`` as a
+        newcomer's state, ``<key>/schedule`` at once to a joiner healed in the background)."""
         state = self.state_dict()
-        del state["codec"]
+        del state["codec"], state["step"]
         return state
 
     def _heal_core_state(self, state: Mapping[str, Any]) -> None:
@@ -479,7 +484,7 @@ class DiLoCo(Strategy):
         frags = state["fragments"]
         if len(frags) != len(self.fragments):
             raise ConfigError(f"state has {len(frags)} fragments but this {type(self).__name__} has {len(self.fragments)}")
-        self.step = int(state["step"])
+        self.step = int(state.get("step", self.step))
         with torch.no_grad():
             for f, s in zip(self.fragments, frags):
                 if s["global"].numel() != f.snapshot.numel():
