@@ -2,10 +2,13 @@
 replays the steps it missed, and contributes from then on. No survivor waits for the transfer.
 
 Enabled with ``SHOAL_HEAL=background`` (or ``group.catchup.enabled = True`` on
-every worker before the first step), for step-synchronous training whose
-updates can be replayed: shoal's DistributedDataParallel without a codec or
-comm hook, stepped by :class:`~shoal.elastic.ElasticOptimizer` (which
-registers its :class:`OptimizerReplay`). Where a quorum's members do not all
+every worker before the first step), for training whose updates can be
+replayed: shoal's DistributedDataParallel without a codec or comm hook,
+stepped by :class:`~shoal.elastic.ElasticOptimizer` (which registers its
+:class:`OptimizerReplay`), and DiLoCo's outer rounds
+(:mod:`shoal.strategies.diloco_heal`: the joiner also receives the strategy's
+schedule at its admission, :meth:`Replayer.admission`, and its inner
+optimizer is its own, :meth:`Replayer.own`). Where a quorum's members do not all
 enable it, or none of them holds the run's state, the blocking heal of
 :mod:`shoal.membership.heal` runs as before.
 

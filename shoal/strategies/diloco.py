@@ -195,7 +195,7 @@ class DiLoCo(Strategy):
     codec state and the module's buffers heal into newcomers, whose
     parameters are rebuilt from the healed global copies (not sent twice).
     The inner optimizer's state stays each worker's own, as in the paper (a
-    newcomer starts from a peer's).
+    newcomer starts from a peer's; background heal: docs/elastic.md).
 
     NaN/Inf (SPEC G5): an inner step with non-finite gradients is skipped by
     that rank alone; a non-finite averaged pseudo-gradient (the same on every
