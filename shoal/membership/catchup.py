@@ -390,6 +390,8 @@ class CatchUp:
         g.stats.heal_bytes = len(blob)
 
     def _record(self) -> None:
+        if self.pending:   # after the vote every joiner's "ready" record is in: every member answers
+            self._read_ready()   # contribution() alike until the next begin_step (e.g. a background reduction)
         if self.hid >= 0 and not self.loaded:
             self.records.append([r.record() for r in self.replayers])
 

@@ -20,11 +20,19 @@ counters, the module's buffers) comes with the top-up. It contributes from
 the round after the one at which it caught up (it then trained its inner
 steps from the global copies like everyone).
 
+Streaming DiLoCo with ``overlap_steps > 0``: a reduction launched while a
+joiner catches up runs on the communication thread with the joiner's part
+zeroed and the mean rescaled to the contributors (``contribution()``, the
+same answer on every member between two rounds), so the joiner holds the
+same landed mean and the ``merge:<k>`` round's check passes; its landed means
+are its own (``<key>/pending`` is not downloaded).
+
 Where this cannot be exact the group heals blocking (a refusal, see
 :meth:`~shoal.membership.elastic.ElasticGroup.refuse_background_heal`):
-``overlap_steps > 0`` (a reduction launched before the admission lands
-without the joiner, so it never receives that mean), and a codec that keeps
-state of each worker's own (error feedback, PowerSGD: it overrides
+in a quorum formed while a reduction launched before it has yet to be merged
+as it landed (the joiner never received that mean; a retry that reduces in
+the foreground is fine), and with a codec that keeps state of each worker's
+own (error feedback, PowerSGD: it overrides
 :meth:`~shoal.codecs.Codec.newcomer_state`).
 
 Example (what :class:`shoal.DiLoCo` does in ``setup`` on an elastic group)::
@@ -61,13 +69,13 @@ class OuterReplay:
         return {f"{self.key}/round", f"{self.key}/schedule"}
 
     def own(self, states: dict[str, StateEntry]) -> set[str]:
-        return {f"{self.key}/optimizer"}
+        return {f"{self.key}/optimizer", f"{self.key}/pending"}
 
     def record(self) -> tuple[int, torch.Tensor] | None:
-        """The committing round's mean (``fragment:<k>``), or None (an empty round: nothing to replay)."""
+        """The committing round's mean (``fragment:<k>``, ``merge:<k>``), or None (an empty round)."""
         rounds = self.strategy.rounds
         kind = rounds.current if rounds is not None else ""
-        if not kind.startswith("fragment:"):
+        if not kind.startswith(("fragment:", "merge:")):
             return None
         f = self.strategy.fragments[int(kind.split(":", 1)[1])]
         return f.index, f.delta.detach().clone()
@@ -79,18 +87,26 @@ class OuterReplay:
             return
         index, mean = update
         f = self.strategy.fragments[index]
-        f.delta.copy_(mean)
-        if read_flag(nonfinite_flag([f.delta])):
+        if read_flag(nonfinite_flag([mean])):
             return
-        if f.grad is not f.delta:
-            f.grad.copy_(f.delta)
+        # The outer gradient may be the reduction buffer, which may hold a landed mean this round merges.
+        held = f.delta.clone() if f.grad is f.delta and f.merge_at is not None else None
+        f.grad.copy_(mean)
         f.outer.step()
+        if held is not None:
+            f.delta.copy_(held)
 
     @torch.no_grad()
     def caught_up(self) -> None:
         for f in self.strategy.fragments:
             self.strategy._reset_to_global(f)
         self.optimizer.state.clear()   # trained on the joiner's own model while it downloaded: start afresh
+
+
+def landing_without_joiner(strategy: Any) -> bool:
+    """Whether a background reduction launched in this quorum would be merged in a later round as it landed
+    (a joiner admitted now never received that mean; a retry that reduces in the foreground is fine)."""
+    return any(f.merge_at is not None and not f.redo for f in strategy.fragments)
 
 
 def own_codec_state(codec: Codec) -> bool:
@@ -102,9 +118,8 @@ def enable_background_heal(strategy: Any, group: Any, optimizer: torch.optim.Opt
     """Register DiLoCo's replay on ``group``, or the reason its quorums heal blocking."""
     if strategy.rounds is None:  # pragma: no cover - setup made them
         return
-    if strategy.config.overlap_steps > 0:
-        group.refuse_background_heal(f"{strategy.name}: overlap_steps > 0 (a reduction in flight at the "
-                                     "admission lands without the joiner)")
+    group.refuse_background_heal(f"{strategy.name}: a reduction launched before the admission lands after it, "
+                                 "without the joiner", lambda: landing_without_joiner(strategy))
     if own_codec_state(strategy.codec):
         group.refuse_background_heal(f"{strategy.name}: the codec {type(strategy.codec).__name__} keeps state "
                                      "of each worker's own")

@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--park", type=int, default=2)
     ap.add_argument("--fragments", type=int, default=1)
     ap.add_argument("--overlap", type=int, default=0)
+    ap.add_argument("--powersgd", action="store_true", help="a codec with state of each worker's own (heals blocking)")
     ap.add_argument("--max-steps", type=int, default=400)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -74,14 +75,18 @@ def main() -> None:
     group.catchup.before_chunk = before_chunk
     torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the heal must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-    if a.fragments == 1 and a.overlap == 0:
-        strategy: Any = shoal.DiLoCo(inner_steps=PERIOD)
+    if a.powersgd:
+        strategy: Any = shoal.DiLoCo(inner_steps=PERIOD, codec=shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0,
+                                                                                  start_iter=0))
+    elif a.fragments == 1 and a.overlap == 0:
+        strategy = shoal.DiLoCo(inner_steps=PERIOD)
     else:
         strategy = shoal.StreamingDiLoCo(inner_steps=PERIOD, fragments=a.fragments, overlap_steps=a.overlap,
                                          mixing=0.0)
     full = {"rounds": 0}   # consecutive committed rounds with every member contributing
     alone = {"seen": False, "waited": False}   # a survivor committed a round without the crashed worker
     log: list[dict[str, Any]] = []
+    discarded: list[int] = []   # the steps of discarded rounds
 
     def committed() -> None:   # in commit(): newcomers are still this step's
         kind = strategy.rounds.current if strategy.rounds is not None else "adopt"
@@ -106,9 +111,13 @@ def main() -> None:
                 time.sleep(0.02)
         idx = torch.randint(0, 512, (16,), generator=pick)
         F.mse_loss(model(x[idx]), y[idx]).backward()
+        discards, step = group.stats.discards, group.step
         opt.step()
         opt.zero_grad()
-    result = {"log": log, "synced": synced_state(strategy, model), "stats": vars(group.stats),
+        if group.stats.discards > discards:
+            discarded.append(step)   # the round begun at this step was discarded (then retried)
+    strategy.close()   # a reduction still in flight is merged (a round every member runs at the same step)
+    result = {"log": log, "discarded": discarded, "synced": synced_state(strategy, model), "stats": vars(group.stats),
               "catchup": asdict(group.catchup.stats), "contributed": strategy.rounds.contributed,
               "rank": rank, "life": life, "step": strategy.step}
     save_and_leave(a.out, rank, life, result, group)

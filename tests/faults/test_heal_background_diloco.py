@@ -6,8 +6,11 @@ and its download is parked until the survivors committed ``PARK`` rounds, so
 every check runs every time, whatever the machine's speed: the survivors'
 rounds do not wait for the download (they commit while it is parked: counted,
 not timed), the joiner replays the outer steps it received with zero weight,
-contributes from the round after it caught up, and at the end every worker
-holds bitwise-equal parameters, global copies and outer optimizer state.
+contributes from the round after it caught up, no round is discarded after
+the admission, and at the end every worker holds bitwise-equal parameters,
+global copies and outer optimizer state. DiLoCo, and streaming DiLoCo with
+and without overlapped reductions; a codec with per-worker state heals
+blocking.
 """
 
 from __future__ import annotations
@@ -45,10 +48,12 @@ def _check(out: harness.Outcome, fragments: int) -> None:
         during = [e for e in s["log"] if admitted <= e["step"] < caught]
         assert [e["step"] for e in during] == list(range(admitted, caught)), why
         assert all(e["size"] == 3 and e["counted"] == 2 and e["mine"] for e in during), why
-        assert sum(e["kind"].startswith("fragment:") for e in during) >= 1, why
+        assert sum(e["kind"] != "adopt" for e in during) >= 1, why
         # Later it contributes: rounds with all three counted.
-        assert any(e["counted"] == 3 and e["kind"].startswith("fragment:") for e in s["log"]), why
+        assert any(e["counted"] == 3 and e["kind"] != "adopt" for e in s["log"]), why
     assert [e["step"] for e in survivors[0]["log"]] == [e["step"] for e in survivors[1]["log"]], why
+    # Nothing failed after the admission: no round of anyone was discarded (the catch-up costs no retry).
+    assert all(s <= admitted for r in final for s in r["discarded"]), why
     # The joiner: zero weight up to the round it caught up at, a contributor from the next one.
     mine = {e["step"]: e["mine"] for e in joiner["log"]}
     assert min(mine) == admitted and not any(m for s, m in mine.items() if s <= caught), why
@@ -62,25 +67,29 @@ def _check(out: harness.Outcome, fragments: int) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_diloco_joiner_admitted_with_zero_weight_replays_outer_steps_bitwise(fragments: int, tmp_path: Any) -> None:
-    # fragments=1: DiLoCo; fragments=2: streaming DiLoCo without overlap (a round per fragment).
-    out = harness.run(str(tmp_path), 3, ["--park", str(PARK), "--fragments", str(fragments)], env=ENV,
-                      hard_limit=130, restarts=1, script="diloco_heal_worker.py")
+@pytest.mark.parametrize("fragments, overlap", [(1, 0), (2, 0), (2, 1)])
+def test_diloco_joiner_admitted_with_zero_weight_replays_outer_steps_bitwise(fragments: int, overlap: int,
+                                                                            tmp_path: Any) -> None:
+    # (1, 0): DiLoCo; (2, 0): streaming DiLoCo, a round per fragment; (2, 1): streaming DiLoCo whose
+    # reductions run in the background for one inner step (the joiner takes part with zero weight).
+    out = harness.run(str(tmp_path), 3, ["--park", str(PARK), "--fragments", str(fragments), "--overlap",
+                                         str(overlap)], env=ENV, hard_limit=130, restarts=1,
+                      script="diloco_heal_worker.py")
     _check(out, fragments)
 
 
 @pytest.mark.timeout(150)
-def test_streaming_diloco_with_overlap_refuses_and_heals_blocking(tmp_path: Any) -> None:
-    # overlap_steps > 0: a reduction in flight at the admission would land without the joiner, so the
-    # group heals blocking (the joiner is never a zero-weight downloader) and still ends bitwise equal.
-    out = harness.run(str(tmp_path), 3, ["--fragments", "2", "--overlap", "1"], env=ENV, hard_limit=130,
-                      restarts=1, script="diloco_heal_worker.py")
+def test_diloco_with_a_codec_of_per_worker_state_refuses_and_heals_blocking(tmp_path: Any) -> None:
+    # PowerSGD keeps error feedback of each worker's own: the group heals blocking (the joiner is never a
+    # zero-weight downloader) and still ends bitwise equal.
+    out = harness.run(str(tmp_path), 3, ["--powersgd"], env=ENV, hard_limit=130, restarts=1,
+                      script="diloco_heal_worker.py")
     why = out.logs
     final = out.final()
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
     joiner = final[2]
     assert joiner["catchup"]["admitted_step"] == -1 and joiner["stats"]["heals_received"] == 1, why
+    assert all(e["mine"] for e in joiner["log"] if e["step"] > min(x["step"] for x in joiner["log"])), why
     for r in final[1:]:
-        for a, b in zip(final[0]["synced"], r["synced"]):   # global copies, outer state
+        for a, b in zip(final[0]["synced"], r["synced"]):
             assert torch.equal(a, b), why

@@ -22,6 +22,7 @@ from torch import nn
 import shoal
 from shoal.comm import Group
 from shoal.strategies.diloco_heal import OuterReplay
+from shoal.strategies.diloco_state import outer_state
 from shoal.testing import free_port
 
 
@@ -29,13 +30,18 @@ class _Keeping(Group):
     """A static group that keeps the replays and refusals registered on it."""
 
     replays: list[Any]
-    refusals: list[str]
+    kept: list[tuple[str, Callable[[], bool] | None]]
 
     def register_replay(self, replayer: Any) -> None:
         self.replays.append(replayer)
 
     def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
-        self.refusals.append(why)
+        self.kept.append((why, when))
+
+    @property
+    def refusals(self) -> list[str]:
+        """The reasons that hold now (what an elastic group's heal plan asks)."""
+        return [why for why, when in self.kept if when is None or when()]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,7 @@ def world() -> Iterator[None]:
 
 def _group() -> Any:
     g = _Keeping()
-    g.replays, g.refusals = [], []
+    g.replays, g.kept = [], []
     return g
 
 
@@ -70,12 +76,17 @@ def _outer(strategy: Any) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
+def _make(fragments: int, overlap: int) -> Any:
+    if fragments == 1:
+        return shoal.DiLoCo(inner_steps=4)
+    return shoal.StreamingDiLoCo(inner_steps=4, fragments=fragments, overlap_steps=overlap, mixing=0.0)
+
+
+@pytest.mark.parametrize("fragments, overlap, rounds", [(1, 0, 3), (2, 0, 6), (2, 1, 5)])
 def test_replaying_the_committed_means_gives_the_global_copies_and_outer_state_bit_for_bit(
-        world: None, fragments: int) -> None:
+        world: None, fragments: int, overlap: int, rounds: int) -> None:
     g = _group()
-    strategy = shoal.StreamingDiLoCo(inner_steps=4, fragments=fragments, overlap_steps=0, mixing=0.0) \
-        if fragments > 1 else shoal.DiLoCo(inner_steps=4)
+    strategy = _make(fragments, overlap)
     net = _net(0)
     model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=g)
     assert g.refusals == [] and len(g.replays) == 1 and isinstance(g.replays[0], OuterReplay)
@@ -86,7 +97,7 @@ def test_replaying_the_committed_means_gives_the_global_copies_and_outer_state_b
         F.mse_loss(model(x), x[:, :2]).backward()
         opt.step()
         opt.zero_grad()
-    snap = strategy._core_state()           # what a source serves (<key>/strategy)
+    snap = outer_state(strategy)            # what a source serves (<key>/strategy)
     records: list[Any] = []
     g.on_commit(lambda: records.append(replay.record()))
     for _ in range(11):
@@ -94,11 +105,10 @@ def test_replaying_the_committed_means_gives_the_global_copies_and_outer_state_b
         F.mse_loss(model(x), x[:, :2]).backward()
         opt.step()
         opt.zero_grad()
-    assert sum(r is not None for r in records) == 3 * fragments   # rounds at steps 8, 12, 16 (and 6, 10, 14)
+    assert sum(r is not None for r in records) == rounds   # the outer rounds of steps 6..16
 
     g2 = _group()
-    joiner = shoal.StreamingDiLoCo(inner_steps=4, fragments=fragments, overlap_steps=0, mixing=0.0) \
-        if fragments > 1 else shoal.DiLoCo(inner_steps=4)
+    joiner = _make(fragments, overlap)
     net2 = _net(1)                          # a different model: everything must come from the heal
     inner2 = torch.optim.Adam(net2.parameters(), lr=1e-2)
     shoal.wrap(net2, inner2, joiner, process_group=g2)
@@ -106,7 +116,7 @@ def test_replaying_the_committed_means_gives_the_global_copies_and_outer_state_b
     F.mse_loss(net2(x), x[:, :2]).backward()
     inner2.step()
     assert len(inner2.state) > 0
-    joiner._heal_core_state(snap)
+    joiner._heal_outer(snap)
     for r in records:
         g2.replays[0].replay(r)
     g2.replays[0].caught_up()
@@ -118,8 +128,25 @@ def test_replaying_the_committed_means_gives_the_global_copies_and_outer_state_b
             assert torch.equal(p.detach(), v.view_as(p))
 
 
+def test_a_reduction_landing_later_refuses_while_it_is_in_flight_only(world: None) -> None:
+    # overlap_steps=1: fragment 0 launches after step 2 and merges in step 3's round; a joiner admitted in
+    # between would never receive that mean. A retry that reduces in the foreground is fine.
+    g = _group()
+    net = _net(0)
+    strategy = shoal.StreamingDiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+    model, opt = shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy, process_group=g)
+    seen = []
+    for _ in range(4):   # fragment 0 launches after step 2 (merged in step 3's round), fragment 1 after step 4
+        F.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(bool(g.refusals))
+    assert seen == [False, True, False, True] and all("lands after it" in r for r in g.refusals)
+    strategy.fragments[1].redo = True   # what a failed landing leaves: the retry reduces in the foreground
+    assert g.refusals == []
+
+
 @pytest.mark.parametrize("make, why", [
-    (lambda: shoal.StreamingDiLoCo(inner_steps=4, fragments=2, overlap_steps=1), "overlap_steps > 0"),
     (lambda: shoal.DiLoCo(inner_steps=4, codec=shoal.codecs.PowerSGD(rank=1)), "PowerSGD"),
     (lambda: shoal.DiLoCo(inner_steps=4, codec=shoal.codecs.ErrorFeedback(shoal.codecs.TopK(0.1))), "ErrorFeedback"),
 ])
