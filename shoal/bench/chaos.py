@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default=None, help="keep the workers' logs under this folder")
     ap.add_argument("--heal", choices=["blocking", "background"], default="blocking",
                     help="how restarted workers get the run's state (SHOAL_HEAL; docs/elastic.md); background "
-                         "applies to --strategy ddp")
+                         "applies to --strategy ddp and diloco")
     ap.add_argument("--heal-rate", default="", help="background heal: a source's bytes/s to joiners, a tc rate "
                     "such as 4mbit (SHOAL_HEAL_RATE; default: no limit)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -2,10 +2,13 @@
 replays the steps it missed, and contributes from then on. No survivor waits for the transfer.
 
 Enabled with ``SHOAL_HEAL=background`` (or ``group.catchup.enabled = True`` on
-every worker before the first step), for step-synchronous training whose
-updates can be replayed: shoal's DistributedDataParallel without a codec or
-comm hook, stepped by :class:`~shoal.elastic.ElasticOptimizer` (which
-registers its :class:`OptimizerReplay`). Where a quorum's members do not all
+every worker before the first step), for training whose updates can be
+replayed: shoal's DistributedDataParallel without a codec or comm hook,
+stepped by :class:`~shoal.elastic.ElasticOptimizer` (which registers its
+:class:`OptimizerReplay`), and DiLoCo's outer rounds
+(:mod:`shoal.strategies.diloco_heal`: the joiner also receives the strategy's
+schedule at its admission, :meth:`Replayer.admission`, and its inner
+optimizer is its own, :meth:`Replayer.own`). Where a quorum's members do not all
 enable it, or none of them holds the run's state, the blocking heal of
 :mod:`shoal.membership.heal` runs as before.
 
@@ -53,79 +56,21 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 
 from shoal.comm.objects import from_bytes, to_bytes
-from shoal.comm.stepping import StateEntry
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
-from shoal.membership.heal import HealPlan, load_blob
+from shoal.membership.heal import HealPlan, broadcast_object, load_blob
 from shoal.membership.received import check_received
+from shoal.membership.replay import OptimizerReplay, Replayer
 from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, local_address
 from shoal.rates import parse_rate
 
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
-
-
-class Replayer(Protocol):
-    """Something that can record a committed step's update and apply it again later."""
-
-    def covers(self, states: dict[str, StateEntry]) -> set[str]:
-        """The registered state keys that replaying keeps up to date."""
-
-    def record(self) -> Any:
-        """This committed step's update (called before it is applied)."""
-
-    def replay(self, update: Any) -> None:
-        """Apply a recorded update."""
-
-
-class OptimizerReplay:
-    """Replays optimizer steps: records the averaged ``.grad`` of every parameter, then steps with it.
-
-    Covers the optimizer's state key and every registered state whose tensors
-    are all parameters of the optimizer (a module without buffers). Exact for
-    a deterministic optimizer whose hyperparameters do not change during the
-    download (a learning-rate scheduler is not replayed).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, key: str) -> None:
-        self.optimizer, self.key = optimizer, key
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    def covers(self, states: dict[str, StateEntry]) -> set[str]:
-        ptrs = {p.data_ptr() for p in self._params()}
-        out = {self.key}
-        for k, s in states.items():
-            found = _leaves(s.get())
-            if found and all(t.data_ptr() in ptrs for t in found):
-                out.add(k)
-        return out
-
-    def record(self) -> list[torch.Tensor | None]:
-        return [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
-
-    def replay(self, update: list[torch.Tensor | None]) -> None:
-        params = self._params()
-        for p, g in zip(params, update):
-            p.grad = g
-        self.optimizer.step()
-        for p in params:
-            p.grad = None
-
-
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _leaves(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _leaves(v)]
-    return []
+__all__ = ["CatchUp", "CatchUpStats", "OptimizerReplay", "Pending", "Replayer", "MODES"]
 
 
 @dataclass
@@ -189,7 +134,7 @@ class CatchUp:
         self.hid = -1                           # joiner: the heal it downloads, -1 when none
         self.records: list[list[Any]] = []
         self.loaded = False
-        self._covered: set[str] = set()
+        self._covered_keys: set[str] = set()
         self._done = threading.Event()
         self._result: tuple[bytes | None, str | None] = (None, None)
         group.on_commit(self._record)
@@ -218,6 +163,18 @@ class CatchUp:
         out = [m for m, p in self.pending.items() if p.ready is None or p.ready > g.step]
         return g.client.member_id not in out, g.size - len(out)
 
+    def out_ranks(self) -> set[int]:
+        """The ranks of this step's non-contributors (joiners still catching up), the same on every member."""
+        g = self.group
+        if not self.pending or g.quorum is None:
+            return set()
+        return {g.quorum.rank_of(m) for m, p in self.pending.items() if p.ready is None or p.ready > g.step}
+
+    def _covered(self) -> set[str]:
+        """The states a snapshot holds: those the replayers keep up to date (the same keys on every member)."""
+        states = self.group.hooks.states
+        return set().union(*(r.covers(states) for r in self.replayers))
+
     def adopt(self, q: Any, plan: HealPlan) -> bool:
         """A new quorum's plan: who is still catching up; admit the needy as downloaders if all can.
 
@@ -236,6 +193,9 @@ class CatchUp:
             self.hid, self._generation = -1, self._generation + 1
         if not (plan.background and plan.needy):
             return False
+        if not self._send_admission(plan):
+            return True   # the broadcast failed (recorded): this quorum is given up, nobody was admitted
+        g.newcomers, g._fresh = plan.newcomers, False
         joiners = {q.members[r] for r in plan.needy}
         for m in joiners:
             self.pending[m] = Pending(q.qid)
@@ -246,8 +206,30 @@ class CatchUp:
             self._serve(q.qid, joiners)
         return True
 
+    def _send_admission(self, plan: HealPlan) -> bool:
+        """The states joiners need at once (a strategy's schedule: a few bytes), from ``plan.src`` to every
+        member, loaded by the joiners; False if the broadcast failed."""
+        g, states = self.group, self.group.hooks.states
+        keys = sorted(set().union(*(r.admission(states) for r in self.replayers)))
+        if not keys:
+            return True
+        got = broadcast_object(g, plan.src, {k: states[k].get() for k in keys} if g.rank == plan.src else None)
+        if g.error is not None:
+            return False
+        if g.rank in plan.needy:
+            why = "it does not verify" if not isinstance(got, dict) or set(got) != set(keys) else \
+                check_received(got, {k: states[k].get() for k in keys})
+            if why is not None:
+                log.error("refusing the admission state of rank %d: %s; this worker leaves the run", plan.src, why)
+                g._depart()
+                raise ShoalError(f"refused the admission state of the background heal: {why}")
+            for k in keys:
+                states[k].load(got[k])
+        return True
+
     def at_begin(self) -> None:
-        """Every begin_step, after the quorum is adopted and before the rollback snapshot."""
+        """Every begin_step, after the quorum is adopted and before the rollback snapshot: joiners still
+        catching up are this step's newcomers too (they bring no progress of their own)."""
         if not self.pending:
             return
         self._read_ready()
@@ -255,6 +237,8 @@ class CatchUp:
             self._joiner_begin(self.group.step)
         else:
             self._write_topups(self.group.step)
+        g = self.group
+        g.newcomers = tuple(sorted(set(g.newcomers) | self.out_ranks()))
 
     def _key(self, hid: int, what: str) -> str:
         return str(self.group.client.key(f"heal/{hid}/{what}"))
@@ -290,7 +274,8 @@ class CatchUp:
             self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),
                                          idle=g.timeouts.join, rate=self.rate)
         server, key = self.server, self._key(hid, f"src/{g.client.member_id}")
-        tree = clone_tree({k: s.get() for k, s in g.hooks.states.items()})   # the step boundary
+        states = g.hooks.states   # what the replay keeps current; the rest is topped up, or each member's own
+        tree = clone_tree({k: states[k].get() for k in sorted(self._covered())})   # the step boundary
         book, client = g.client.book, g.client
 
         def published(size: int, sha: str) -> None:   # on the serialising thread: its own store connection
@@ -391,18 +376,22 @@ class CatchUp:
         states = g.hooks.states
         # Only what the replay brings up to date; the rest (a sampler's cursor, the discard streak) is the
         # joiner's own until the top-up (it counts zero meanwhile, so its own is harmless there).
-        covered: set[str] = set().union(*(r.covers(states) for r in self.replayers))
-        load_blob(states, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1, "(background heal)",
-                  g._depart, keys=covered)
+        covered = self._covered()
+        load_blob({k: states[k] for k in covered}, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1,
+                  "(background heal)", g._depart)
         for rec in self.records:
             for r, update in zip(self.replayers, rec):
                 r.replay(update)
+        for r in self.replayers:
+            r.caught_up()
         self.stats.replayed, self.records = len(self.records), []
-        self._covered = covered
+        self._covered_keys = covered
         g.stats.heals_received += 1
         g.stats.heal_bytes = len(blob)
 
     def _record(self) -> None:
+        if self.pending:   # after the vote every joiner's "ready" record is in: every member answers
+            self._read_ready()   # contribution() alike until the next begin_step (e.g. a background reduction)
         if self.hid >= 0 and not self.loaded:
             self.records.append([r.record() for r in self.replayers])
 
@@ -426,7 +415,8 @@ class CatchUp:
             raise ShoalError(f"background heal: {len(self.records)} updates recorded for steps "
                              f"{self.stats.admitted_step}..{t - 1}; a committed step was not recorded")
         self._replay(blob)
-        p.ready, p.keys = t + 1, tuple(sorted(set(g.hooks.states) - self._covered))
+        own: set[str] = set().union(*(r.own(g.hooks.states) for r in self.replayers))
+        p.ready, p.keys = t + 1, tuple(sorted(set(g.hooks.states) - self._covered_keys - own))
         g.client.store.set(self._key(self.hid, f"ready/{g.client.member_id}"),
                            g.client.book.seal({"from": p.ready, "keys": list(p.keys)}))
         self.stats.caught_up_step, self.loaded = t, True

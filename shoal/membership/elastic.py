@@ -129,7 +129,7 @@ class ElasticGroup(ElasticCollectives):
         self._fresh = True           # holds no state received from the run yet
         self._healed_since_commit = False  # loaded a heal since this member's last committed step
         self.heal_chunk = HEAL_CHUNK  # bytes per heal message; each must arrive within Timeouts.op
-        self.newcomers: tuple[int, ...] = ()  # ranks healed at this step's begin_step
+        self.newcomers: tuple[int, ...] = ()  # ranks healed at this step's begin_step, or catching up
         if min_workers is None:
             min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid(), "host": host_identity(host_id)}
@@ -206,8 +206,9 @@ class ElasticGroup(ElasticCollectives):
 
         The :meth:`before_begin_step` hooks run first, even within a step.
         Afterwards :attr:`newcomers` lists the ranks that received the run's
-        state in this call (empty when no quorum was adopted): they bring no
-        progress of their own to this step.
+        state in this call (empty when no quorum was adopted) and the joiners
+        still catching up in the background (:mod:`shoal.membership.catchup`):
+        they bring no progress of their own to this step.
         """
         hooks = self.hooks
         for fn in hooks.before_begin:
@@ -226,7 +227,7 @@ class ElasticGroup(ElasticCollectives):
             if self.past is not None:
                 self.past.reset()   # the heal's collectives differ per member
         self.error = None
-        self.catchup.at_begin()   # may record a failure (a download that failed): this step is then lost
+        self.catchup.at_begin()   # may record a failure (a download that failed); adds joiners catching up to newcomers
         self._snapshots = snapshot(hooks.states)
         self._in_step = True
 
@@ -352,8 +353,7 @@ class ElasticGroup(ElasticCollectives):
                                 "and left, and this quorum holds none of its state; this worker would train "
                                 "from scratch alone, so it stops (start a new run with a new run id instead)")
         self.quorum = replace(q, max_step=plan.top)
-        if self.catchup.adopt(q, plan):   # the needy were admitted as downloaders: nobody waits for them
-            self.newcomers, self._fresh = plan.newcomers, False
+        if self.catchup.adopt(q, plan):   # the needy were admitted as downloaders (newcomers): nobody waits for them
             return
         if plan.needy:
             blob = send_state(self, plan, self._blob, self.heal_chunk)

@@ -150,6 +150,26 @@ def send_state(group: ElasticCollectives, plan: HealPlan, make_blob: Callable[[]
     return blob
 
 
+def broadcast_object(group: ElasticCollectives, src: int, obj: Any) -> Any:
+    """``obj`` (given on ``src``, a small picklable tree) on every member: two broadcasts (its size, its
+    bytes), each bounded by ``Timeouts.op``; None where a failure was recorded."""
+    blob = to_bytes(obj).to(group.device) if group.rank == src else torch.empty(0, dtype=torch.uint8,
+                                                                                  device=group.device)
+    n = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
+    group.broadcast(n, src=src, tag=CONTROL_TAG).wait()
+    if group.error is not None:
+        return None
+    if group.rank != src:
+        blob = torch.empty(int(n.item()), dtype=torch.uint8, device=group.device)
+    group.broadcast(blob, src=src, tag=CONTROL_TAG).wait()
+    if group.error is not None:
+        return None
+    try:
+        return from_bytes(blob.cpu())
+    except Exception:  # noqa: BLE001 - whatever a malformed blob makes torch.load raise: the caller refuses None
+        return None
+
+
 def healed_barrier(group: ElasticCollectives, prefix: str) -> None:
     """Wait in the store until every member is past the heal (``Timeouts.quorum``), or a failure.
 

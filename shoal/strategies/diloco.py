@@ -15,7 +15,6 @@ fragment with no overlap.
 
 from __future__ import annotations
 
-import copy
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +33,9 @@ from shoal.comm.group import Group
 from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy
+from shoal.strategies.diloco_heal import enable_background_heal
+from shoal.strategies.diloco_state import (checkpoint, load_checkpoint, load_outer, load_pending, load_schedule,
+                                           outer_state, pending_state, schedule_state)
 from shoal.strategies.rounds import Round, Rounds
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -194,7 +196,7 @@ class DiLoCo(Strategy):
     codec state and the module's buffers heal into newcomers, whose
     parameters are rebuilt from the healed global copies (not sent twice).
     The inner optimizer's state stays each worker's own, as in the paper (a
-    newcomer starts from a peer's).
+    newcomer starts from a peer's; background heal: docs/elastic.md).
 
     NaN/Inf (SPEC G5): an inner step with non-finite gradients is skipped by
     that rank alone; a non-finite averaged pseudo-gradient (the same on every
@@ -256,10 +258,14 @@ class DiLoCo(Strategy):
         # Every synchronisation is a round. A newcomer heals the global copies, outer state, inner
         # optimizer, codec and the module's buffers; its parameters are rebuilt from the global copies
         # (they are a peer's local drift otherwise, which it would count twice): not sent.
-        self.rounds = Rounds(group, self.name)
+        self.rounds = Rounds(group, self.name, background=True)
         self._rounds = [self._fragment_rounds(self.rounds, f) for f in self.fragments]
-        self.rounds.register(None, optimizer, self.codec, self._core_state, self._heal_core_state)
-        group.register_state(f"{self.rounds.key}/buffers", self._buffers, self._load_buffers)
+        self.rounds.register(None, optimizer, self.codec, lambda: outer_state(self), self._heal_outer)
+        key = self.rounds.key   # the parts a background heal moves at different times: diloco_state
+        group.register_state(f"{key}/buffers", self._buffers, self._load_buffers)
+        group.register_state(f"{key}/schedule", lambda: schedule_state(self), lambda s: load_schedule(self, s))
+        group.register_state(f"{key}/pending", lambda: pending_state(self), lambda s: load_pending(self, s))
+        enable_background_heal(self, group, optimizer)   # SHOAL_HEAL=background: shoal.strategies.diloco_heal
         group.before_begin_step(self._settle)
         self.rounds.join(self._first_state)
         self._mark_step()  # the set-up traffic is not the first step's
@@ -340,15 +346,24 @@ class DiLoCo(Strategy):
             raise ShoalError(f"fragment {f.index} launched while its previous reduction is pending")
         self._pseudo_gradient(f)
         f.merge_at = self.step + self.config.overlap_steps
+        # A joiner still catching up in the background counts zero (the same answer on every member between
+        # two rounds: shoal.membership.catchup reads its record at each commit).
+        mine, live = self.group.contribution() if self.group is not None else (True, 1)
+        n = self._comm_group.size if self._comm_group is not None else 1
+        if not mine:
+            f.delta.zero_()
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-diloco")
             self._side = SideStream(f.delta.device)   # CUDA: the thread's own stream, events both ways
         side = self._side
-        f.future = self._thread.submit(side.run, side.ready(), lambda: self._reduce(f))
+        scale = n / live if 0 < live < n else 1.0
+        f.future = self._thread.submit(side.run, side.ready(), lambda: self._reduce(f, scale))
 
-    def _reduce(self, f: _Fragment) -> None:
+    def _reduce(self, f: _Fragment, scale: float = 1.0) -> None:
         with torch.no_grad():
             self.codec.mean(f.delta_views, f.names, self._comm_group, self.tag)
+            if scale != 1.0:   # the mean over the contributors
+                f.delta.mul_(scale)
 
     @torch.no_grad()
     def _merge(self, f: _Fragment) -> None:
@@ -442,54 +457,20 @@ class DiLoCo(Strategy):
             self._thread.shutdown(wait=True)
             self._thread = None
 
-    # --- checkpoints ---------------------------------------------------------
+    # --- checkpoints (shoal.strategies.diloco_state) --------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Step, global copies, outer optimizers, codec, and finished-but-unmerged reductions.
 
         A reduction still in flight is waited for, so that a run resumed from
         this state merges it at the same step, with the same values.
         """
-        frags = []
-        for f in self.fragments:
-            pending = None
-            if f.merge_at is not None:
-                self._land(f)   # CUDA: joins the side stream before the mean is read
-                pending = {"merge_at": f.merge_at, "delta": f.delta.detach().cpu().clone(), "redo": f.redo}
-            frags.append({"global": f.snapshot.detach().cpu().clone(),
-                          "outer": copy.deepcopy(f.outer.state_dict()), "pending": pending})
-        return {"step": self.step, "fragments": frags, "codec": self.codec.state_dict()}
-
-    def _core_state(self) -> dict[str, Any]:
-        """:meth:`state_dict` without the codec (healed separately, as a newcomer's state)."""
-        state = self.state_dict()
-        del state["codec"]
-        return state
-
-    def _heal_core_state(self, state: Mapping[str, Any]) -> None:
-        """A newcomer's heal: the peers' global copies, and its parameters rebuilt from them."""
-        self._load_core_state(state)
-        for f in self.fragments:
-            self._reset_to_global(f)
+        return checkpoint(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._load_core_state(state)
-        self.codec.load_state_dict(state["codec"])
+        load_checkpoint(self, state)
 
-    def _load_core_state(self, state: Mapping[str, Any]) -> None:
-        frags = state["fragments"]
-        if len(frags) != len(self.fragments):
-            raise ConfigError(f"state has {len(frags)} fragments but this {type(self).__name__} has {len(self.fragments)}")
-        self.step = int(state["step"])
-        with torch.no_grad():
-            for f, s in zip(self.fragments, frags):
-                if s["global"].numel() != f.snapshot.numel():
-                    raise ConfigError(
-                        f"fragment {f.index} holds {f.snapshot.numel()} values but the state has {s['global'].numel()}"
-                    )
-                f.snapshot.copy_(s["global"])
-                f.outer.load_state_dict(s["outer"])
-                f.future, f.merge_at, f.redo = None, None, False
-                if s["pending"] is not None:
-                    f.delta.copy_(s["pending"]["delta"])
-                    f.merge_at = int(s["pending"]["merge_at"])
-                    f.redo = bool(s["pending"].get("redo", False))
+    def _heal_outer(self, state: Mapping[str, Any]) -> None:
+        """A newcomer's heal: the peers' global copies, and its parameters rebuilt from them."""
+        load_outer(self, state)
+        for f in self.fragments:
+            self._reset_to_global(f)

@@ -163,6 +163,11 @@ class Rounds:
             name its own).
         max_attempts: tries per round under ``AVERAGE_SURVIVORS``; past them the
             round is skipped on every member alike (training goes on locally).
+        background: the strategy can heal joiners in the background
+            (``SHOAL_HEAL=background``, :mod:`shoal.membership.catchup`): it
+            registers a replay of its rounds, and a joiner still catching up
+            is one of :attr:`~shoal.comm.Group.newcomers` (zero weight in
+            :meth:`mean`). False (the default): its quorums heal blocking.
 
     Example::
 
@@ -174,7 +179,7 @@ class Rounds:
     """
 
     def __init__(self, group: Group, name: str, policy: FailurePolicy = FailurePolicy.AVERAGE_SURVIVORS,
-                 max_attempts: int = 3) -> None:
+                 max_attempts: int = 3, background: bool = False) -> None:
         if not isinstance(group, Group):
             raise ConfigError(f"Rounds needs a shoal Group, got {type(group).__name__}")
         if not isinstance(policy, FailurePolicy):
@@ -182,8 +187,8 @@ class Rounds:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
         self.group, self.name = group, name
-        # Its rounds' means count every member: a joiner still downloading in the background has no state yet.
-        group.refuse_background_heal(f"the rounds of {name!r} mean every member")
+        if not background:   # no replay of its rounds: a joiner still downloading could never catch up
+            group.refuse_background_heal(f"the rounds of {name!r} have no replay for a background heal")
         self._tries = max_attempts
         self.max_attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
         self.module: nn.Module | None = None   # registered by register(); broadcast by join() on a static group

@@ -1,0 +1,126 @@
+"""DiLoCo's background heal (``SHOAL_HEAL=background``): a joiner replays the outer steps it missed.
+
+A joiner of an averaging strategy is admitted at once, as a zero-weight
+member of the outer rounds (:attr:`Rounds.contributes` is False for it, and
+:meth:`Rounds.mean` rescales by the live contributors), and downloads the
+run's state in the background (:mod:`shoal.membership.catchup`) while the
+survivors run their inner steps. What it needs at once is the schedule: the
+round in progress and the inner-step counter, broadcast in the admitting
+quorum (a few bytes). What it downloads is what every member holds alike:
+the global copies and the outer optimizer's state (:class:`OuterReplay`
+covers ``<key>/strategy``). Each outer round that commits during the download
+hands every member, the joiner too, the same averaged pseudo-gradient; the
+joiner keeps it and, once the snapshot is loaded, steps its outer optimizer
+with it: the same operation on the same values as the survivors ran, so its
+global copies and outer state are then bitwise theirs. Its parameters are
+rebuilt from the global copies (as after a blocking heal), its inner
+optimizer starts afresh (each worker's own in DiLoCo; what it accumulated on
+its own model while downloading is dropped), and the small rest (the codec's
+counters, the module's buffers) comes with the top-up. It contributes from
+the round after the one at which it caught up (it then trained its inner
+steps from the global copies like everyone).
+
+Streaming DiLoCo with ``overlap_steps > 0``: a reduction launched while a
+joiner catches up runs on the communication thread with the joiner's part
+zeroed and the mean rescaled to the contributors (``contribution()``, the
+same answer on every member between two rounds), so the joiner holds the
+same landed mean and the ``merge:<k>`` round's check passes; its landed means
+are its own (``<key>/pending`` is not downloaded).
+
+Where this cannot be exact the group heals blocking (a refusal, see
+:meth:`~shoal.membership.elastic.ElasticGroup.refuse_background_heal`):
+in a quorum formed while a reduction launched before it has yet to be merged
+as it landed (the joiner never received that mean; a retry that reduces in
+the foreground is fine), and with a codec that keeps state of each worker's
+own (error feedback, PowerSGD: it overrides
+:meth:`~shoal.codecs.Codec.newcomer_state`).
+
+Example (what :class:`shoal.DiLoCo` does in ``setup`` on an elastic group)::
+
+    enable_background_heal(strategy, group, optimizer)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shoal.codecs.base import Codec
+from shoal.comm.finite import nonfinite_flag, read_flag
+from shoal.comm.stepping import StateEntry
+
+
+class OuterReplay:
+    """Records each committed outer round's averaged pseudo-gradient; replays it through the outer optimizer.
+
+    Covers ``<key>/strategy`` (global copies, outer optimizer state); needs
+    ``<key>/round`` and ``<key>/schedule`` at admission; ``<key>/optimizer``
+    (the inner optimizer) is each member's own and restarts empty.
+    """
+
+    def __init__(self, strategy: Any, key: str, optimizer: torch.optim.Optimizer) -> None:   # a DiLoCo
+        self.strategy, self.key, self.optimizer = strategy, key, optimizer
+
+    def covers(self, states: dict[str, StateEntry]) -> set[str]:
+        return {f"{self.key}/strategy"}
+
+    def admission(self, states: dict[str, StateEntry]) -> set[str]:
+        return {f"{self.key}/round", f"{self.key}/schedule"}
+
+    def own(self, states: dict[str, StateEntry]) -> set[str]:
+        return {f"{self.key}/optimizer", f"{self.key}/pending"}
+
+    def record(self) -> tuple[int, torch.Tensor] | None:
+        """The committing round's mean (``fragment:<k>``, ``merge:<k>``), or None (an empty round)."""
+        rounds = self.strategy.rounds
+        kind = rounds.current if rounds is not None else ""
+        if not kind.startswith(("fragment:", "merge:")):
+            return None
+        f = self.strategy.fragments[int(kind.split(":", 1)[1])]
+        return f.index, f.delta.detach().clone()
+
+    @torch.no_grad()
+    def replay(self, update: tuple[int, torch.Tensor] | None) -> None:
+        """The outer step the survivors ran on this mean (skipped alike when it is not finite)."""
+        if update is None:
+            return
+        index, mean = update
+        f = self.strategy.fragments[index]
+        if read_flag(nonfinite_flag([mean])):
+            return
+        # The outer gradient may be the reduction buffer, which may hold a landed mean this round merges.
+        held = f.delta.clone() if f.grad is f.delta and f.merge_at is not None else None
+        f.grad.copy_(mean)
+        f.outer.step()
+        if held is not None:
+            f.delta.copy_(held)
+
+    @torch.no_grad()
+    def caught_up(self) -> None:
+        for f in self.strategy.fragments:
+            self.strategy._reset_to_global(f)
+        self.optimizer.state.clear()   # trained on the joiner's own model while it downloaded: start afresh
+
+
+def landing_without_joiner(strategy: Any) -> bool:
+    """Whether a background reduction launched in this quorum would be merged in a later round as it landed
+    (a joiner admitted now never received that mean; a retry that reduces in the foreground is fine)."""
+    return any(f.merge_at is not None and not f.redo for f in strategy.fragments)
+
+
+def own_codec_state(codec: Codec) -> bool:
+    """Whether ``codec`` keeps state of each worker's own (it zeroes some of it for a newcomer)."""
+    return type(codec).newcomer_state is not Codec.newcomer_state
+
+
+def enable_background_heal(strategy: Any, group: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Register DiLoCo's replay on ``group``, or the reason its quorums heal blocking."""
+    if strategy.rounds is None:  # pragma: no cover - setup made them
+        return
+    group.refuse_background_heal(f"{strategy.name}: a reduction launched before the admission lands after it, "
+                                 "without the joiner", lambda: landing_without_joiner(strategy))
+    if own_codec_state(strategy.codec):
+        group.refuse_background_heal(f"{strategy.name}: the codec {type(strategy.codec).__name__} keeps state "
+                                     "of each worker's own")
+    group.register_replay(OuterReplay(strategy, strategy.rounds.key, optimizer))

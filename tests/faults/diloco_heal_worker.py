@@ -1,0 +1,127 @@
+"""One worker of DiLoCo's background-heal fault test: shoal.wrap(net, Adam, DiLoCo) on an ElasticGroup.
+
+Rank ``--crash-rank`` is SIGKILLed in its first collective of round
+``--crash-round`` (a FaultPlan); the harness restarts it, and its second life
+is the joiner. With ``SHOAL_HEAL=background`` it is admitted at once as a
+zero-weight member of the outer rounds; its download is parked
+deterministically (``before_chunk``): it asks for no byte before the run has
+committed ``--park`` rounds after its admission, so the survivors' commits
+during the download are there whatever the machine's speed.
+
+A survivor that committed a round without it waits once, between two
+rounds, until the restarted worker is in a published quorum (else it could
+finish first). Every member logs every committed round (an ``on_commit`` hook: the round's
+kind, quorum size, and this step's newcomers, i.e. the members that counted
+zero). Everyone stops right after a round once ``--steps`` inner steps ran and
+four rounds in a row had all ``--world`` members contributing (a count that
+every member computes from the same commits). Writes
+``<out>/<rank>-<life>.pt``: the log, the catch-up stats, and what every
+member must hold equal (parameters, global copies, outer optimizer state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+from shoal.elastic import ElasticGroup, Timeouts
+from shoal.testing import FaultPlan
+from harness import save_and_leave
+
+PERIOD = 4
+
+
+def synced_state(strategy: Any, model: nn.Module) -> list[torch.Tensor]:
+    """Parameters (one fragment, right after its round: the global copies), global copies, outer state."""
+    out = [p.detach().clone() for p in model.parameters()] if len(strategy.fragments) == 1 else []
+    for f in strategy.fragments:
+        out.append(f.snapshot.clone())
+        for st in f.outer.state_dict()["state"].values():
+            out += [v.clone() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--world", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--crash-rank", type=int, default=2)
+    ap.add_argument("--crash-round", type=int, default=3)
+    ap.add_argument("--park", type=int, default=2)
+    ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--overlap", type=int, default=0)
+    ap.add_argument("--powersgd", action="store_true", help="a codec with state of each worker's own (heals blocking)")
+    ap.add_argument("--max-steps", type=int, default=400)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
+    plan = FaultPlan().crash(rank=a.crash_rank, step=a.crash_round, nth=0)
+    timeouts = Timeouts(op=5.0, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0, quorum=15.0, join=60.0)
+    group = ElasticGroup(timeouts=timeouts, min_workers=2, backend_factory=plan.backend_factory())
+    group.heal_chunk = 2048   # a small model still takes many ranges
+
+    def before_chunk(source: int, received: int) -> None:   # the joiner's download waits for --park commits
+        while group.step < group.catchup.stats.admitted_step + a.park:
+            time.sleep(0.005)
+    group.catchup.before_chunk = before_chunk
+    torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the heal must equalise
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    if a.powersgd:
+        strategy: Any = shoal.DiLoCo(inner_steps=PERIOD, codec=shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0,
+                                                                                  start_iter=0))
+    elif a.fragments == 1 and a.overlap == 0:
+        strategy = shoal.DiLoCo(inner_steps=PERIOD)
+    else:
+        strategy = shoal.StreamingDiLoCo(inner_steps=PERIOD, fragments=a.fragments, overlap_steps=a.overlap,
+                                         mixing=0.0)
+    full = {"rounds": 0}   # consecutive committed rounds with every member contributing
+    alone = {"seen": False, "waited": False}   # a survivor committed a round without the crashed worker
+    log: list[dict[str, Any]] = []
+    discarded: list[int] = []   # the steps of discarded rounds
+
+    def committed() -> None:   # in commit(): newcomers are still this step's
+        kind = strategy.rounds.current if strategy.rounds is not None else "adopt"
+        counted = group.size - len(group.newcomers)
+        full["rounds"] = full["rounds"] + 1 if group.size == a.world and counted == a.world else 0
+        alone["seen"] = alone["seen"] or group.size < a.world
+        log.append({"t": time.time(), "step": group.step - 1, "kind": kind, "size": group.size,
+                    "counted": counted, "mine": group.rank not in group.newcomers})
+    group.on_commit(committed)
+    inner = torch.optim.Adam(net.parameters(), lr=1e-2)
+    model, opt = shoal.wrap(net, inner, strategy, process_group=group)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 16, generator=g)
+    y = torch.tanh(x @ torch.randn(16, 4, generator=g))
+    pick = torch.Generator().manual_seed(1000 * rank + life)   # each worker its own stream of samples
+    while not (strategy.step >= a.steps and strategy.step % PERIOD == 0
+               and (full["rounds"] >= 4 or strategy.step >= a.max_steps)):
+        if alone["seen"] and not alone["waited"]:   # once, between two rounds: until the restart is in a quorum
+            alone["waited"] = True
+            q, t0 = group.quorum, time.monotonic()
+            while q is not None and group.client.latest() <= q.qid and time.monotonic() < t0 + 60:
+                time.sleep(0.02)
+        idx = torch.randint(0, 512, (16,), generator=pick)
+        F.mse_loss(model(x[idx]), y[idx]).backward()
+        discards, step = group.stats.discards, group.step
+        opt.step()
+        opt.zero_grad()
+        if group.stats.discards > discards:
+            discarded.append(step)   # the round begun at this step was discarded (then retried)
+    strategy.close()   # a reduction still in flight is merged (a round every member runs at the same step)
+    result = {"log": log, "discarded": discarded, "synced": synced_state(strategy, model), "stats": vars(group.stats),
+              "catchup": asdict(group.catchup.stats), "contributed": strategy.rounds.contributed,
+              "rank": rank, "life": life, "step": strategy.step}
+    save_and_leave(a.out, rank, life, result, group)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""DiLoCo's background heal (SHOAL_HEAL=background) under a real SIGKILL and restart: gloo on loopback, world 3.
+
+Rank 2 is SIGKILLed inside an outer round; the harness restarts it. Its
+second life is admitted at once as a zero-weight member of the outer rounds,
+and its download is parked until the survivors committed ``PARK`` rounds, so
+every check runs every time, whatever the machine's speed: the survivors'
+rounds do not wait for the download (they commit while it is parked: counted,
+not timed), the joiner replays the outer steps it received with zero weight,
+contributes from the round after it caught up, no round is discarded after
+the admission, and at the end every worker holds bitwise-equal parameters,
+global copies and outer optimizer state. DiLoCo, and streaming DiLoCo with
+and without overlapped reductions; a codec with per-worker state heals
+blocking.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import harness  # noqa: E402
+
+ENV = {"SHOAL_HEAL": "background"}
+PARK = 2
+
+
+def _check(out: harness.Outcome, fragments: int) -> None:
+    why = out.logs
+    assert [r for r, _ in out.deaths] == [2], why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    *survivors, joiner = final
+    cu = joiner["catchup"]
+    admitted, caught = cu["admitted_step"], cu["caught_up_step"]
+    # Admitted in the background (not healed blocking), and caught up only after PARK more commits.
+    assert admitted >= 0 and caught >= admitted + PARK, why
+    assert cu["replayed"] == caught - admitted and joiner["stats"]["heals_received"] == 1, why
+    assert 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
+    assert len(cu["by_source"]) == 2 and all(n > 0 for n in cu["by_source"].values()), why   # striped
+    for s in survivors:
+        # The survivors committed the rounds of steps admitted..caught-1 while the joiner downloaded, the
+        # joiner in the quorum with zero weight; outer steps among them (what the joiner replayed).
+        during = [e for e in s["log"] if admitted <= e["step"] < caught]
+        assert [e["step"] for e in during] == list(range(admitted, caught)), why
+        assert all(e["size"] == 3 and e["counted"] == 2 and e["mine"] for e in during), why
+        assert sum(e["kind"] != "adopt" for e in during) >= 1, why
+        # Later it contributes: rounds with all three counted.
+        assert any(e["counted"] == 3 and e["kind"] != "adopt" for e in s["log"]), why
+    assert [e["step"] for e in survivors[0]["log"]] == [e["step"] for e in survivors[1]["log"]], why
+    # Nothing failed after the admission: no round of anyone was discarded (the catch-up costs no retry).
+    assert all(s <= admitted for r in final for s in r["discarded"]), why
+    # The joiner: zero weight up to the round it caught up at, a contributor from the next one.
+    mine = {e["step"]: e["mine"] for e in joiner["log"]}
+    assert min(mine) == admitted and not any(m for s, m in mine.items() if s <= caught), why
+    assert all(m for s, m in mine.items() if s > caught) and joiner["contributed"] > 0, why
+    ref = survivors[0]
+    assert len(ref["synced"]) == (6 if fragments == 1 else 0) + fragments + 6, why   # params, globals, momenta
+    for r in final[1:]:
+        assert r["step"] == ref["step"] and len(r["synced"]) == len(ref["synced"]), why
+        for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
+            assert torch.equal(a, b), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fragments, overlap", [(1, 0), (2, 0), (2, 1)])
+def test_diloco_joiner_admitted_with_zero_weight_replays_outer_steps_bitwise(fragments: int, overlap: int,
+                                                                            tmp_path: Any) -> None:
+    # (1, 0): DiLoCo; (2, 0): streaming DiLoCo, a round per fragment; (2, 1): streaming DiLoCo whose
+    # reductions run in the background for one inner step (the joiner takes part with zero weight).
+    out = harness.run(str(tmp_path), 3, ["--park", str(PARK), "--fragments", str(fragments), "--overlap",
+                                         str(overlap)], env=ENV, hard_limit=130, restarts=1,
+                      script="diloco_heal_worker.py")
+    _check(out, fragments)
+
+
+@pytest.mark.timeout(150)
+def test_diloco_with_a_codec_of_per_worker_state_refuses_and_heals_blocking(tmp_path: Any) -> None:
+    # PowerSGD keeps error feedback of each worker's own: the group heals blocking (the joiner is never a
+    # zero-weight downloader) and still ends bitwise equal.
+    out = harness.run(str(tmp_path), 3, ["--powersgd"], env=ENV, hard_limit=130, restarts=1,
+                      script="diloco_heal_worker.py")
+    why = out.logs
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    joiner = final[2]
+    assert joiner["catchup"]["admitted_step"] == -1 and joiner["stats"]["heals_received"] == 1, why
+    assert all(e["mine"] for e in joiner["log"] if e["step"] > min(x["step"] for x in joiner["log"])), why
+    for r in final[1:]:
+        for a, b in zip(final[0]["synced"], r["synced"]):
+            assert torch.equal(a, b), why

@@ -1,0 +1,166 @@
+"""DiLoCo's background heal in one process: the replay of outer rounds is exact, and what heals blocking says why.
+
+The group is a single-process static :class:`Group` that keeps what the
+strategy registers for the background heal (replays, refusals). The
+reference is the strategy itself: a second DiLoCo, started from a snapshot
+of the first one's global copies and outer state, replays the means the
+first one committed and must then hold its global copies, outer state and
+parameters bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+from shoal.comm import Group
+from shoal.strategies.diloco_heal import OuterReplay
+from shoal.strategies.diloco_state import outer_state
+from shoal.testing import free_port
+
+
+class _Keeping(Group):
+    """A static group that keeps the replays and refusals registered on it."""
+
+    replays: list[Any]
+    kept: list[tuple[str, Callable[[], bool] | None]]
+
+    def register_replay(self, replayer: Any) -> None:
+        self.replays.append(replayer)
+
+    def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
+        self.kept.append((why, when))
+
+    @property
+    def refusals(self) -> list[str]:
+        """The reasons that hold now (what an elastic group's heal plan asks)."""
+        return [why for why, when in self.kept if when is None or when()]
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[None]:
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=30))
+        created = True
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def _group() -> Any:
+    g = _Keeping()
+    g.replays, g.kept = [], []
+    return g
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _outer(strategy: Any) -> list[torch.Tensor]:
+    out = []
+    for f in strategy.fragments:
+        out.append(f.snapshot)
+        for st in f.outer.state_dict()["state"].values():
+            out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _make(fragments: int, overlap: int) -> Any:
+    if fragments == 1:
+        return shoal.DiLoCo(inner_steps=4)
+    return shoal.StreamingDiLoCo(inner_steps=4, fragments=fragments, overlap_steps=overlap, mixing=0.0)
+
+
+@pytest.mark.parametrize("fragments, overlap, rounds", [(1, 0, 3), (2, 0, 6), (2, 1, 5)])
+def test_replaying_the_committed_means_gives_the_global_copies_and_outer_state_bit_for_bit(
+        world: None, fragments: int, overlap: int, rounds: int) -> None:
+    g = _group()
+    strategy = _make(fragments, overlap)
+    net = _net(0)
+    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=g)
+    assert g.refusals == [] and len(g.replays) == 1 and isinstance(g.replays[0], OuterReplay)
+    replay = g.replays[0]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):   # a round in progress: the snapshot is taken mid-period, as at an admission
+        x = torch.randn(16, 8, generator=gen)
+        F.mse_loss(model(x), x[:, :2]).backward()
+        opt.step()
+        opt.zero_grad()
+    snap = outer_state(strategy)            # what a source serves (<key>/strategy)
+    records: list[Any] = []
+    g.on_commit(lambda: records.append(replay.record()))
+    for _ in range(11):
+        x = torch.randn(16, 8, generator=gen)
+        F.mse_loss(model(x), x[:, :2]).backward()
+        opt.step()
+        opt.zero_grad()
+    assert sum(r is not None for r in records) == rounds   # the outer rounds of steps 6..16
+
+    g2 = _group()
+    joiner = _make(fragments, overlap)
+    net2 = _net(1)                          # a different model: everything must come from the heal
+    inner2 = torch.optim.Adam(net2.parameters(), lr=1e-2)
+    shoal.wrap(net2, inner2, joiner, process_group=g2)
+    x = torch.randn(16, 8, generator=gen)   # the joiner trained its own model while downloading
+    F.mse_loss(net2(x), x[:, :2]).backward()
+    inner2.step()
+    assert len(inner2.state) > 0
+    joiner._heal_outer(snap)
+    for r in records:
+        g2.replays[0].replay(r)
+    g2.replays[0].caught_up()
+    assert len(inner2.state) == 0           # its inner optimizer starts afresh
+    for a, b in zip(_outer(strategy), _outer(joiner)):
+        assert torch.equal(a, b)
+    for f, f2 in zip(strategy.fragments, joiner.fragments):   # its parameters: the global copies
+        for p, v in zip(f2.params, f.global_views):
+            assert torch.equal(p.detach(), v.view_as(p))
+
+
+def test_a_reduction_landing_later_refuses_while_it_is_in_flight_only(world: None) -> None:
+    # overlap_steps=1: fragment 0 launches after step 2 and merges in step 3's round; a joiner admitted in
+    # between would never receive that mean. A retry that reduces in the foreground is fine.
+    g = _group()
+    net = _net(0)
+    strategy = shoal.StreamingDiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+    model, opt = shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy, process_group=g)
+    seen = []
+    for _ in range(4):   # fragment 0 launches after step 2 (merged in step 3's round), fragment 1 after step 4
+        F.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(bool(g.refusals))
+    assert seen == [False, True, False, True] and all("lands after it" in r for r in g.refusals)
+    strategy.fragments[1].redo = True   # what a failed landing leaves: the retry reduces in the foreground
+    assert g.refusals == []
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: shoal.DiLoCo(inner_steps=4, codec=shoal.codecs.PowerSGD(rank=1)), "PowerSGD"),
+    (lambda: shoal.DiLoCo(inner_steps=4, codec=shoal.codecs.ErrorFeedback(shoal.codecs.TopK(0.1))), "ErrorFeedback"),
+])
+def test_what_cannot_replay_exactly_refuses_and_says_why(world: None, make: Callable[[], Any], why: str) -> None:
+    g = _group()
+    net = _net(0)
+    shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), make(), process_group=g)
+    assert any(why in r for r in g.refusals), g.refusals
+
+
+@pytest.mark.parametrize("codec", [None, shoal.codecs.Cast(), shoal.codecs.Int8Blockwise()])
+def test_codecs_every_member_decodes_alike_do_not_refuse(world: None, codec: Any) -> None:
+    g = _group()
+    net = _net(0)
+    shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), shoal.DiLoCo(inner_steps=4, codec=codec),
+               process_group=g)
+    assert g.refusals == [] and len(g.replays) == 1
