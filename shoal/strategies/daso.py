@@ -350,16 +350,23 @@ class DASO(Strategy):
         (``global+land``: one whose landing is due in the same step)."""
         made = [Round(ADOPT, reduce=lambda live: self._host_heal()),
                 Round("loss", reduce=self._reduce_loss, apply=self._apply_loss)]
-        made += [Round(name, reduce=lambda live: self._reduce_global(), apply=lambda: self._ready().commit())
-                 for name in ("global", "global+land")]
+        # A committed round may admit a waiting newcomer at once (Rounds.run), which heals the state as it is
+        # then: so a landing due in the round's step happens in its apply, never after the round returns.
+        made += [Round("global", reduce=lambda live: self._reduce_global(), apply=lambda: self._ready().commit()),
+                 Round("global+land", reduce=lambda live: self._reduce_global(), apply=self._commit_and_land)]
         return {r.name: rounds.add(r) for r in made}
 
-    def _run(self, name: str) -> bool:
+    def _commit_and_land(self) -> None:
+        sync = self._ready()
+        sync.commit()
+        sync.land()
+
+    def _run(self, name: str, admit: bool = True) -> bool:
         if self.rounds is None:
             raise ShoalError("DASO is not set up: use shoal.wrap(model, optimizer, strategy)")
         self._busy = True
         try:
-            return self.rounds.run(self._rounds[name])
+            return self.rounds.run(self._rounds[name], admit=admit)
         finally:
             self._busy = False
 
@@ -409,20 +416,25 @@ class DASO(Strategy):
         self._mark_step()
 
     def _after_step(self, resume: str | None = None) -> None:
-        """Loss round at an epoch's end, global round at a launch, landing (``resume``: a newcomer's round)."""
+        """Loss round at an epoch's end, global round at a launch, landing (``resume``: a newcomer's round).
+
+        Whoever is admitted right after one of these rounds heals the state of that moment and then
+        trains the next step: so the loss round admits no one (the schedule's step and maybe a global
+        round follow in this step; the next round admits), and ``global+land`` lands in its apply.
+        """
         sync = self._ready()
         s = self.schedule
-        if resume is None or resume == "loss":
-            if resume is None and (s.step + 1) % s.config.steps_per_epoch == 0:
-                self._losses = (self._loss_sum, self._loss_count)
-                self._loss_sum, self._loss_count = 0.0, 0
-                self._run("loss")
-            launch, land = s.after_step()
-            if launch and not self._run("global+land" if land else "global"):
+        if resume is not None and resume != "loss":   # a newcomer healed into a global round: it ran (and landed)
+            return
+        if resume is None and (s.step + 1) % s.config.steps_per_epoch == 0:
+            self._losses = (self._loss_sum, self._loss_count)
+            self._loss_sum, self._loss_count = 0.0, 0
+            self._run("loss", admit=False)
+        launch, land = s.after_step()
+        if launch:
+            if not self._run("global+land" if land else "global"):
                 sync.pending = False   # given up on every worker alike: nothing lands
-        else:
-            land = resume == "global+land"
-        if land:
+        elif land:
             sync.land()
 
     def state_dict(self) -> dict[str, Any]:
