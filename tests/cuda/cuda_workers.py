@@ -231,3 +231,48 @@ def collaborative_worker(rank: int, world: int, mode: str) -> list[Any]:
     """Run in a fresh process (no process group): CUDA is initialised there, not in pytest's."""
     os.environ.pop("SHOAL_COORDINATOR", None)
     return collaborative_peers(mode)
+
+
+def fused_nonfinite_skip(rank: int, world: int) -> dict[str, Any]:
+    """shoal DDP + fused AdamW on the device: rank 1 sends a NaN at step 3; every rank skips it on the
+    device (found_inf, no host read between backward and the step's end), like torch DDP without the step."""
+    import shoal.nonfinite
+    import shoal.reducer
+
+    reads = [0]
+    for mod in (shoal.reducer, shoal.nonfinite):
+        def counted(flag: torch.Tensor, read: Callable[[torch.Tensor], bool] = mod.read_flag) -> bool:
+            reads[0] += 1
+            return read(flag)
+        mod.read_flag = counted   # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    base = Net().to(DEV)
+    ours, ref = shoal.DistributedDataParallel(copy.deepcopy(base), device_ids=IDS), TorchDDP(copy.deepcopy(base), device_ids=IDS)
+    out: dict[str, Any] = {"reads_in_steps": 0}
+    for key, model in (("ours", ours), ("ref", ref)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for step, (x, y) in enumerate(batches(rank, 6)):
+            if key == "ref" and step == 3:
+                continue                               # the oracle: torch DDP without the bad step
+            loss = F.mse_loss(model(x), y)
+            hook = None
+            if key == "ours" and step == 3 and rank == 1:
+                hook = model.module.fc1.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0], device=g.device), float("nan")))
+            seen = reads[0]
+            loss.backward()
+            opt.step()
+            if key == "ours":
+                out["reads_in_steps"] += reads[0] - seen
+            opt.zero_grad()
+            if hook is not None:
+                hook.remove()
+        sync()
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])   # noqa: E731
+    a = flat(ours.module)
+    out["finite"] = bool(torch.isfinite(a).all())
+    out["diff"] = float((a - flat(ref.module)).abs().max())
+    out["skips"] = ours.comm_stats().total.nonfinite_skips
+    gathered = [torch.zeros_like(a) for _ in range(world)]
+    dist.all_gather(gathered, a)
+    out["spread"] = float(max((g - gathered[0]).abs().max() for g in gathered))
+    return out

@@ -40,3 +40,14 @@ def test_hierarchical_codec_with_two_ranks_per_host() -> None:
 def test_torch_powersgd_hook_runs_unchanged_on_cuda() -> None:
     for diff in run_nccl(W.torch_powersgd_hook, 2):
         assert diff <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_a_fused_adamw_skips_a_nonfinite_step_on_the_device() -> None:
+    # shoal.nonfinite lends DDP's unread verdict to a fused optimizer as found_inf: no host read in the
+    # step, the NaN step skipped on every rank exactly as torch DDP without that step, counted once.
+    for r in run_nccl(W.fused_nonfinite_skip, 2):
+        assert r["finite"] and r["spread"] == 0.0, r
+        assert r["reads_in_steps"] == 0, r
+        assert r["skips"] == 1, r
+        assert r["diff"] <= 1e-6, r
