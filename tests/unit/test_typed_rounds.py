@@ -147,3 +147,13 @@ def test_a_round_of_collectives_refuses_the_background_heal() -> None:
     g = _Group()
     assert run_round(g) and g.refusals == []                      # type: ignore[arg-type]
     assert run_round(g, lambda: None) and len(g.refusals) == 1    # type: ignore[arg-type]
+
+
+def test_a_static_groups_step_counts_its_commits(world: None) -> None:
+    # The step interface's ``step`` on a static group: what ZeRO names a lost shard's step by.
+    g = Group()
+    assert g.step == 0
+    for _ in range(3):
+        g.begin_step()
+        assert g.commit()
+    assert g.step == 3
