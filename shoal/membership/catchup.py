@@ -62,7 +62,7 @@ from shoal.comm.stepping import StateEntry
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 from shoal.membership.heal import HealPlan, load_blob
 from shoal.membership.received import check_received
-from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, local_address
+from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, local_address, tree_tensors
 
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
@@ -100,7 +100,7 @@ class OptimizerReplay:
         ptrs = {p.data_ptr() for p in self._params()}
         out = {self.key}
         for k, s in states.items():
-            found = _leaves(s.get())
+            found = tree_tensors(s.get())
             if found and all(t.data_ptr() in ptrs for t in found):
                 out.add(k)
         return out
@@ -115,16 +115,6 @@ class OptimizerReplay:
         self.optimizer.step()
         for p in params:
             p.grad = None
-
-
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _leaves(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _leaves(v)]
-    return []
 
 
 @dataclass
