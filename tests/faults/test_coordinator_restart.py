@@ -106,6 +106,12 @@ class _Run:
         self.coord.wait()
         return time.time()
 
+    def lose_the_coordinator_then_worker_2(self) -> None:
+        """The coordinator dies, and a second later (no vote through the store in flight) worker 2 too."""
+        self.kill_coordinator()
+        time.sleep(1.0)
+        self.workers[2].kill()
+
     def restart_coordinator(self) -> float:
         """A new coordinator on the same port with the same token (an empty store); when it started."""
         self.coord = _coordinator(self.port, self.coord_log)
@@ -198,9 +204,7 @@ def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp
     # wait Timeouts.quorum (op + 10 s in the worker) and stop with an error that says what to do.
     with _Run(tmp_path, ["--steps", "100000", "--op", "3", "--min-workers", "2", "--pace", "0.05"]) as run:
         run.start_three_and_wait_until_they_train()
-        run.kill_coordinator()
-        time.sleep(1.0)
-        run.workers[2].kill()
+        run.lose_the_coordinator_then_worker_2()
         t0 = time.monotonic()
         codes = [run.workers[r].wait(timeout=60) for r in range(2)]
         waited = time.monotonic() - t0
@@ -217,9 +221,7 @@ def test_a_worker_lost_while_the_coordinator_is_down_is_left_out_once_it_is_back
     # the restarted coordinator hears from them only, leaves the lost worker out, and they finish as one.
     with _Run(tmp_path, ["--steps", "60", "--op", "10", "--min-workers", "2", "--pace", "0.05"]) as run:
         run.start_three_and_wait_until_they_train()
-        run.kill_coordinator()
-        time.sleep(1.0)
-        run.workers[2].kill()
+        run.lose_the_coordinator_then_worker_2()
         time.sleep(9.0)
         alive = [run.workers[r].poll() is None for r in range(2)]
         run.restart_coordinator()
