@@ -58,6 +58,7 @@ import shoal
 from shoal.bench.chaos_stats import goodput, join_stalls, kill_stalls, median_step, spread, trained_s
 from shoal.bench.overhead import TinyTransformer
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
+from shoal.rates import parse_rate
 from shoal.cli.elastic_launch import NamespacedCoordinator
 from shoal.elastic import Coordinator, ElasticGroup, Timeouts
 
@@ -190,7 +191,7 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
     with ExitStack() as stack:
         token = secrets.token_urlsafe(16)   # elastic runs require one; the workers read SHOAL_TOKEN
         env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "SHOAL_TOKEN": token,
-               "SHOAL_HEAL": a.heal}
+               "SHOAL_HEAL": a.heal, "SHOAL_HEAL_RATE": a.heal_rate}
         env.pop("SHOAL_ELASTIC_TRACE", None)
         if a.trace:   # the workers and the coordinator write timestamped events (see _recovery)
             env["SHOAL_ELASTIC_TRACE"] = os.path.join(out, "trace")
@@ -458,9 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heal", choices=["blocking", "background"], default="blocking",
                     help="how restarted workers get the run's state (SHOAL_HEAL; docs/elastic.md); background "
                          "applies to --strategy ddp")
+    ap.add_argument("--heal-rate", default="", help="background heal: a source's bytes/s to joiners, a tc rate "
+                    "such as 4mbit (SHOAL_HEAL_RATE; default: no limit)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    parse_rate(a.heal_rate) if a.heal_rate else None   # a bad rate stops here (ConfigError), not in each worker
     if a.worker:
         worker(a)
         return 0

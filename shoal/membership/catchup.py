@@ -63,6 +63,7 @@ from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalErro
 from shoal.membership.heal import HealPlan, load_blob
 from shoal.membership.received import check_received
 from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, local_address, tree_tensors
+from shoal.rates import parse_rate
 
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
@@ -143,6 +144,21 @@ class CatchUpStats:
     admissions: int = 0           # times admitted as a downloader (again after a download that failed)
 
 
+def heal_rate() -> float | None:
+    """``SHOAL_HEAL_RATE`` (a tc rate such as ``4mbit``): what a source sends joiners at most, a second.
+
+    Unset or empty: no limit. On a link the training also needs, a rate below
+    it keeps a download from stalling the survivors (docs/elastic.md, "Pacing
+    the download")."""
+    rate = os.environ.get("SHOAL_HEAL_RATE", "").strip()
+    if not rate:
+        return None
+    try:
+        return parse_rate(rate)
+    except ConfigError as e:
+        raise ConfigError(f"SHOAL_HEAL_RATE: {e}") from None
+
+
 class CatchUp:
     """The background heal of one :class:`~shoal.membership.elastic.ElasticGroup` (see the module docstring)."""
 
@@ -152,6 +168,7 @@ class CatchUp:
             raise ConfigError(f"SHOAL_HEAL must be one of {MODES}, got {mode!r}")
         self.group = group
         self.enabled = mode == "background"
+        self.rate = heal_rate()                 # a source's bytes/s to joiners (SHOAL_HEAL_RATE), None: no limit
         self.replayers: list[Replayer] = []
         self.refusals: list[tuple[str, Callable[[], bool] | None]] = []   # why (and when) it cannot
         self._generation = 0                    # a download given up on never reports into a later one
@@ -261,7 +278,7 @@ class CatchUp:
         g = self.group
         if self.server is None:
             self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),
-                                         idle=g.timeouts.join)
+                                         idle=g.timeouts.join, rate=self.rate)
         server, key = self.server, self._key(hid, f"src/{g.client.member_id}")
         tree = clone_tree({k: s.get() for k, s in g.hooks.states.items()})   # the step boundary
         book, client = g.client.book, g.client

@@ -13,6 +13,14 @@ one thread per source pulling chunks from a shared queue, so the transfer is
 striped; a source that dies mid-transfer loses its chunk back to the queue,
 and the others finish.
 
+Pacing: on a slow link a source's upload is also where its gradients go,
+so an unpaced download stalls the survivors' steps for as long as it takes
+(4 hosts x 20 mbit, DDP: ~12 s per join, docs/BENCHMARKS.md). With a
+``rate`` (``SHOAL_HEAL_RATE``, e.g. ``4mbit``) a source sends at most that
+many bytes a second, all joiners together (:class:`Pacer`): the download
+takes longer and the joiner replays more steps, but the survivors' steps
+lose only that share of the link.
+
 Security: a joiner proves it holds the run token before anything is served
 (``HMAC-SHA256(token, "<run>/heal/<member>", nonce)`` for a fresh nonce of
 the server's, as at the join; the token never travels). What it receives is
@@ -52,6 +60,37 @@ log = logging.getLogger("shoal.elastic")
 _REQ = struct.Struct("!cqqq")     # kind (G: get a range, D: done), heal id, offset or member, length
 _LEN = struct.Struct("!q")        # reply: bytes that follow, -1 if the snapshot is not (or no longer) here
 _HELLO = struct.Struct("!q")      # the joiner's member id, then its 64-hex-digit proof
+_SLICE = 1 << 16                  # bytes sent between two pacing decisions
+
+
+class Pacer:
+    """At most ``rate`` bytes a second through :meth:`take`, every caller together; ``None``: no limit.
+
+    Each caller reserves its bytes' time slot in turn (a virtual clock that may
+    lag the real one by one slice at most, so an idle pacer gives no burst
+    larger than a slice) and sleeps until the slot, outside the lock.
+
+    >>> p = Pacer(1e6)
+    >>> t = time.monotonic(); p.take(65536); p.take(200_000); round(time.monotonic() - t, 1)
+    0.2
+    """
+
+    def __init__(self, rate: float | None) -> None:
+        if rate is not None and not rate > 0:
+            raise ValueError(f"a pacing rate must be > 0 bytes/s, got {rate!r}")
+        self.rate = rate
+        self._due = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        if self.rate is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._due = max(self._due, now - _SLICE / self.rate) + n / self.rate
+            wait = self._due - now
+        if wait > 0:
+            time.sleep(wait)
 
 
 def local_address(coordinator: str) -> str:
@@ -139,10 +178,12 @@ class SnapshotServer:
         run_id: the run (binds the proofs to it).
         host: the address to listen on (:func:`local_address`).
         idle: a snapshot nobody asked for in this many seconds is dropped.
+        rate: at most this many bytes a second to all joiners together (``None``: no limit).
     """
 
-    def __init__(self, token: str, run_id: str, host: str, idle: float = 300.0) -> None:
+    def __init__(self, token: str, run_id: str, host: str, idle: float = 300.0, rate: float | None = None) -> None:
         self.token, self.run_id, self.idle = token, run_id, idle
+        self.pacer = Pacer(rate)
         self._snaps: dict[int, _Snap] = {}
         self._lock = threading.Lock()
         self._sock = socket.create_server((host, 0))
@@ -208,6 +249,7 @@ class SnapshotServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
+                _no_delay(conn)
                 nonce = auth.new_nonce()
                 conn.sendall(nonce.encode())
                 member = _HELLO.unpack(_recv(conn, _HELLO.size))[0]
@@ -235,7 +277,11 @@ class SnapshotServer:
             conn.sendall(_LEN.pack(-1))
             return
         conn.sendall(_LEN.pack(n))
-        conn.sendall(memoryview(data)[start:start + n])
+        view = memoryview(data)[start:start + n]
+        for at in range(0, n, _SLICE):
+            piece = view[at:at + _SLICE]
+            self.pacer.take(len(piece))
+            conn.sendall(piece)
         self.served += n
 
     def _done(self, hid: int, member: int) -> None:
@@ -248,6 +294,13 @@ class SnapshotServer:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _no_delay(conn: socket.socket) -> None:
+    """Send small writes at once. Each chunk is a request, a length and the bytes: with Nagle's
+    algorithm the bytes wait for the ACK of the length, which the peer delays (~40 ms a chunk:
+    256 KB took 0.36 s over loopback in chunks of 32 KB)."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _recv(conn: socket.socket, n: int) -> bytes:
@@ -324,6 +377,7 @@ class Download(threading.Thread):
         try:
             host, port = src.address.rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=self.timeout) as conn:
+                _no_delay(conn)
                 nonce = _recv(conn, 2 * auth.NONCE_BYTES).decode()
                 proof = auth.answer(self.token, f"{self.run_id}/heal/{self.member}", nonce)
                 conn.sendall(_HELLO.pack(self.member) + proof.encode())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -28,6 +29,31 @@ from shoal.parallel import DistributedDataParallel
 from shoal.reducer import GradBucket
 from shoal.strategies.base import Strategy, check_state_keys, optimizer_state_tensors
 from shoal.strategies.rounds import FailurePolicy, Round, Rounds
+
+
+@dataclass
+class _Scratch:
+    """One round's own state from its ``reduce`` to its ``apply`` (empty outside a round).
+
+    ``live`` are the tensors the mean replaces (the parameters and chosen
+    optimizer state, or the gradients), ``mean`` their mean over ``group``
+    (the scratch the collectives wrote), ``finite`` a parameter round's count
+    of contributors whose parameters were finite (read once it committed).
+    """
+
+    live: list[torch.Tensor] = field(default_factory=list)
+    mean: list[torch.Tensor] = field(default_factory=list)
+    group: Group | None = None
+    finite: torch.Tensor | None = None
+    ready: bool = False
+
+    def fill(self, live: list[torch.Tensor], mean: list[torch.Tensor], group: Group,
+             finite: torch.Tensor | None = None) -> None:
+        self.live, self.mean, self.group, self.finite, self.ready = live, mean, group, finite, True
+
+    def clear(self) -> None:
+        """Forget the round's tensors (applied, or its attempt discarded)."""
+        self.live, self.mean, self.group, self.finite, self.ready = [], [], None, None, False
 
 
 class AveragingStrategy(Strategy):
@@ -64,9 +90,6 @@ class AveragingStrategy(Strategy):
         self._rounds: dict[str, Round] = {}   # by name (see _make_rounds)
         self.local_group: Any = None   # post-local SGD's gradient groups after warm-up, if any
         self._grad_codec = Identity()  # post-local SGD's warm-up gradients travel exact, as in its DDP
-        # (live, averaged scratch, a parameter round's group)
-        self._pending: tuple[list[torch.Tensor], list[torch.Tensor], Group | None] | None = None
-        self._finite = torch.zeros((), device="cpu")   # replaced on the tensors' device per round
 
     @abc.abstractmethod
     def _make_averager(self, group: Group) -> ModelAverager:
@@ -103,26 +126,34 @@ class AveragingStrategy(Strategy):
 
     def _make_rounds(self) -> list[Round]:
         """``grad``/``local_grad``: a gradient mean (over the group / the local group); ``params``: the
-        averaging due after the step just counted (every member of the round holds the same count)."""
-        return [Round("grad", reduce=lambda live: self._reduce_grads("grad"), apply=self._apply),
-                Round("local_grad", reduce=lambda live: self._reduce_grads("local_grad"), apply=self._apply),
-                Round("params", reduce=self._reduce_params, apply=self._apply)]
+        averaging due after the step just counted (every member of the round holds the same count).
 
-    def _reduce_grads(self, kind: str) -> None:
+        Each round keeps its own state from its ``reduce`` to its ``apply``
+        (a :class:`_Scratch` of its own), so a failed attempt's scratch is
+        dropped with the attempt and is never applied by another round.
+        """
+        grad, local, params = _Scratch(), _Scratch(), _Scratch()
+        return [Round("grad", reduce=lambda live: self._reduce_grads(grad, self.group_, "grad"),
+                      apply=lambda: self._apply_grads(grad), discard=grad.clear),
+                Round("local_grad", reduce=lambda live: self._reduce_grads(local, self.local_group, "local_grad"),
+                      apply=lambda: self._apply_grads(local), discard=local.clear),
+                Round("params", reduce=lambda live: self._reduce_params(params),
+                      apply=lambda: self._apply_params(params), discard=params.clear)]
+
+    def _reduce_grads(self, held: _Scratch, group: Group, kind: str) -> None:
         """The gradients' mean into scratch copies (over the whole group, or the local one)."""
-        self._pending = None
+        held.clear()
         if self.rounds is None:  # pragma: no cover - setup made them
             return
         live = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         scratch = [t.detach().clone() for t in live]
         # a non-finite mean is caught by the optimizer step's gradient check
-        group = self.group_ if kind == "grad" else self.local_group
         self.rounds.mean(scratch, list(self.names), self._grad_codec, f"{self.name}/{kind}", group)
-        self._pending = (live, scratch, None)
+        held.fill(live, scratch, group)
 
-    def _reduce_params(self, contribute: bool) -> None:
+    def _reduce_params(self, held: _Scratch) -> None:
         """The parameters' (and chosen optimizer state's) mean into scratch copies, over the level due."""
-        self._pending = None
+        held.clear()
         if self.rounds is None or self.optimizer is None or self.averager is None:  # pragma: no cover
             return
         names = list(self.names)
@@ -136,46 +167,53 @@ class AveragingStrategy(Strategy):
                                                          self.average_optimizer_state)
             live, names = live + extra, names + extra_names
         scratch = [t.detach().clone() for t in live]
-        handle = self._finite_count(scratch, group, tag)
+        finite, handle = self._finite_count(scratch, group, tag)
         self.rounds.mean(scratch, names, self.averager.codec, tag, group)
         handle.wait()
-        self._pending = (live, scratch, group)
+        held.fill(live, scratch, group, finite)
 
-    def _finite_count(self, scratch: list[torch.Tensor], group: Group, tag: str) -> Any:
+    def _finite_count(self, scratch: list[torch.Tensor], group: Group, tag: str) -> tuple[torch.Tensor, Any]:
         """Start the count of the round's contributors whose parameters are finite (see :func:`finite_mean`).
 
         A worker whose parameters hold a NaN/Inf contributes zeros, as a
-        newcomer does; :meth:`_apply` rescales the mean to the finite
+        newcomer does; :meth:`_apply_params` rescales the mean to the finite
         contributors. The local check is read before the round's collectives.
+        Returns the count's tensor (read once the round committed) and its handle.
         """
         bad = read_flag(nonfinite_flag(scratch[:len(self.params)]))
         counts = group.rank not in group.newcomers and not bad
-        self._finite = torch.full((), 1.0 if counts else 0.0, dtype=torch.float32, device=scratch[0].device)
-        handle = group.all_reduce(self._finite, op="sum", tag=f"{tag}/finite")
+        finite = torch.full((), 1.0 if counts else 0.0, dtype=torch.float32, device=scratch[0].device)
+        handle = group.all_reduce(finite, op="sum", tag=f"{tag}/finite")
         if bad:
             torch._foreach_zero_(scratch)
-        return handle
+        return finite, handle
 
     @torch.no_grad()
-    def _apply(self) -> None:
-        if self._pending is None:
+    def _apply_grads(self, held: _Scratch) -> None:
+        """A committed gradient mean becomes the gradients the optimizer steps with."""
+        if not held.ready:
             return
-        live, scratch, group = self._pending
-        self._pending = None
-        if group is None:   # gradients
-            for p, g in zip(self.params, scratch):
-                p.grad = g
+        for p, g in zip(self.params, held.mean):
+            p.grad = g
+        held.clear()
+
+    @torch.no_grad()
+    def _apply_params(self, held: _Scratch) -> None:
+        """A committed average replaces the parameters (and optimizer state), finite contributors only."""
+        if not held.ready or held.group is None or held.finite is None:
             return
+        live, scratch, group, finite = held.live, held.mean, held.group, held.finite
+        held.clear()
         if self.averager is not None:
             self.averager.last_group = group
-        if not self._rescale_finite(group, scratch):
+        if not self._rescale_finite(group, scratch, finite):
             return
         torch._foreach_copy_(live, scratch)
 
-    def _rescale_finite(self, group: Group, scratch: list[torch.Tensor]) -> bool:
+    def _rescale_finite(self, group: Group, scratch: list[torch.Tensor], count: torch.Tensor) -> bool:
         """Turn a committed mean into the finite contributors' mean; False: none was finite (keep ours)."""
         contributors = group.size - len(group.newcomers)
-        finite = int(round(float(self._finite.item())))  # read once the round has committed
+        finite = int(round(float(count.item())))  # read once the round has committed
         if contributors == 0 or finite == contributors:
             return True
         if self.averager is not None:

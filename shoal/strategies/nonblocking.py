@@ -42,6 +42,7 @@ from shoal.errors import ConfigError, ShoalError
 from shoal.parallel import DistributedDataParallel
 from shoal.strategies.base import Strategy, StrategyOptimizer
 from shoal.strategies.nonblocking_exchange import TAG, Exchange, find_layers
+from shoal.strategies.rounds import FailurePolicy, Rounds, run_round
 
 __all__ = ["NonBlocking", "NonBlockingModule", "find_layers", "TAG"]
 
@@ -85,9 +86,9 @@ class NonBlockingModule(nn.Module):
         if not self.require_backward_grad_sync:
             raise ShoalError(_NO_ACCUMULATION)
         if torch.is_grad_enabled() and self.training:
-            # Votes last step's exchange (the group's before_begin_step hook) and applies it; on an
-            # elastic group then adopts the latest quorum (rebuild, heal) before this step's first collective.
-            self.group.begin_step()
+            # Launches this step's round: its begin_step first votes last step's exchange (the end_step
+            # hook) and applies it; on an elastic group then adopts the latest quorum (rebuild, heal).
+            self._exchange.begin()
         if self.broadcast_buffers and self.training and self.group.size > 1:  # eval may run on one rank
             buffers = list(self.module.buffers())
             if buffers:
@@ -152,11 +153,12 @@ class NonBlocking(Strategy):
     optimizers (through :meth:`wrap`), it warns and falls back to blocking:
     :class:`shoal.DistributedDataParallel` and ordinary steps.
 
-    Each step's exchange is one step of the group's step interface
-    (:mod:`shoal.comm.stepping`), on static and elastic groups alike: begun
-    by the forward (or ``ElasticSampler.next_batch``) before the backward
-    that launches it, voted (``group.commit()``) when it is waited, at the
-    start of the next step (or by ``finalize()``, ``eval()``,
+    Each step's exchange is one typed round (:mod:`shoal.strategies.rounds`)
+    that stays in flight across the optimizer step, on static and elastic
+    groups alike: launched by the forward (its step begun there or by
+    ``ElasticSampler.next_batch``) before the backward that issues its
+    reductions, voted by the runner (``Rounds.land``) when it is waited, at
+    the start of the next step (or by ``finalize()``, ``eval()``,
     ``state_dict()``). On a static group the vote is always "commit". On an
     :class:`~shoal.elastic.ElasticGroup`: commit, the update is applied as
     usual (or skipped if non-finite); discard, it is dropped on every member
@@ -204,14 +206,12 @@ class NonBlocking(Strategy):
         self._bind(model, single, group)
         group.start_state(model, list(zip(self.names, self.params)), tag="nonblocking/init")
         codec, self.topology = reduction_codec(group, self.codec, self.hierarchical)
-        key = group.unique_name("nonblocking")   # two models on one group register apart
-        group.register_state(f"{key}/module", model.state_dict, model.load_state_dict)
-        group.register_state(f"{key}/optimizer", single.state_dict, single.load_state_dict)
-        if codec is not None:  # a discarded exchange may have half-updated it: roll back on discard
-            keep = codec
-            group.register_state(f"{key}/codec", keep.state_dict, keep.load_state_dict, rollback=True,
-                                 heal_load=lambda s: keep.load_state_dict(keep.newcomer_state(s)))
-        self._exchange = Exchange(find_layers(model), single, group, codec, model=model)
+        # Module, optimizer and codec heal into newcomers (keys under a name unique on the group: two models
+        # on one group register apart); the codec rolls back on a discard (a failed exchange may have
+        # half-updated it). No first round: the first forward's begin_step is the first heal.
+        rounds = Rounds(group, "nonblocking", FailurePolicy.DISCARD)
+        rounds.register(model, single, codec)
+        self._exchange = Exchange(find_layers(model), single, rounds, codec, model=model)
         group.before_begin_step(self._exchange.end_step)
         return NonBlockingModule(model, self._exchange, group, self.broadcast_buffers)
 
@@ -297,9 +297,9 @@ def _fallback_reason(model: nn.Module, optimizer: Any) -> tuple[str, torch.optim
 
 class _VotedSteps:
     """The blocking fall-back's vote: the first ``step()`` of any of ``optimizers`` after a step began
-    ends it (``group.commit()``, always True on a static group); a discarded step's gradients are dropped
-    before each optimizer steps, so that none of them changes anything. The optimizers' states heal into
-    newcomers (registered on the group)."""
+    ends it (:func:`run_round`, the vote alone: always True on a static group); a discarded step's
+    gradients are dropped before each optimizer steps, so that none of them changes anything. The
+    optimizers' states heal into newcomers (registered on the group)."""
 
     def __init__(self, group: Group, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.group = group
@@ -315,6 +315,7 @@ class _VotedSteps:
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self.verdict is None:
-            self.verdict = self.group.commit()
+            verdict = run_round(self.group)   # its begin_step runs _begin (the step DDP's forward began goes on)
+            self.verdict = verdict
         if not self.verdict:   # discarded on every member: this optimizer's step changes nothing
             optimizer.zero_grad(set_to_none=True)

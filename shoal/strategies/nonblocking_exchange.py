@@ -12,6 +12,12 @@ strategy; this module holds the machinery it drives:
   the next step: wait for every reduction, one fused NaN/Inf check, then apply
   the whole update (or skip it on every rank alike).
 
+Each step's exchange is one typed round of :mod:`shoal.strategies.rounds`
+that stays in flight across the optimizer step: :meth:`Exchange.begin` (the
+forward) launches it, the backward hooks issue its reductions, and the
+runner's :meth:`~shoal.strategies.rounds.Rounds.land` votes it before the
+next step begins (or in ``finalize``): wait, vote, apply or drop.
+
 Why the whole step settles at once (rather than each layer in its own
 pre-hook): skipping a non-finite step must be all-or-nothing, so no layer may
 be updated before every layer's mean is known to be finite. The first layer a
@@ -35,8 +41,9 @@ from torch import nn
 
 from shoal.codecs.base import Codec, common_dtype
 from shoal.comm.finite import nonfinite_flag, read_flag
-from shoal.comm.group import Group, Handle
+from shoal.comm.group import Handle
 from shoal.errors import ShoalError
+from shoal.strategies.rounds import FailurePolicy, Round, Rounds
 
 TAG = "nonblocking/grad"
 
@@ -161,16 +168,22 @@ class Exchange:
 
     Example (what :class:`shoal.strategies.NonBlocking` does)::
 
-        ex = Exchange(find_layers(model), optimizer, group, codec=None, model=model)
+        ex = Exchange(find_layers(model), optimizer, Rounds(group, "nonblocking"), codec=None, model=model)
+        group.before_begin_step(ex.end_step)
+        ex.begin()                  # before a training forward: the step's round (elastic: quorum, heal)
         ex.arm()                    # after a training forward: the next backward launches reductions
         loss.backward()             # each layer's all-reduce starts as soon as its gradients exist
         ex.request_step()           # optimizer.step(): snapshot the hyperparameters
         model(x)                    # first pre-hook: wait, check, apply the whole update (or skip it)
     """
 
-    def __init__(self, layers: list[_Layer], optimizer: torch.optim.Optimizer, group: Group,
+    def __init__(self, layers: list[_Layer], optimizer: torch.optim.Optimizer, rounds: Rounds,
                  codec: Codec | None, model: nn.Module | None = None) -> None:
-        self.layers, self.optimizer, self.group, self.codec = layers, optimizer, group, codec
+        self.layers, self.optimizer, self.codec = layers, optimizer, codec
+        self.rounds, self.group = rounds, rounds.group
+        # The step's exchange: launched by the forward, its reductions issued by backward, voted by end_step.
+        self.round = rounds.add(Round("exchange", land=self._wait_pending, apply=self._commit,
+                                      discard=self._discard, policy=FailurePolicy.DISCARD))
         self.commits = 0                     # exchanges voted and applied (one vote each, see end_step)
         self.discards = 0                    # exchanges dropped on every member (elastic groups only)
         self.nonfinite_skips = 0             # steps every rank skipped because a mean held NaN/Inf
@@ -187,6 +200,15 @@ class Exchange:
         self._hooks += [m.register_forward_pre_hook(self._pre_hook) for m in hooked]
 
     # --- backward: start reductions ------------------------------------------
+    def begin(self) -> None:
+        """Before a training forward: launch the step's round (its ``begin_step`` first votes the last one).
+
+        Elastic: adopts the latest quorum and heals newcomers before any
+        collective. A second training forward in the same step (no backward
+        between) stays in that step.
+        """
+        self.rounds.launch(self.round)
+
     def arm(self) -> None:
         self._armed, self._started, self._next = True, False, 0
         for layer in self.layers:
@@ -310,30 +332,39 @@ class Exchange:
     def end_step(self) -> None:
         """The group's ``before_begin_step`` hook: ends the step of a requested exchange.
 
-        The exchange launched in a backward is that backward's step: wait for
-        every layer's reduction, vote (``group.commit()``), then apply it
-        (commit) or drop it (discard, elastic groups only: the means and the
-        step request are forgotten, parameters and optimizer state stay as
-        they were, on every member alike). Called before the next step
-        starts, so a quorum change or heal never finds an exchange in flight.
-        A committed exchange whose means hold NaN/Inf is skipped on every rank.
+        The exchange launched in a backward is that backward's step: the
+        runner lands its round (:meth:`Rounds.land`): wait for every layer's
+        reduction, vote, then apply it (commit) or drop it (discard, elastic
+        groups only: the means and the step request are forgotten, parameters
+        and optimizer state stay as they were, on every member alike). Called
+        before the next step starts, so a quorum change or heal never finds an
+        exchange in flight. A committed exchange whose means hold NaN/Inf is
+        skipped on every rank.
         """
         if self._step_hparams is not None and self.pending():
             self._vote()
 
     def _vote(self) -> None:
-        todo = self.pending()
-        for layer in todo:
+        if self.rounds.land() is None:   # pragma: no cover - a backward launches reductions only after begin()
+            raise ShoalError("NonBlocking reductions in flight without a launched round: every training forward "
+                             "begins the step's round (NonBlockingModule.forward) before backward")
+
+    # --- the round's land / apply / discard (the runner calls them) ------------------------------
+    def _wait_pending(self) -> None:
+        for layer in self.pending():
             self._wait(layer)
-        if self.group.commit():
-            self.commits += 1
-            if self._step_hparams is not None:
-                self._apply_finite(todo)
-            else:   # finalised without a requested step: leave the means in .grad
-                self.apply(todo)
-            return
+
+    def _commit(self) -> None:
+        self.commits += 1
+        todo = self.pending()
+        if self._step_hparams is not None:
+            self._apply_finite(todo)
+        else:   # finalised without a requested step: leave the means in .grad
+            self.apply(todo)
+
+    def _discard(self) -> None:
         self.discards += 1
-        self._drop(todo)
+        self._drop(self.pending())
 
     def apply(self, layers: Sequence[_Layer]) -> None:
         """Wait for ``layers``' reductions, put the means in ``.grad``, step them if a step was requested."""

@@ -16,6 +16,16 @@ A round is a :class:`Round` (its name, failure policy, ``reduce``,
 never writes ``begin_step(); ... commit()`` itself; code outside a strategy
 runs a one-off round with :func:`run_round`.
 
+A round whose work stays in flight across optimizer steps (NonBlocking's
+per-layer reductions: launched in backward, applied in the next forward)
+names a ``land`` (wait for that work): :meth:`Rounds.launch` begins it and
+:meth:`Rounds.land` votes it later, its step open in between. It is
+``DISCARD``: its collectives ran outside the runner and cannot be run again.
+Another round of the same runner first lands it on a group whose steps end at
+their vote (:func:`~shoal.comm.asks.step_ends_at_vote`); on a group where
+work may stay in flight across steps (``traits.work_in_flight``) it may
+stay in flight meanwhile.
+
 On a static group ``begin_step`` does nothing and ``commit`` is True, so the
 static and elastic paths are one path. On an elastic group a round fails as
 a whole: its collectives wrote only scratch buffers, state registered with
@@ -57,6 +67,7 @@ import torch
 from torch import nn
 
 from shoal.codecs.base import Codec
+from shoal.comm.asks import step_ends_at_vote
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
@@ -89,13 +100,34 @@ class Round:
         after_join: run once by :meth:`Rounds.join` after the first round
             (on every member, newcomers included), e.g. to copy a healed
             state into scratch buffers.
+        discard: run on every member when an attempt is discarded: drop
+            what its ``reduce`` left (the scratch is not applied).
+        land: set for a round whose work stays in flight across steps:
+            ``reduce`` only starts that work, :meth:`Rounds.launch` returns,
+            and ``land()`` waits for it when :meth:`Rounds.land` votes the
+            round (its policy is ``DISCARD``).
 
-    Example::
+    Example (the parameters' mean over the live members, applied once every member committed)::
 
-        params = Round("params", reduce=lambda live: rounds.mean(scratch, names, codec, "avg"),
-                       apply=lambda: torch._foreach_copy_(weights, scratch))
-        rounds.add(params)
-        rounds.run(params)
+        import torch
+        from shoal import Round, Rounds
+        from shoal.codecs import Identity
+
+        rounds = Rounds(group, "avg")
+        scratch = [p.detach().clone() for p in params]
+
+        def reduce(contributes: bool) -> None:     # collectives into scratch only
+            torch._foreach_copy_(scratch, [p.detach() for p in params])
+            rounds.mean(scratch, names, Identity(), "avg/params")
+
+        def apply() -> None:                       # committed on every member
+            with torch.no_grad():
+                torch._foreach_copy_(params, scratch)
+
+        average = rounds.add(Round("params", reduce=reduce, apply=apply))
+        rounds.register(model, optimizer)          # what a newcomer heals
+        rounds.join()
+        rounds.run(average)                        # True: committed and applied everywhere
     """
 
     name: str
@@ -103,12 +135,22 @@ class Round:
     apply: Callable[[], None] = _nothing
     policy: FailurePolicy | None = None
     after_join: Callable[[], None] | None = None
+    discard: Callable[[], None] = _nothing
+    land: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"a Round needs a non-empty name, got {self.name!r}")
         if self.policy is not None and not isinstance(self.policy, FailurePolicy):
             raise ConfigError(f"policy must be a FailurePolicy, got {self.policy!r}")
+        if self.land is not None and self.policy is FailurePolicy.AVERAGE_SURVIVORS:
+            raise ConfigError(f"round {self.name!r} stays in flight (land is set): its collectives ran outside "
+                              "the runner and cannot be run again, so its policy is DISCARD, not AVERAGE_SURVIVORS")
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether this round's work stays in flight across steps (run by :meth:`Rounds.launch`)."""
+        return self.land is not None
 
 
 class Rounds:
@@ -147,6 +189,7 @@ class Rounds:
         self.module: nn.Module | None = None   # registered by register(); broadcast by join() on a static group
         self._rounds: dict[str, Round] = {}   # typed rounds by name (add)
         self.current = ADOPT      # the round in progress; healed, so a newcomer joins the same one
+        self.flying: Round | None = None   # a launched round not voted yet (see launch)
         self.last_kind = ADOPT    # the round the last run() ran
         self.commits = 0
         self.contributed = 0      # committed rounds (other than adopt) that carried this worker's update
@@ -235,10 +278,12 @@ class Rounds:
         this one (more of the same optimizer step follows, which a newcomer
         admitted now would miss); the next round admits it.
         """
-        kind = round.name if isinstance(round, Round) else round
-        if isinstance(round, Round) and self._rounds.get(kind) is not round:
-            raise ConfigError(f"round {kind!r} was not added to {self.name!r}: call rounds.add(round) in setup, "
-                              "on every member, so that a newcomer can run it by name")
+        kind = self._check_added(round)
+        if self._round(kind).in_flight:
+            raise ConfigError(f"round {kind!r} stays in flight across steps: start it with rounds.launch(round) "
+                              "and vote it with rounds.land()")
+        if self.flying is not None and step_ends_at_vote(self.group):
+            self.land()   # its step ends at its vote: before this round's step begins
         if policy is None and isinstance(round, Round):
             policy = round.policy
         attempts = self.max_attempts if policy is None else (1 if policy is FailurePolicy.DISCARD else self._tries)
@@ -249,15 +294,79 @@ class Rounds:
             now = self._round(kind)
             contributes = self.contributes
             now.reduce(contributes)
-            if self.group.commit():
-                now.apply()
-                self.commits += 1
-                self.contributed += int(contributes and kind != ADOPT)
-                self.current = ADOPT
+            if self._vote(now, contributes):
                 if admit and kind != ADOPT and self.group.quorum_pending:
                     self.run(ADOPT)          # admit a waiting newcomer now, not a period later
                     self.last_kind = kind
                 return True
+        self.current = ADOPT
+        self.skipped += 1
+        return False
+
+    def _check_added(self, round: Round | str) -> str:
+        kind = round.name if isinstance(round, Round) else round
+        if isinstance(round, Round) and self._rounds.get(kind) is not round:
+            raise ConfigError(f"round {kind!r} was not added to {self.name!r}: call rounds.add(round) in setup, "
+                              "on every member, so that a newcomer can run it by name")
+        return kind
+
+    def _vote(self, now: Round, contributes: bool) -> bool:
+        """The group's verdict on ``now``'s attempt: apply it (True) or discard it, on every member alike."""
+        if self.group.commit():
+            now.apply()
+            self.commits += 1
+            self.contributed += int(contributes and now.name != ADOPT)
+            self.current = ADOPT
+            return True
+        now.discard()
+        return False
+
+    def launch(self, round: Round) -> None:
+        """Begin a round whose work stays in flight (``round.land`` set); :meth:`land` votes it later.
+
+        Its step begins (elastic: adopt the latest quorum, heal newcomers)
+        and ``reduce`` starts its work; the step stays open until
+        :meth:`land`. While a launched round is in flight, launching again
+        is the same step (every member launches the same rounds: a training
+        loop's forward does) and changes nothing; ``begin_step``'s hooks
+        (registered with ``group.before_begin_step``) may land it first.
+
+        Example (NonBlocking's exchange: launched by the forward, voted before the next one)::
+
+            exchange = rounds.add(Round("exchange", land=wait_every_layer, apply=apply_means,
+                                        discard=drop_means, policy=FailurePolicy.DISCARD))
+            group.before_begin_step(lambda: rounds.land() if work_done() else None)
+            rounds.launch(exchange)      # forward; backward launches the reductions
+            ...
+            rounds.land()                # before the next forward: wait, vote, apply or drop
+        """
+        kind = self._check_added(round)
+        if not round.in_flight:
+            raise ConfigError(f"round {kind!r} does not stay in flight (no land): run it with rounds.run(round)")
+        self.group.begin_step()          # its hooks may land the round in flight: then this is a new step
+        if self.flying is not None:
+            return
+        self.current = self.last_kind = kind
+        round.reduce(self.contributes)
+        self.flying = round
+
+    def land(self) -> bool | None:
+        """Vote the launched round (:meth:`launch`): wait for its work, then apply it or discard it.
+
+        True: committed and applied on every member; False: discarded on
+        every member (``round.discard()``, rollback state restored); None:
+        no round was in flight. No empty round follows: the next step
+        admits a waiting newcomer.
+        """
+        now = self.flying
+        if now is None:
+            return None
+        self.flying = None
+        contributes = self.contributes
+        if now.land is not None:
+            now.land()
+        if self._vote(now, contributes):
+            return True
         self.current = ADOPT
         self.skipped += 1
         return False

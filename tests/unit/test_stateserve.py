@@ -54,6 +54,8 @@ def test_striped_download_resumes_from_the_other_source_when_one_stops_serving()
         if source == 1 and received > 0 and not dropped.is_set():
             a.drop(3)      # source 1 goes away mid-transfer (as a killed member's server would)
             dropped.set()
+        elif source == 2:  # source 2 waits for that: else it may fetch every chunk left first
+            dropped.wait(10)
 
     dl.before_chunk = before_chunk
     dl.run()
@@ -129,3 +131,60 @@ def test_a_refusal_asked_every_round_is_kept_once() -> None:
         c.refuse("a round of collectives means every member")
     c.refuse("shoal DDP with a codec")
     assert [w for w, _ in c.refusals] == ["a round of collectives means every member", "shoal DDP with a codec"]
+
+
+@pytest.mark.timeout(60)
+def test_a_paced_source_sends_no_faster_than_its_rate_and_the_bytes_arrive_whole() -> None:
+    # A lower bound only (a loaded machine can only make it slower): 256 KB at 1 MB/s take >= ~0.2 s,
+    # where an unpaced loopback transfer takes milliseconds.
+    import time
+
+    from shoal.membership.stateserve import _SLICE
+
+    tree = {"w": torch.randn(64 * 1024, generator=torch.Generator().manual_seed(1))}   # 256 KiB of fp32
+    server, src = _serve(clone_tree(tree))
+    server.pacer = type(server.pacer)(1e6)
+    dl = Download(3, [src], TOKEN, RUN, member=9, chunk=32 * 1024)
+    t0 = time.monotonic()
+    dl.run()
+    took = time.monotonic() - t0
+    assert dl.error is None and dl.blob is not None
+    assert torch.equal(from_bytes(torch.frombuffer(bytearray(dl.blob), dtype=torch.uint8))["w"], tree["w"])
+    server.close()
+    assert took >= (src.size - _SLICE) / 1e6, f"{src.size} bytes in {took:.3f} s at a 1 MB/s pace"
+
+
+def test_heal_rate_reads_shoal_heal_rate_and_says_what_is_wrong(monkeypatch: Any) -> None:
+    from shoal.errors import ConfigError
+    from shoal.membership.catchup import heal_rate
+
+    monkeypatch.delenv("SHOAL_HEAL_RATE", raising=False)
+    assert heal_rate() is None
+    monkeypatch.setenv("SHOAL_HEAL_RATE", "4mbit")
+    assert heal_rate() == 5e5
+    monkeypatch.setenv("SHOAL_HEAL_RATE", "fast")
+    with pytest.raises(ConfigError, match="SHOAL_HEAL_RATE: bandwidth 'fast' is not a tc rate"):
+        heal_rate()
+
+
+@pytest.mark.timeout(60)
+def test_both_ends_of_a_download_send_small_writes_at_once(monkeypatch: Any) -> None:
+    # Each chunk is a request, a length and the bytes: with Nagle's algorithm on, the bytes waited for
+    # the ACK of the length, which the joiner delays (~40 ms a chunk; 256 KB in chunks of 32 KB took 0.36 s).
+    import socket
+
+    import shoal.membership.stateserve as ss
+
+    seen: list[int] = []
+    real = ss._no_delay
+
+    def recording(conn: socket.socket) -> None:
+        real(conn)
+        seen.append(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    monkeypatch.setattr(ss, "_no_delay", recording)
+    server, src = _serve(_tree())
+    dl = Download(3, [src], TOKEN, RUN, member=9, chunk=512)
+    dl.run()
+    server.close()
+    assert dl.error is None and len(seen) == 2 and all(seen), f"TCP_NODELAY on the two ends: {seen}"

@@ -120,3 +120,23 @@ def test_no_duck_typed_read_of_the_step_interface() -> None:
                     and "group" in ast.unparse(n.args[0]):
                 found.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
     assert found == [], f"duck-typed reads of the step interface (use the interface): {found}"
+
+
+def _group_calls(fn: ast.AST, names: tuple[str, ...]) -> list[str]:
+    """``<...group>.begin_step()`` / ``<...group>.commit()`` calls in ``fn`` (a group's step, by hand)."""
+    found = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in names:
+            receiver = ast.unparse(n.func.value)
+            if receiver.rstrip("_").endswith("group"):
+                found.append(f"{receiver}.{n.func.attr}()")
+    return found
+
+
+def test_no_strategy_begins_or_votes_a_step_by_hand() -> None:
+    # Stricter than a vote in one function: a step begun in one method and voted in another (NonBlocking's
+    # forward and its exchange, its blocking fall-back) is a hand-written vote too; the runner does both.
+    found = [(rel, name, call) for rel, path in _modules()
+             if rel.startswith(("strategies/", "collaborative/")) and rel != "strategies/rounds.py"
+             for name, fn in _innermost(path) for call in _group_calls(fn, ("begin_step", "commit"))]
+    assert found == [], f"a strategy begins or votes a group's step by hand (use Rounds.run/launch/land): {found}"

@@ -157,3 +157,133 @@ def test_a_static_groups_step_counts_its_commits(world: None) -> None:
         g.begin_step()
         assert g.commit()
     assert g.step == 3
+
+
+def _flying(log: list[str]) -> Round:
+    return Round("exchange", reduce=lambda live: log.append(f"reduce exchange {live}"),
+                 land=lambda: log.append("land exchange"), apply=lambda: log.append("apply exchange"),
+                 discard=lambda: log.append("discard exchange"), policy=FailurePolicy.DISCARD)
+
+
+def test_a_round_in_flight_is_launched_then_landed_once(world: None) -> None:
+    g = _group([True])
+    rounds = Rounds(g, "t", FailurePolicy.DISCARD)
+    log: list[str] = []
+    r = rounds.add(_flying(log))
+    rounds.launch(r)
+    assert log == ["reduce exchange True"] and g.calls == ["begin"] and rounds.flying is r
+    rounds.launch(r)                     # a second forward in the same step: the same round stays in flight
+    assert log == ["reduce exchange True"] and g.calls == ["begin", "begin"]
+    assert rounds.land() is True
+    assert log == ["reduce exchange True", "land exchange", "apply exchange"]
+    assert g.calls == ["begin", "begin", "vote"] and rounds.flying is None and rounds.current == ADOPT
+    assert rounds.land() is None and g.calls[-1] == "vote"   # nothing in flight: no vote
+
+
+def test_a_discarded_round_in_flight_is_dropped_not_retried(world: None) -> None:
+    g = _group([False])
+    rounds = Rounds(g, "t", max_attempts=3)
+    log: list[str] = []
+    r = rounds.add(_flying(log))
+    rounds.launch(r)
+    assert rounds.land() is False
+    assert log == ["reduce exchange True", "land exchange", "discard exchange"]
+    assert g.calls == ["begin", "vote"] and rounds.skipped == 1 and rounds.commits == 0
+
+
+def test_begin_steps_hooks_may_land_the_round_in_flight_then_a_new_one_launches(world: None) -> None:
+    g = _group([True])
+    rounds = Rounds(g, "t")
+    log: list[str] = []
+    r = rounds.add(_flying(log))
+    rounds.launch(r)
+    g.heal = rounds.land                 # what the owner's before_begin_step hook does once its work is done
+    rounds.launch(r)
+    assert log == ["reduce exchange True", "land exchange", "apply exchange", "reduce exchange True"]
+    assert rounds.flying is r
+
+
+def test_another_round_lands_the_one_in_flight_first_only_where_steps_end_at_their_vote(world: None) -> None:
+    from shoal.comm.start import ELASTIC
+
+    for traits, landed_first in ((None, False), (ELASTIC, True)):
+        g = _group([])
+        if traits is not None:
+            g.traits = traits            # elastic: nothing outlives a step's vote
+        rounds = Rounds(g, "t")
+        log: list[str] = []
+        flying, params = rounds.add(_flying(log)), rounds.add(_round("params", log))
+        rounds.launch(flying)
+        assert rounds.run(params, admit=False)
+        land = ["land exchange", "apply exchange"] if landed_first else []
+        assert log == ["reduce exchange True", *land, "reduce params True", "apply params"], traits
+        assert (rounds.flying is None) == landed_first
+
+
+def test_a_failed_attempt_is_discarded_before_the_retry(world: None) -> None:
+    g = _group([False, True])
+    rounds = Rounds(g, "t", max_attempts=2)
+    log: list[str] = []
+    r = rounds.add(Round("params", reduce=lambda live: log.append("reduce"), apply=lambda: log.append("apply"),
+                         discard=lambda: log.append("discard")))
+    assert rounds.run(r, admit=False)
+    assert log == ["reduce", "discard", "reduce", "apply"]
+
+
+def test_rounds_in_flight_and_their_misuse(world: None) -> None:
+    rounds = Rounds(_group([]), "t")
+    log: list[str] = []
+    flying, params = rounds.add(_flying(log)), rounds.add(_round("params", log))
+    with pytest.raises(ConfigError, match="rounds.launch"):
+        rounds.run(flying)
+    with pytest.raises(ConfigError, match="rounds.run"):
+        rounds.launch(params)
+    with pytest.raises(ConfigError, match="DISCARD"):
+        Round("x", land=lambda: None, policy=FailurePolicy.AVERAGE_SURVIVORS)
+    assert flying.in_flight and not params.in_flight and log == []
+
+
+
+def test_localsgd_rounds_keep_their_own_scratch_and_a_discard_drops_it(world: None) -> None:
+    # Each of LocalSGD's rounds holds its state from reduce to apply in typed fields of its own (no shared
+    # tuple): a discarded attempt's scratch is dropped before the retry, whose scratch is applied.
+    import torch
+    from torch import nn
+
+    import shoal
+    from shoal.strategies.localsgd import _Scratch
+
+    g = _group([True, False, True])     # the join's round; the averaging's first attempt fails, its retry commits
+    net = nn.Linear(2, 1)
+    _, opt = shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), shoal.LocalSGD(period=2),
+                        process_group=g)
+    rounds = opt.strategy._rounds
+    held = {name: [c.cell_contents for c in (r.apply.__closure__ or ()) if isinstance(c.cell_contents, _Scratch)]
+            for name, r in rounds.items()}
+    assert sorted(held) == ["grad", "local_grad", "params"] and all(len(v) == 1 for v in held.values()), held
+    assert len({id(v[0]) for v in held.values()}) == 3           # one state per round
+    params = held["params"][0]
+    seen: list[bool] = []
+
+    def at_begin() -> None:             # runs inside each attempt's begin_step
+        seen.append(params.ready)
+        g.heal = at_begin
+
+    g.heal = at_begin
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert seen == [False, False]       # the failed attempt's scratch was dropped before the retry began
+    assert g.calls[-4:] == ["begin", "vote", "begin", "vote"] and opt.strategy.rounds.commits == 2
+    assert not any(v[0].ready for v in held.values())              # applied: nothing held past the round
+
+
+def test_the_round_building_blocks_are_public() -> None:
+    import shoal
+    import shoal.strategies as strategies
+    from shoal.strategies import rounds as module
+
+    assert shoal.Round is strategies.Round is module.Round and shoal.Rounds is strategies.Rounds is module.Rounds
+    assert strategies.FailurePolicy is module.FailurePolicy and strategies.run_round is module.run_round
+    assert {"Round", "Rounds"} <= set(shoal.__all__) and {"Round", "Rounds", "FailurePolicy"} <= set(strategies.__all__)
+    for obj in (module.Round, module.Rounds, module.run_round):
+        assert "Example" in (obj.__doc__ or ""), obj
