@@ -25,8 +25,12 @@ from typing import Any
 
 from shoal.errors import AuthError, ConfigError, ShoalError
 from shoal.membership import auth
-from shoal.membership.coordinator import _TICK_S, Quorum, Timeouts, _quorum_text, _s, connect, log
+from shoal.membership.coordinator import _TICK_S, Quorum, Timeouts, _quorum_text, _s, connect, incarnation_of, log
 from shoal.membership.records import RecordBook
+
+# Heartbeats that must fail in a row (and over at least ``heartbeat_timeout``) before this worker takes the
+# coordinator for gone: one slow connect or store call on a loaded host is no outage.
+_OUTAGE_FAILS = 3
 
 
 class AbortWatch:
@@ -121,6 +125,7 @@ class MemberClient:
         self.dropped_prefix: str | None = None
         self._lost_at = 0.0
         self._rejoin = False            # a restarted coordinator did not take this id back: join anew
+        self.incarnation: str | None = None   # of the coordinator this member joined (or re-announced itself to)
         self._record: dict[str, Any] = {}
         self._last_q: dict[str, Any] | None = None
 
@@ -134,6 +139,7 @@ class MemberClient:
             st.set(f"runs/{st.add('runs/n', 1)}", self.run_id)
         self.leave()
         self._rejoin, self._last_q = False, None
+        self.incarnation = incarnation_of(st)
         while True:
             self.member_id = st.add(self.key("next_id"), 1)
             if self._authenticate(self.member_id):
@@ -189,22 +195,36 @@ class MemberClient:
         return True
 
     def _beat(self, member_id: int, stop: threading.Event) -> None:
-        # Its own store client: the training thread may be inside a store call.
+        # Its own store client: the training thread may be inside a store call. A failed beat drops the
+        # connection (a late reply must not answer the next call) and the next one reconnects; only
+        # _OUTAGE_FAILS failures in a row, heartbeat_timeout after the last beat that went through, are
+        # taken for an outage (_outage).
         st: Any = None
-        while not stop.is_set():
+        wait = max(self.timeouts.heartbeat_timeout / 2, self.timeouts.heartbeat_interval)
+        last_ok, fails = time.monotonic(), 0
+        while not stop.wait(self.timeouts.heartbeat_interval):
             try:
                 if st is None:
-                    st = connect(self.address, self.timeouts.heartbeat_timeout)
-                while not stop.wait(self.timeouts.heartbeat_interval):
-                    st.add(self.key(f"hb/{member_id}"), 1)
-                    self.abort.poll(st)
-            except Exception as e:  # noqa: BLE001 - the coordinator is gone: wait for it (see _outage)
-                st = None
+                    st = connect(self.address, wait)
+                st.add(self.key(f"hb/{member_id}"), 1)
+                self.abort.poll(st)
+                last_ok, fails = time.monotonic(), 0
+            except Exception as e:  # noqa: BLE001 - a blip, or the coordinator is gone (see _outage)
+                st, fails = None, fails + 1
+                if fails < _OUTAGE_FAILS or time.monotonic() - last_ok < self.timeouts.heartbeat_timeout:
+                    log.debug("heartbeat %d to the coordinator at %s failed (%s): trying again", fails,
+                              self.address, e)
+                    continue
                 if stop.is_set() or not self._outage(member_id, stop, e):
                     return
+                last_ok, fails = time.monotonic(), 0
 
     def _outage(self, member_id: int, stop: threading.Event, err: BaseException) -> bool:
-        """The coordinator is unreachable: say so once, wait for it, re-announce; False: stop beating."""
+        """The coordinator is unreachable: say so once, wait for it, carry on or re-announce; False: stop beating.
+
+        Back at the same incarnation (it was stalled or cut off, not restarted) the member carries on
+        (:meth:`_resume`); a new incarnation (a restart: an empty store) learns the run back from
+        the members (:mod:`shoal.membership.reclaim`)."""
         from shoal.membership.reclaim import reclaim   # the re-announcement protocol (its own module)
 
         self.lost_prefix, self._lost_at = self.abort.prefix, time.monotonic()
@@ -212,16 +232,23 @@ class MemberClient:
         log.warning("lost the coordinator at %s (%s): training goes on with the current quorum; a membership "
                     "change (a lost peer, a joiner) waits for it to come back (restart it at the same address "
                     "with the same token)", self.address, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
-        while not stop.wait(max(self.timeouts.heartbeat_interval, 0.2)):
+        while not stop.wait(self.timeouts.heartbeat_interval):
             if not _reachable(self.address):
                 continue
             try:
+                st = connect(self.address, self.timeouts.heartbeat_timeout)
+                now = incarnation_of(st)
+                if now is None and self.incarnation is not None:
+                    continue       # a coordinator still starting: it writes its incarnation first
+                if now is not None and now == self.incarnation:
+                    return self._resume(st, member_id)
                 verdict = reclaim(self, member_id)
             except Exception as e:  # noqa: BLE001 - it went away again, or is still starting: try again
                 log.debug("re-announcing to the coordinator failed: %s", e)
                 continue
             self.down.clear()
             if verdict == "ok":
+                self.incarnation = now
                 log.warning("the coordinator at %s is back after %.1f s: member %d re-announced itself",
                             self.address, time.monotonic() - self._lost_at, member_id)
                 return True
@@ -231,6 +258,31 @@ class MemberClient:
             self._rejoin = True
             return False
         return False
+
+    def _resume(self, st: Any, member_id: int) -> bool:
+        """The same coordinator answers again: its verdict on this member stands; keep beating (True).
+
+        Not dropped: the member carries on under its id, seat and quorum. Its votes of the quorum it
+        was in may have gone peer to peer meanwhile while its peers' go through the store: that quorum's
+        abort flag ends it (every member discards the step in flight and moves to a new quorum, whose votes
+        all go through the store). Dropped (silent past ``heartbeat_timeout`` while the coordinator ran):
+        no vote of that quorum may commit any more, and the member joins anew (at its next quorum wait)."""
+        away = time.monotonic() - self._lost_at
+        # A beat first: the quorum ended below is replaced after a probe of the members' heartbeats, and
+        # this member must not look silent to it while its heartbeat thread reconnects.
+        st.add(self.key(f"hb/{member_id}"), 1)
+        if st.check([self.key(f"dropped/{member_id}")]):
+            log.warning("the coordinator at %s answers again after %.1f s (not restarted) but dropped member %d "
+                        "meanwhile: joining anew (this worker is healed like a newcomer)", self.address, away, member_id)
+            self.dropped_prefix, self._rejoin = self.lost_prefix, True
+        else:
+            log.warning("the coordinator at %s answers again after %.1f s (not restarted: it was stalled or cut "
+                        "off): member %d carries on", self.address, away, member_id)
+            if self.lost_prefix is not None:
+                st.set(self.lost_prefix + "abort", "the coordinator was unreachable")
+            self.lost_prefix = None
+        self.down.clear()
+        return True
 
     def leave(self) -> None:
         """Stop heartbeating and tell the coordinator at once (idempotent)."""

@@ -34,6 +34,11 @@ Protocol (keys under ``<run_id>/``; ``runs/n`` and ``runs/<k>`` list the runs):
   in one of its collectives give up at once.
 - every dropped member is marked ``dropped/<id>``: one that was only slow
   sees it while it waits for a quorum and joins again under a new id.
+- ``coordinator/incarnation``: a random id the coordinator writes at its
+  start. A worker that could not reach the store for a while and then reaches
+  the same incarnation knows that the coordinator was only stalled or cut off
+  (its verdicts, e.g. ``dropped/<id>``, stand); only a new incarnation is a
+  restart, whose empty store must learn the run back (``claims/...``).
 - authentication (a coordinator started with a ``token``; it sets
   ``auth/required``): after taking its id the joiner waits for
   ``auth/<id>/nonce``, answers ``auth/<id>/proof = HMAC(token, run/id, nonce)``
@@ -62,6 +67,7 @@ import datetime
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -75,6 +81,11 @@ from shoal.membership.recovery import Recovery, quorum_text
 from shoal.errors import AuthError, ConfigError, ShoalError
 
 _TICK_S = 0.02  # coordinator poll period: membership changes are seen within it
+# A gap between two ticks longer than this is the coordinator's own stall (a loaded host, a GC pause, SIGSTOP):
+# the silence it judges heartbeats by does not count it (see Coordinator.tick). Shorter gaps (a busy host's
+# scheduling jitter) count as usual, so that a dead member is still dropped in time on a loaded host.
+_STALL_S = 0.5
+INCARNATION_KEY = "coordinator/incarnation"   # random per coordinator start (see the protocol above)
 log = logging.getLogger("shoal.elastic")
 
 
@@ -194,6 +205,13 @@ def connect(address: str, timeout: float, is_master: bool = False) -> dist.TCPSt
         raise ShoalError(f"cannot reach the coordinator at {address} within {timeout} s: {e}") from e
 
 
+def incarnation_of(store: Any) -> str | None:
+    """The incarnation id of the coordinator behind ``store`` (None if it has not written one yet)."""
+    if not store.check([INCARNATION_KEY]):
+        return None
+    return _s(store.get(INCARNATION_KEY))
+
+
 def _s(v: bytes) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -281,6 +299,9 @@ class Coordinator:
         self._server = connect(f"{host}:{port}", timeout=30.0, is_master=True)
         self.port = int(self._server.port)
         self._store = connect(f"{host}:{self.port}", timeout=30.0)
+        # First of all: a worker that reaches this store must be able to tell it from a previous coordinator's.
+        self.incarnation = secrets.token_hex(8)
+        self._store.set(INCARNATION_KEY, self.incarnation)
         if self.token is not None:
             self._store.set("auth/required", "1")
         self._runs: dict[str, _Run] = {}
@@ -292,6 +313,7 @@ class Coordinator:
         if claim_grace < 0:
             raise ConfigError(f"claim_grace must be >= 0 seconds, got {claim_grace}")
         self._born, self.claim_grace = time.monotonic(), claim_grace   # a first wait for survivors
+        self._last_tick: float | None = None
 
     @property
     def address(self) -> str:
@@ -321,7 +343,16 @@ class Coordinator:
             raise
 
     def tick(self, now: float) -> None:
-        """One pass: discover runs and members, read heartbeats, publish quorums."""
+        """One pass: discover runs and members, read heartbeats, publish quorums.
+
+        A member is judged silent over the time this coordinator was running: after a stall of its own
+        (its thread not scheduled on a loaded host, a GC pause, SIGSTOP) the members' heartbeats could
+        not be read, or not be written (a stalled store), and dropping them all at the first tick after
+        it would evict a healthy run. So the stall is added to every member's last sighting."""
+        gap = 0.0 if self._last_tick is None else now - self._last_tick
+        self._last_tick = now
+        if gap > _STALL_S:
+            self._forgive(gap - _TICK_S)
         n = self._store.add("runs/n", 0)
         while self._runs_seen < n:
             self._runs_seen += 1
@@ -330,6 +361,14 @@ class Coordinator:
                 self._runs[name] = _Run(name, RecordBook(self._store, name, 0, self.token, log))
         for run in self._runs.values():
             self._tick_run(run, now)
+
+    def _forgive(self, stalled: float) -> None:
+        """Shift every member's last sighting (and an open probe window) by this coordinator's own stall."""
+        for run in self._runs.values():
+            for m in run.members.values():
+                m.seen += stalled
+            if run.probe_since is not None:
+                run.probe_since += stalled
 
     def _tick_run(self, run: _Run, now: float) -> None:
         st = self._store
@@ -366,10 +405,10 @@ class Coordinator:
         for i, raw in zip(ids, beats):
             b = int(_s(raw) or 0)
             m = run.members[i]
+            if b >= 0 and b != m.beats:   # advanced since the last look: alive, however long that look took
+                m.beats, m.seen = b, now
             if b < 0 or now - m.seen > t.heartbeat_timeout:
                 gone.append(i)
-            elif b != m.beats:
-                m.beats, m.seen = b, now
         for i in gone:
             self._drop(run, i)
         if gone and set(gone) & set(run.current):

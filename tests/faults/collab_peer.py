@@ -64,6 +64,8 @@ class Spec:
     state_shift: float = 0.0                                # added to the parameters before state averaging
     options: dict[str, Any] = field(default_factory=dict)  # further CollaborativeConfig fields
     start_peers: int = 0            # wait for this many peers before training (run_threads: the coordinator's initial workers)
+    hold_after: int = -1            # once this epoch is done, wait until hold_peers peers are in the swarm (a late
+    hold_peers: int = 2             # joiner then always finds this peer there, however slowly it starts)
 
 
 def digest(tensors: list[torch.Tensor]) -> float:
@@ -221,6 +223,8 @@ def train(spec: Spec, run_id: str, coordinator: str, token: str, life: int = 0,
             x = torch.randn(spec.batch, 16, generator=g)
             F.mse_loss(net(x), torch.tanh(x @ w_true)).backward()
         report = opt.step()
+        if report is not None and report.epoch == spec.hold_after:
+            opt.wait_for_peers(spec.hold_peers, timeout=60.0)
         if role not in ("aux",) and not reuse:
             opt.zero_grad()
         if spec.pace:

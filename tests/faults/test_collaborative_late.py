@@ -57,24 +57,35 @@ def test_a_late_joiner_wastes_at_most_one_round_before_loading_state() -> None:
     # A coordinator expecting two initial workers: the first peer (no start barrier) trains alone (its list is not out
     # yet), the second starts once the first reached epoch 2. The second finds epoch 0's round long
     # closed: within one round it must load the first peer's state, then train with it.
+    # The first peer waits after epoch 2 until the second is in the swarm: without that hold, on a loaded
+    # machine it could reach epoch 7 and leave before the second's first round (seen in CI), and the
+    # second, alone with closed rounds, rightly trains alone (test above) with nothing to load.
+    # The matchmaking window closes as soon as both are ready; its length only bounds how long the first
+    # waits for a slow second in a round (too short, and the second is behind in two rounds).
     coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
     run_id = uuid.uuid4().hex[:8]
-    common = {"target": TARGET, "epochs": 7, "pace": 0.02, "max_seconds": 60, "matchmaking": 2.0, "linger": 3.0}
+    common = {"target": TARGET, "epochs": 7, "pace": 0.02, "max_seconds": 60, "matchmaking": 5.0, "linger": 3.0}
     try:
         with cf.ThreadPoolExecutor(1) as pool:
-            early = pool.submit(run_threads, [Spec(rank=0, role="late", **common)], TOKEN,
+            early = pool.submit(run_threads, [Spec(rank=0, role="late", hold_after=2, **common)], TOKEN,
                                 hard_limit=100, coordinator=coord, run_id=run_id)
             t_end = time.monotonic() + 60
             while time.monotonic() < t_end and not _reached(coord, run_id, 2) and not early.done():
                 time.sleep(0.05)
+            assert _reached(coord, run_id, 2), ("the first peer never reached epoch 2 within 60 s"
+                                                f"{' (it stopped: ' + repr(early.result()) + ')' if early.done() else ''}")
             [late] = finished(run_threads([Spec(rank=1, role="late", **common)], TOKEN, hard_limit=100,
                                           coordinator=coord, run_id=run_id))
             [first] = finished(early.result())
     finally:
         coord.stop()
     assert _behind(late) <= 1, f"the late peer threw away {_behind(late)} rounds: {late['log'][:3]}"
-    joined = next(rec for rec in late["log"] if rec["outcome"] != "behind")
-    assert joined["outcome"] == "loaded" and joined["epoch"] >= 2, late["log"][:3]
+    seen = [(rec["epoch"], rec["outcome"], rec["peers"]) for rec in late["log"]]
+    joined = next((rec for rec in late["log"] if rec["outcome"] != "behind"), None)
+    assert joined is not None, (f"the late peer never took part in a round (its rounds: {seen}; it stopped at epoch "
+                                f"{late['epoch']}, the first peer at {first['epoch']} with rounds "
+                                f"{[(r['epoch'], r['outcome'], r['peers']) for r in first['log']]})")
+    assert joined["outcome"] == "loaded" and joined["epoch"] >= 2, seen
     assert late["epoch"] == 7
     assert_equal_after_each_round([first, late])
 

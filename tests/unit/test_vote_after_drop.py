@@ -112,8 +112,11 @@ def test_a_quorum_cut_off_past_the_heartbeat_timeout_never_commits_once_the_coor
         _cut_off(clients)
         for c in clients:
             c.abort.watch(q.prefix)
-            assert c._outage(c.member_id, threading.Event(), ConnectionError("link down")) is False
+            # The same coordinator (not restarted) answers: its verdict stands; the member keeps beating
+            # under its dropped id and joins anew at its next quorum wait.
+            assert c._outage(c.member_id, threading.Event(), ConnectionError("link down")) is True
             assert c.lost_prefix == q.prefix and c.dropped_prefix == q.prefix and not c.down.is_set()
+            assert c._rejoin
         group = (lambda: (None, 0, torch.device("cpu")))
         verdicts = [Ballot(c, TIMEOUTS, Failures(c, lambda: q.prefix, Trace()), group).vote(q, 0, size)
                     for c in clients]
