@@ -161,14 +161,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_namespace(ns: str) -> None:
-    """Kill what still runs in ``ns``, then delete it (its interfaces go with it)."""
+def _kill_in(ns: str) -> None:
+    """SIGKILL every process that runs in namespace ``ns``."""
     pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
     for p in pids:
         try:
             os.kill(int(p), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
+
+
+def _remove_namespace(ns: str) -> None:
+    """Kill what still runs in ``ns``, then delete it (its interfaces go with it)."""
+    _kill_in(ns)
     _sh("ip", "netns", "delete", ns, check=False)
 
 
@@ -234,6 +239,25 @@ class EmulatedCluster:
     def exec_prefix(self, host: int) -> list[str]:
         """argv prefix that runs a command inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self.namespace(host)]
+
+    # --- faults ----------------------------------------------------------------
+    def kill_host(self, host: int) -> None:
+        """The machine dies: every process in ``host``'s namespace is SIGKILLed (its network stays).
+
+        Example::
+
+            emu.kill_host(1)     # then start a new launcher on host 1: the machine is back
+        """
+        _kill_in(self.namespace(host))
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Cut ``host`` off the switch (``up=False``: a partition) or bring its link back.
+
+        Example::
+
+            emu.set_link(2, False); time.sleep(20); emu.set_link(2, True)
+        """
+        _sh("ip", "-n", self.namespace(host), "link", "set", "dev", self.interface(host), "up" if up else "down")
 
     # --- lifecycle -------------------------------------------------------------
     def __enter__(self) -> "EmulatedCluster":

@@ -170,6 +170,7 @@ class Group(metaclass=abc.ABCMeta):
         self.backend = str(dist.get_backend(self.pg)).lower()
         self._global_ranks = [dist.get_global_rank(self.pg, r) for r in range(self.size)] if self.pg is not dist.group.WORLD else list(range(self.size))
         self.hooks = StepHooks()   # registered states and step hooks (kept, never healed: no member changes)
+        self.step = 0              # committed steps (the step interface's count; an elastic group heals it)
 
     @property
     def device(self) -> torch.device:
@@ -326,7 +327,9 @@ class Group(metaclass=abc.ABCMeta):
         self.hooks.run_before_begin()
 
     def commit(self) -> bool:
-        """End the step; True on every member of a static group (the hooks of :meth:`on_commit` run)."""
+        """End the step; True on every member of a static group (:attr:`step` counts it, the hooks of
+        :meth:`on_commit` run)."""
+        self.step += 1
         self.hooks.run_on_commit()
         return True
 

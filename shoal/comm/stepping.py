@@ -16,6 +16,9 @@ which each group holds as a component:
     End it: the same verdict on every member (static: always True). On True
     the :meth:`on_commit` hooks run; on False (elastic only) rollback state is
     restored.
+``step``
+    How many steps committed (static: counted by ``commit``; elastic: the
+    run's count, which a newcomer receives when it heals).
 ``newcomers``
     Ranks healed in this step's ``begin_step``: they hold a copy of a peer's
     progress, not their own (static: none).
@@ -75,6 +78,9 @@ class StepInterface(Protocol):
 
     @property
     def traits(self) -> Traits: ...
+
+    @property
+    def step(self) -> int: ...
 
     @property
     def newcomers(self) -> tuple[int, ...]: ...

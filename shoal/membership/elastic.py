@@ -244,10 +244,10 @@ class ElasticGroup(ElasticCollectives):
                              "(shoal's DistributedDataParallel does so in forward)")
         self._in_step = False
         q, hooks = self.quorum, self.hooks
-        self._tell()   # a member leaving in this step waits for it (see _await_peers)
         verdict = self._vote(q)
         self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
         if verdict.startswith("commit"):
+            self._tell(agreed=True)
             self.step += 1
             self._healed_since_commit = False
             self.stats.commits += 1
@@ -474,10 +474,10 @@ class ElasticGroup(ElasticCollectives):
             self.past.add(handle)
         return handle
 
-    def _tell(self) -> None:
-        """Publish this member's collective count on this quorum, if it grew since the last time."""
+    def _tell(self, agreed: bool = False) -> None:
+        """Publish this member's collective count on this quorum if it grew (``agreed``: a committed vote said it)."""
         if self.past is not None:
-            self.past.tell(self.quorum)
+            self.past.agree() if agreed else self.past.tell(self.quorum)
 
     def _await_peers(self) -> None:
         """Before leaving: wait until every member is past this member's collectives on this quorum."""

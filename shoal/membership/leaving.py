@@ -4,11 +4,15 @@ Collectives that no vote covers (``ZeroRedundancyOptimizer.consolidate_state_dic
 gather after the last step) end at different times on different members: one
 that finished may leave at once, and its leave makes the coordinator abort
 the quorum under a slower member still inside. So each member publishes how
-many collectives it has been through on this quorum (``past/<member id>``
-under the quorum's prefix) before each vote, at each ``begin_step`` and at its
-leave, and ``leave()`` waits until every member has published at least its
-own count. :class:`PastCount` is that bookkeeping; an
-:class:`~shoal.membership.elastic.ElasticGroup` holds one (``group.past``).
+many collectives it has been through on this quorum, and ``leave()`` waits
+until every member is past its own count. A committed vote already says so for
+every collective issued before it (each member votes after issuing its step's
+collectives), so a member publishes its count (``past/<member id>`` under the
+quorum's prefix) only for the collectives no vote covered: at a ``begin_step``
+after a discarded step or after collectives outside a step, and at its leave.
+A run of committed steps writes nothing to the store. :class:`PastCount` is
+that bookkeeping; an :class:`~shoal.membership.elastic.ElasticGroup` holds one
+(``group.past``).
 
 A member also leaves marks for the launcher: ``trained/<label>`` once it
 committed a step, ``finished/<label>`` when it finished its part
@@ -18,7 +22,8 @@ Example::
 
     past = PastCount(client)
     past.add(handle)                 # a collective issued on this quorum
-    past.tell(quorum)                # published before the vote
+    past.agree()                     # the step's vote committed: every member is past it
+    past.tell(quorum)                # published at begin_step if a collective came since
     past.await_peers(quorum, size, failures, timeouts.quorum, lambda: error)
 """
 
@@ -45,11 +50,18 @@ class PastCount:
         self.client = client
         self.pending: list[Handle] = []   # collectives issued on this quorum since the last tell
         self.issued = 0                   # collectives issued on this quorum
-        self.told = 0                     # the count last published
+        self.told = 0                     # the count last published, or agreed by a committed vote
+        self.agreed = 0                   # the count every member is known to be past (a committed vote)
 
     def reset(self) -> None:
         """A new quorum: nothing issued on it yet (the heal's collectives differ per member)."""
-        self.pending, self.issued, self.told = [], 0, 0
+        self.pending, self.issued, self.told, self.agreed = [], 0, 0, 0
+
+    def agree(self) -> None:
+        """A committed vote: every member voted after issuing this step's collectives, so every member is
+        past this member's count, and nothing needs publishing for it."""
+        self.pending = []
+        self.agreed = self.told = self.issued
 
     def add(self, handle: Handle) -> None:
         """Count one collective issued on this quorum."""
@@ -70,8 +82,8 @@ class PastCount:
                     error: Callable[[], BaseException | None]) -> None:
         """Wait until every member is past this member's collectives on ``quorum`` (at most ``limit`` s;
         a failure, an abort or a newer quorum ends the wait)."""
-        if quorum is None or self.issued == 0 or size == 1:
-            return
+        if quorum is None or self.issued <= self.agreed or size == 1:
+            return   # nothing issued, or every collective was before a committed vote
         for h in self.pending:
             h.wait()
         mine = self.issued

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from shoal.comm.stepping import StateEntry
+from shoal.membership.stateserve import tree_tensors
 
 
 class Replayer(Protocol):
@@ -59,7 +60,7 @@ class OptimizerReplay:
         ptrs = {p.data_ptr() for p in self._params()}
         out = {self.key}
         for k, s in states.items():
-            found = _leaves(s.get())
+            found = tree_tensors(s.get())
             if found and all(t.data_ptr() in ptrs for t in found):
                 out.add(k)
         return out
@@ -83,13 +84,3 @@ class OptimizerReplay:
 
     def caught_up(self) -> None:
         return None
-
-
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _leaves(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _leaves(v)]
-    return []

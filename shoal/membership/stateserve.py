@@ -116,13 +116,19 @@ def clone_tree(obj: Any) -> Any:
     return obj
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tree_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` (nested dicts, lists, tuples), in the order :func:`clone_tree` walks them.
+
+    Example::
+
+        tree_tensors({"a": torch.ones(2), "b": [torch.zeros(1), 3]})   # [ones(2), zeros(1)]
+    """
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tree_tensors(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tree_tensors(v)]
     return []
 
 
@@ -136,7 +142,7 @@ def serialise_snapshot(tree: Any, side: SideStream, ready: Any) -> bytes:
     """
     def to_host() -> Any:
         if side.stream is not None:
-            for t in _tensors(tree):
+            for t in tree_tensors(tree):
                 if t.is_cuda:
                     t.record_stream(side.stream)
         return _to_cpu(tree)
@@ -189,7 +195,7 @@ class SnapshotServer:
         """Serve ``tree`` as heal ``hid`` to ``joiners`` once serialised in a thread, then ``published(size, sha)``."""
         with self._lock:
             self._snaps[hid] = _Snap(joiners=set(joiners))
-        cuda = [t.device for t in _tensors(tree) if t.is_cuda]
+        cuda = [t.device for t in tree_tensors(tree) if t.is_cuda]
         side = SideStream(cuda[0] if cuda else torch.device("cpu"))
         ready = side.ready()    # behind the clones, on the training thread's stream (None on the CPU)
 

@@ -298,17 +298,21 @@ class ElasticCollectives(abc.ABC):
         """Make this step fail on every member (e.g. a NaN found outside shoal)."""
         self._record(err)
 
-    # --- the background heal (shoal.membership.catchup): ElasticGroup overrides these; a subgroup has none -----------------------
+    # --- the background heal (shoal.membership.catchup) -------------------------------------------------
+    # No default here (the static answers are Group's, shoal.comm.group): each elastic group answers for
+    # itself, the ElasticGroup from its catch-up and a subgroup from its parent; a default "every member
+    # counts" would silently count a background joiner's data in a mean.
+    @abc.abstractmethod
     def contribution(self) -> tuple[bool, int]:
-        """(whether this member's data counts in this step's means, how many members' data does): every
-        member's, here (an elastic group's joiner catching up in the background counts zero)."""
-        return True, self.size
+        """(whether this member's data counts in this step's means, how many members' data does)."""
 
+    @abc.abstractmethod
     def register_replay(self, replayer: Any) -> None:
-        """Nothing here: only an elastic group's background heal replays the updates a joiner received."""
+        """Replay the updates a joiner received while it downloads (the background heal)."""
 
+    @abc.abstractmethod
     def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
-        """Nothing here: only an elastic group heals joiners in the background (SHOAL_HEAL=background)."""
+        """Make quorums heal blocking (while ``when()``, or always): a component cannot have a non-contributor."""
 
     def start_state(self, module: nn.Module, named_params: list[tuple[str, Any]] | None = None,
                     tag: str = "init", buffers: bool = True) -> None:

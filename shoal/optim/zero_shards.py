@@ -293,7 +293,7 @@ class Shards:
         self.stats.reshard_bytes += new.nbytes
         self.known, self.dropped = new.known, False
         if new.lost:
-            step = getattr(self.group, "step", 1) - 1
+            step = self.group.step - 1
             self.stats.lost_params += len(new.lost)
             self.stats.lost.append((step, new.lost))
             warnings.warn(f"elastic ZeRO: the optimizer state of {len(new.lost)} parameter(s) was held only by "

@@ -16,17 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shoal
+from shoal.membership.stateserve import tree_tensors
 from shoal.testing import run_workers
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
@@ -47,7 +38,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     states = group.hooks.states
     blob = {k: s.get() for k, s in states.items()}
     buffers = blob[[k for k in blob if k.endswith("/buffers")][0]]
-    carried = sum(t.numel() for t in _tensors(blob))
+    carried = sum(t.numel() for t in tree_tensors(blob))
     trained = sum(p.numel() for p in f.params)
     with torch.no_grad():
         for p in net.parameters():

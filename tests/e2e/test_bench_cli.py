@@ -2,13 +2,13 @@
 
 import json
 import os
-import shutil
 from typing import Any
 
 import pytest
 
 from shoal.bench import report
 from shoal.bench.command import main
+from emulated import NEEDS_CLUSTER
 
 TINY = ["--width", "64", "--layers", "1", "--val-windows", "8", "--batch", "8", "--no-progress", "--seed", "3"]
 
@@ -43,11 +43,10 @@ def test_loopback_bench_all_builtin_strategies(tmp_path: Any, capsys: Any) -> No
     assert "time to target" in out
 
 
-@pytest.mark.e2e
+@NEEDS_CLUSTER[0]
+@NEEDS_CLUSTER[1]
 @pytest.mark.timeout(120)
 def test_emulated_bench_interface_bytes_match_the_meter(tmp_path: Any) -> None:
-    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
-        pytest.skip("needs root, ip and tc to emulate a cluster")
     rc = main(["--strategies", "torch-ddp,nosync", "--hosts", "2", "--bandwidth", "100mbit", "--steps", "4",
                "--eval-every", "4", "--out", str(tmp_path), "--run", "emu", *TINY])
     assert rc == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,25 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.cli.cluster import IF_PREFIX, list_namespaces
+from emulated import NEEDS_CLUSTER, leftovers
 
-_MISSING = [what for what, ok in (("root", os.geteuid() == 0), ("`ip`", shutil.which("ip")),
-                                  ("`tc`", shutil.which("tc"))) if not ok]
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(bool(_MISSING), reason=f"emulated clusters need root, ip and tc; missing: {', '.join(_MISSING)}"),
-]
+pytestmark = NEEDS_CLUSTER
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "faults" / "elastic_worker.py"
 STEPS, PARK = 12, 4
-
-
-def _leftovers(pid: int) -> list[str]:
-    """Namespaces of runs started by ``pid``, and any of our interfaces in the root namespace."""
-    ns = [n for n in list_namespaces() if n.startswith(f"shoal-{pid}-")]
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
-    return ns + [line for line in links.splitlines() if f": {IF_PREFIX}" in line]
 
 
 def _kill_when_parked(out: Path, launcher: subprocess.Popen[str], limit: float) -> int:
@@ -83,7 +70,7 @@ def test_elastic_run_on_two_hosts_survives_a_kill_and_heals_the_restart(tmp_path
         assert torch.equal(v, restarted["model"][k]), f"{k} differs between the two workers"
     assert survivor["log"][-1]["digest"] == restarted["log"][-1]["digest"], logs
     assert survivor["cursor"] == restarted["cursor"]
-    assert _leftovers(launcher.pid) == []
+    assert leftovers(launcher.pid) == []
 
 
 @pytest.mark.timeout(30)
@@ -97,4 +84,4 @@ def test_a_coordinator_that_cannot_serve_is_reported_with_its_output() -> None:
         with pytest.raises(ShoalError, match=r"exited with code 2; its output: .*port must be in \[0, 65535\]"):
             with NamespacedCoordinator(emu, port=70000, env=env, token="e2e-token-123"):
                 pass
-    assert _leftovers(os.getpid()) == []
+    assert leftovers(os.getpid()) == []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,26 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from shoal.cli.cluster import IF_PREFIX, ClusterSpec, EmulatedCluster, cleanup_stale, list_namespaces
+from shoal.cli.cluster import ClusterSpec, EmulatedCluster, cleanup_stale, list_namespaces
 from shoal.cli.launcher import launch
+from emulated import NEEDS_CLUSTER, leftovers
 
-_MISSING = [what for what, ok in (("root", os.geteuid() == 0), ("`ip`", shutil.which("ip")),
-                                  ("`tc`", shutil.which("tc"))) if not ok]
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(bool(_MISSING), reason=f"emulated clusters need root, ip and tc; missing: {', '.join(_MISSING)}"),
-]
+pytestmark = NEEDS_CLUSTER
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "dist" / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-
-
-def _leftovers(pid: int) -> list[str]:
-    """Namespaces of runs started by ``pid``, and any of our interfaces in the root namespace."""
-    ns = [n for n in list_namespaces() if n.startswith(f"shoal-{pid}-")]
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
-    return ns + [line for line in links.splitlines() if f": {IF_PREFIX}" in line]
 
 
 @pytest.mark.timeout(60)
@@ -51,7 +39,7 @@ def test_two_hosts_all_reduce_over_shaped_link() -> None:
     assert res.host_bytes is not None and len(res.host_bytes) == 2
     for b in res.host_bytes:  # the store and the ring crossed the link both ways
         assert b["sent"] > 1000 and b["received"] > 1000
-    assert _leftovers(os.getpid()) == []
+    assert leftovers(os.getpid()) == []
 
 
 def _stream_seconds(spec: ClusterSpec, nbytes: int) -> tuple[float, list[dict[str, int]]]:
@@ -84,7 +72,7 @@ def test_worker_error_cleans_up() -> None:
     res = launch([PY, str(SCRIPTS / "sleep_worker.py"), "--fail", "1", "3"],
                  cluster=ClusterSpec(2, 1, ("100mbit",)), stdout=out, quiet=True)
     assert res.returncode == 3 and res.failed_rank == 1
-    assert _leftovers(os.getpid()) == []
+    assert leftovers(os.getpid()) == []
 
 
 @pytest.mark.timeout(60)
@@ -104,7 +92,7 @@ def test_sigterm_to_launcher_cleans_up() -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM
-        assert _leftovers(proc.pid) == []
+        assert leftovers(proc.pid) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -121,6 +109,6 @@ def test_cleanup_stale_removes_a_dead_runs_namespaces() -> None:
         assert set(names) <= set(list_namespaces())
         removed = cleanup_stale()
         assert set(names) <= set(removed)
-        assert _leftovers(999_999_999) == []
+        assert leftovers(999_999_999) == []
     finally:
         cluster.close()

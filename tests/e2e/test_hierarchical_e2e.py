@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-import shutil
 
 import pytest
 
 from shoal.bench import allreduce
+from emulated import NEEDS_CLUSTER
 
-_MISSING = [what for what, ok in (("root", os.geteuid() == 0), ("`ip`", shutil.which("ip")),
-                                  ("`tc`", shutil.which("tc"))) if not ok]
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(bool(_MISSING), reason=f"emulated clusters need root, ip and tc; missing: {', '.join(_MISSING)}"),
-]
+pytestmark = NEEDS_CLUSTER
 
 
 @pytest.mark.timeout(90)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,13 +29,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from emulated import NEEDS_CLUSTER
 
-_MISSING = [what for what, ok in (("root", os.geteuid() == 0), ("`ip`", shutil.which("ip")),
-                                  ("`tc`", shutil.which("tc"))) if not ok]
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(bool(_MISSING), reason=f"emulated clusters need root, ip and tc; missing: {', '.join(_MISSING)}"),
-]
+pytestmark = NEEDS_CLUSTER
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "e2e" / "host_worker.py"
@@ -203,11 +198,6 @@ def test_a_lost_host_costs_the_survivors_one_step_and_its_workers_rejoin(tmp_pat
 CUT_S = 20.0   # the partition's length: longer than every timeout of the run (op 5 s, quorum 15 s)
 
 
-def _link(emu: Any, host: int, state: str) -> None:
-    subprocess.run(["ip", "-n", emu.namespace(host), "link", "set", "dev", emu.interface(host), state],
-                   check=True, timeout=10)
-
-
 @pytest.mark.timeout(180)
 def test_a_partitioned_host_never_commits_alone_and_rejoins_when_its_link_returns(tmp_path: Path) -> None:
     args = ["--steps", "12", "--want-size", "4"]
@@ -220,7 +210,7 @@ def test_a_partitioned_host_never_commits_alone_and_rejoins_when_its_link_return
             run.wait_for("all four train", lambda: all(len(_commits(run.steps(r, 0))) >= PARK for r in range(4)),
                          limit=60)
             t_down = time.time()
-            _link(emu, 2, "down")
+            emu.set_link(2, False)
             try:
                 # The side with the coordinator goes on: three steps committed by ranks 0 and 1 alone.
                 run.wait_for("survivors commit alone",
@@ -229,7 +219,7 @@ def test_a_partitioned_host_never_commits_alone_and_rejoins_when_its_link_return
                 time.sleep(max(t_down + CUT_S - time.time(), 0.0))
             finally:
                 t_up = time.time()
-                _link(emu, 2, "up")
+                emu.set_link(2, True)
             run.finish(limit=100)
         finally:
             run.close()

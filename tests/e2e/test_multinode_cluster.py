@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,13 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from emulated import NEEDS_CLUSTER
 
-_MISSING = [what for what, ok in (("root", os.geteuid() == 0), ("`ip`", shutil.which("ip")),
-                                  ("`tc`", shutil.which("tc"))) if not ok]
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(bool(_MISSING), reason=f"emulated clusters need root, ip and tc; missing: {', '.join(_MISSING)}"),
-]
+pytestmark = NEEDS_CLUSTER
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_WORKER = ROOT / "tests" / "dist" / "scripts" / "node_worker.py"
@@ -41,18 +35,6 @@ def _launcher(emu: Any, host: int, opts: list[str], script: list[str], **env: st
     argv = emu.exec_prefix(host) + [sys.executable, "-m", "shoal", "run", *opts, *script]
     return subprocess.Popen(argv, env=_env(SHOAL_HOST_ID=f"machine-{host}", **env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-
-
-def _kill_host(emu: Any, host: int, launcher: subprocess.Popen[str]) -> None:
-    """The machine dies: its launcher and every process in its namespace, SIGKILLed together."""
-    launcher.kill()
-    pids = subprocess.run(["ip", "netns", "pids", emu.namespace(host)], capture_output=True, text=True).stdout
-    for pid in pids.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    launcher.wait(timeout=10)
 
 
 @pytest.mark.timeout(90)
@@ -100,7 +82,9 @@ def test_elastic_hosts_with_their_own_launchers_survive_a_lost_host_that_comes_b
                     p.kill()
                 raise AssertionError(f"host 1's worker never parked: {[p.communicate()[0] for p in (host0, host1)]}")
             time.sleep(0.05)
-        _kill_host(emu, 1, host1)
+        host1.kill()           # the machine dies: its launcher and every process in its namespace
+        emu.kill_host(1)
+        host1.wait(timeout=10)
         time.sleep(2)  # host 0 trains alone meanwhile (min-workers 1)
         back = _launcher(emu, 1, opts(1), script, SHOAL_TOKEN=TOKEN, SHOAL_RESTART="1")
         logs = [host0.communicate(timeout=90)[0], back.communicate(timeout=30)[0]]

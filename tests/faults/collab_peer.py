@@ -189,6 +189,7 @@ def _record_epochs(opt: CollaborativeOptimizer, spec: Spec, log: list[dict[str, 
                     "source": report.source, "local_epoch": opt.local_epoch, "digest": digest(opt.opt_params),
                     "finite": all(bool(torch.isfinite(p).all()) for p in opt.opt_params), "t": time.time(),
                     "took": report.seconds, "lr": opt.param_groups[0]["lr"], "stats": _stats(opt),
+                    "votes": opt.group.group.step, "gave_up": opt.group.gave_up,
                     "extra": [float(v) for v in opt.extra[0]] if opt.extra else None,
                     "params": [p.detach().clone() for p in opt.opt_params]})
         if report.epoch in spec.drift_after:

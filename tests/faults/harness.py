@@ -145,3 +145,18 @@ def save_and_leave(out: str, rank: int, life: int, result: dict[str, Any], group
     torch.save(result, path + ".tmp")
     os.replace(path + ".tmp", path)
     group.leave()
+
+
+def assert_equal_state(results: list[dict[str, Any]], cursor: bool = True) -> None:
+    """Every result holds rank 0's parameters and optimizer state, bit for bit (and, with ``cursor``, its
+    sampler cursor): the invariant of a run that survived faults."""
+    ref = results[0]
+    for r in results[1:]:
+        for k, v in ref["model"].items():
+            assert torch.equal(v, r["model"][k]), f"parameter {k} differs between rank {ref['rank']} and {r['rank']}"
+        for pid, st in ref["opt"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(r["opt"]["state"][pid][k])), \
+                    f"optimizer state {pid}/{k} differs between rank {ref['rank']} and {r['rank']}"
+        if cursor:
+            assert r["cursor"] == ref["cursor"], "the sampler's cursor differs"

@@ -58,49 +58,84 @@ def _wait(cond, limit: float, what: str) -> None:  # type: ignore[no-untyped-def
         time.sleep(0.1)
 
 
-@pytest.mark.timeout(200)
-def test_coordinator_killed_and_restarted_the_run_goes_on_and_admits_a_join(tmp_path: Path) -> None:
-    port, trace = _free_port(), tmp_path / "trace"
-    trace.mkdir()
-    coord_log = tmp_path / "coordinator.txt"
-    coord = _coordinator(port, coord_log)
-    env = {**os.environ, "SHOAL_TOKEN": TOKEN, "SHOAL_COORDINATOR": f"127.0.0.1:{port}",
-           "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "SHOAL_ELASTIC_TRACE": str(trace), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    args = ["--out", str(tmp_path), "--steps", "20", "--op", "10", "--min-workers", "2", "--pace", "0.05",
-            "--want-size", "4", "--max-steps", "3000"]
-    workers: dict[int, subprocess.Popen[bytes]] = {}
+class _Run:
+    """The scenario every test here shares: a standalone coordinator (``coord``, logging to ``coord_log``),
+    workers of tests/faults/elastic_worker.py started by rank with ``args`` (``workers``), their vote
+    traces, and an exit that kills whatever still runs. ``with _Run(...) as run:`` then the test's story."""
 
-    def start(rank: int) -> None:
-        with open(tmp_path / f"log-{rank}.txt", "wb") as f:
-            workers[rank] = subprocess.Popen([sys.executable, str(HERE / "elastic_worker.py"), *args],
-                                             env={**env, "RANK": str(rank)}, stdout=f, stderr=subprocess.STDOUT)
+    def __init__(self, tmp_path: Path, args: list[str]) -> None:
+        self.out, self.port, self.trace = tmp_path, _free_port(), tmp_path / "trace"
+        self.trace.mkdir()
+        self.coord_log = tmp_path / "coordinator.txt"
+        self.coord = _coordinator(self.port, self.coord_log)
+        self.env = {**os.environ, "SHOAL_TOKEN": TOKEN, "SHOAL_COORDINATOR": f"127.0.0.1:{self.port}",
+                    "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "SHOAL_ELASTIC_TRACE": str(self.trace),
+                    "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+        self.args = ["--out", str(tmp_path), *args]
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
 
-    def committed_after(t: float) -> set[int]:
-        return {int(v["pid"]) for v in _votes(trace) if str(v["verdict"]).startswith("commit") and float(v["t"]) > t}  # type: ignore[arg-type]
+    def __enter__(self) -> "_Run":
+        return self
 
-    try:
-        for r in range(3):
-            start(r)
-        _wait(lambda: len(committed_after(0.0)) == 3, 90, "the three workers never trained")
-        coord.send_signal(signal.SIGKILL)
-        coord.wait()
-        killed = time.time()
-        time.sleep(10)
-        down = committed_after(killed + 1.0)   # a second for the last votes through the store to end
-        alive = [r for r, p in workers.items() if p.poll() is None]
-        coord = _coordinator(port, coord_log)
-        restarted = time.time()
-        _wait(lambda: "re-announced" in coord_log.read_text(), 60, "no worker re-announced itself")
-        start(3)
-        for p in workers.values():
-            p.wait(timeout=120)
-    finally:
-        for p in [*workers.values(), coord]:
+    def __exit__(self, *exc: object) -> None:
+        for p in [*self.workers.values(), self.coord]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    logs = "\n".join(f"=== {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(tmp_path.glob("*.txt")))
+
+    def start(self, rank: int) -> None:
+        with open(self.out / f"log-{rank}.txt", "wb") as f:
+            self.workers[rank] = subprocess.Popen([sys.executable, str(HERE / "elastic_worker.py"), *self.args],
+                                                  env={**self.env, "RANK": str(rank)}, stdout=f,
+                                                  stderr=subprocess.STDOUT)
+
+    def committed_after(self, t: float) -> set[int]:
+        """The workers (pids) that committed a step after time ``t`` (``time.time()``)."""
+        votes = _votes(self.trace)
+        return {int(v["pid"]) for v in votes if str(v["verdict"]).startswith("commit") and float(v["t"]) > t}  # type: ignore[arg-type]
+
+    def start_three_and_wait_until_they_train(self) -> None:
+        for r in range(3):
+            self.start(r)
+        _wait(lambda: len(self.committed_after(0.0)) == 3, 90, "the three workers never trained")
+
+    def kill_coordinator(self) -> float:
+        """SIGKILL the coordinator; when it was dead (``time.time()``)."""
+        self.coord.send_signal(signal.SIGKILL)
+        self.coord.wait()
+        return time.time()
+
+    def lose_the_coordinator_then_worker_2(self) -> None:
+        """The coordinator dies, and a second later (no vote through the store in flight) worker 2 too."""
+        self.kill_coordinator()
+        time.sleep(1.0)
+        self.workers[2].kill()
+
+    def restart_coordinator(self) -> float:
+        """A new coordinator on the same port with the same token (an empty store); when it started."""
+        self.coord = _coordinator(self.port, self.coord_log)
+        return time.time()
+
+    def logs(self) -> str:
+        return "\n".join(f"=== {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(self.out.glob("*.txt")))
+
+
+@pytest.mark.timeout(200)
+def test_coordinator_killed_and_restarted_the_run_goes_on_and_admits_a_join(tmp_path: Path) -> None:
+    with _Run(tmp_path, ["--steps", "20", "--op", "10", "--min-workers", "2", "--pace", "0.05",
+                         "--want-size", "4", "--max-steps", "3000"]) as run:
+        run.start_three_and_wait_until_they_train()
+        killed = run.kill_coordinator()
+        time.sleep(10)
+        down = run.committed_after(killed + 1.0)   # a second for the last votes through the store to end
+        alive = [r for r, p in run.workers.items() if p.poll() is None]
+        restarted = run.restart_coordinator()
+        _wait(lambda: "re-announced" in run.coord_log.read_text(), 60, "no worker re-announced itself")
+        run.start(3)
+        for p in run.workers.values():
+            p.wait(timeout=120)
+    workers, logs = run.workers, run.logs()
     assert alive == [0, 1, 2], logs                      # nobody died while the coordinator was down
     assert len(down) == 3, (down, logs)                  # and all three kept committing steps meanwhile
     assert [p.returncode for p in workers.values()] == [0, 0, 0, 0], logs
@@ -167,31 +202,12 @@ def test_a_restarted_coordinator_admits_only_claims_that_verify() -> None:
 def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp_path: Path) -> None:
     # The coordinator dies for good, then a worker is lost: the survivors cannot form a quorum without it,
     # wait Timeouts.quorum (op + 10 s in the worker) and stop with an error that says what to do.
-    port, trace = _free_port(), tmp_path / "trace"
-    trace.mkdir()
-    coord = _coordinator(port, tmp_path / "coordinator.txt")
-    env = {**os.environ, "SHOAL_TOKEN": TOKEN, "SHOAL_COORDINATOR": f"127.0.0.1:{port}",
-           "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "SHOAL_ELASTIC_TRACE": str(trace), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    args = ["--out", str(tmp_path), "--steps", "100000", "--op", "3", "--min-workers", "2", "--pace", "0.05"]
-    workers = [subprocess.Popen([sys.executable, str(HERE / "elastic_worker.py"), *args], env={**env, "RANK": str(r)},
-                                stdout=open(tmp_path / f"log-{r}.txt", "wb"), stderr=subprocess.STDOUT)
-               for r in range(3)]
-    try:
-        _wait(lambda: len({v["pid"] for v in _votes(trace) if str(v["verdict"]).startswith("commit")}) == 3, 90,
-              "the three workers never trained")
-        coord.kill()
-        coord.wait()
-        time.sleep(1.0)
-        workers[2].kill()
+    with _Run(tmp_path, ["--steps", "100000", "--op", "3", "--min-workers", "2", "--pace", "0.05"]) as run:
+        run.start_three_and_wait_until_they_train()
+        run.lose_the_coordinator_then_worker_2()
         t0 = time.monotonic()
-        codes = [p.wait(timeout=60) for p in workers[:2]]
+        codes = [run.workers[r].wait(timeout=60) for r in range(2)]
         waited = time.monotonic() - t0
-    finally:
-        for p in [*workers, coord]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     logs = [(tmp_path / f"log-{r}.txt").read_text(errors="replace") for r in range(2)]
     assert all(c != 0 for c in codes), logs
     for log in logs:
@@ -203,37 +219,17 @@ def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp
 def test_a_worker_lost_while_the_coordinator_is_down_is_left_out_once_it_is_back(tmp_path: Path) -> None:
     # The change arrives while the coordinator is down: the survivors wait for it (no restart of theirs);
     # the restarted coordinator hears from them only, leaves the lost worker out, and they finish as one.
-    port, trace = _free_port(), tmp_path / "trace"
-    trace.mkdir()
-    coord_log = tmp_path / "coordinator.txt"
-    coord = _coordinator(port, coord_log)
-    env = {**os.environ, "SHOAL_TOKEN": TOKEN, "SHOAL_COORDINATOR": f"127.0.0.1:{port}",
-           "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "SHOAL_ELASTIC_TRACE": str(trace), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    args = ["--out", str(tmp_path), "--steps", "60", "--op", "10", "--min-workers", "2", "--pace", "0.05"]
-    workers = [subprocess.Popen([sys.executable, str(HERE / "elastic_worker.py"), *args], env={**env, "RANK": str(r)},
-                                stdout=open(tmp_path / f"log-{r}.txt", "wb"), stderr=subprocess.STDOUT)
-               for r in range(3)]
-    try:
-        _wait(lambda: len({v["pid"] for v in _votes(trace) if str(v["verdict"]).startswith("commit")}) == 3, 90,
-              "the three workers never trained")
-        coord.kill()
-        coord.wait()
-        time.sleep(1.0)
-        workers[2].kill()
+    with _Run(tmp_path, ["--steps", "60", "--op", "10", "--min-workers", "2", "--pace", "0.05"]) as run:
+        run.start_three_and_wait_until_they_train()
+        run.lose_the_coordinator_then_worker_2()
         time.sleep(9.0)
-        alive = [p.poll() is None for p in workers[:2]]
-        coord = _coordinator(port, coord_log)
-        codes = [p.wait(timeout=120) for p in workers[:2]]
-    finally:
-        for p in [*workers, coord]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = "\n".join(f"=== {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(tmp_path.glob("*.txt")))
+        alive = [run.workers[r].poll() is None for r in range(2)]
+        run.restart_coordinator()
+        codes = [run.workers[r].wait(timeout=120) for r in range(2)]
+    logs = run.logs()
     assert alive == [True, True], logs           # waiting for the coordinator, not dead
     assert codes == [0, 0], logs
-    assert "did not (left out)" in coord_log.read_text(), logs
+    assert "did not (left out)" in run.coord_log.read_text(), logs
     a, b = (torch.load(tmp_path / f"{r}-0.pt", weights_only=False) for r in range(2))
     assert a["log"][-1]["size"] == b["log"][-1]["size"] == 2, logs
     for k, v in a["model"].items():

@@ -14,7 +14,6 @@ import sys
 from typing import Any
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
@@ -26,18 +25,6 @@ OP = 5.0
 
 def _commits(result: dict[str, Any]) -> list[tuple[int, bool]]:
     return [(e["step"], e["committed"]) for e in result["log"]]
-
-
-def _assert_equal_state(results: list[dict[str, Any]]) -> None:
-    ref = results[0]
-    for r in results[1:]:
-        for k, v in ref["model"].items():
-            assert torch.equal(v, r["model"][k]), f"parameter {k} differs between rank {ref['rank']} and {r['rank']}"
-        for pid, st in ref["opt"]["state"].items():
-            for k, v in st.items():
-                other = r["opt"]["state"][pid][k]
-                assert torch.equal(torch.as_tensor(v), torch.as_tensor(other)), \
-                    f"optimizer state {pid}/{k} differs between rank {ref['rank']} and {r['rank']}"
 
 
 @pytest.mark.timeout(100)
@@ -77,7 +64,7 @@ def _sigkill_run(mode: str, tmp_path: Any, restart: bool, wrap: bool = False) ->
     for s in survivors:
         times = [e["t"] for e in s["log"] if e["committed"]]
         assert max(b - a for a, b in zip(times, times[1:])) <= OP + 5, why
-    _assert_equal_state(final)
+    harness.assert_equal_state(final, cursor=False)
     if not restart:
         return
     reborn = final[2]
@@ -100,4 +87,4 @@ def test_fault_plan_failure_and_stall_give_one_decision_everywhere(tmp_path: Any
     seqs = [_commits(r) for r in final]
     assert seqs[0] == seqs[1] == seqs[2], out.logs
     assert (3, False) in seqs[0] and (6, False) in seqs[0], seqs[0]
-    _assert_equal_state(final)
+    harness.assert_equal_state(final, cursor=False)

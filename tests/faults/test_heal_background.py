@@ -25,18 +25,6 @@ import harness  # noqa: E402
 ENV = {"SHOAL_HEAL": "background"}
 
 
-def _equal_state(results: list[dict[str, Any]]) -> None:
-    ref = results[0]
-    for r in results[1:]:
-        for k, v in ref["model"].items():
-            assert torch.equal(v, r["model"][k]), f"parameter {k} differs between rank {ref['rank']} and {r['rank']}"
-        for pid, st in ref["opt"]["state"].items():
-            for k, v in st.items():
-                assert torch.equal(torch.as_tensor(v), torch.as_tensor(r["opt"]["state"][pid][k])), \
-                    f"optimizer state {pid}/{k} differs between rank {ref['rank']} and {r['rank']}"
-        assert r["cursor"] == ref["cursor"], "the sampler's cursor differs"
-
-
 def _check_join(final: list[dict[str, Any]], park: int, why: str, complete: bool = True) -> dict[str, Any]:
     """The joiner's story; returns its catch-up stats (``complete``: no contributor died meanwhile)."""
     *survivors, joiner = final
@@ -71,7 +59,7 @@ def _check_join(final: list[dict[str, Any]], park: int, why: str, complete: bool
             assert torch.allclose(g["mean"], ref, rtol=1e-5, atol=1e-7), why
     assert joiner["stats"]["heals_received"] == 1, why
     assert 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
-    _equal_state(final)
+    harness.assert_equal_state(final)
     return cu
 
 
@@ -134,7 +122,7 @@ def test_ddp_with_a_codec_refuses_and_heals_blocking(tmp_path: Any) -> None:
     assert all(e["contributes"] and e["contributors"] == e["size"] for r in final for e in r["log"]), why
     peer = {e["step"]: e["digest"] for e in final[0]["log"] if e["committed"]}
     assert joiner["log"][0]["committed"] and joiner["log"][0]["digest"] == peer[joiner["log"][0]["step"]], why
-    _equal_state(final)
+    harness.assert_equal_state(final)
 
 
 @pytest.mark.timeout(120)
@@ -181,4 +169,4 @@ def test_a_run_ending_while_the_joiner_downloads_leaves_it_caught_up(tmp_path: A
     assert joiner["catchup"]["admitted_step"] >= 0 and joiner["catchup"]["caught_up_step"] == -1, why
     assert all(not e["contributes"] for e in joiner["log"]), why        # it never contributed in the loop
     assert joiner["caught_up"] and joiner["stats"]["heals_received"] == 1, why
-    _equal_state([{**r, "cursor": 0} for r in final])   # model and optimizer (the cursor is not topped up)
+    harness.assert_equal_state([{**r, "cursor": 0} for r in final])   # model and optimizer (the cursor is not topped up)

@@ -27,11 +27,28 @@ TOKEN = "leave-orderly-token"
 _T = Timeouts(op=20.0, heartbeat_interval=0.05, probe=0.3, heartbeat_timeout=5.0, quorum=30.0, join=40.0)
 
 
+class _CountingStore:
+    """The member's store, counting the collective counts it publishes (``.../past/<member>`` sets)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.past_sets = store, 0
+
+    def set(self, key: str, value: Any) -> None:
+        self.past_sets += "/past/" in key
+        self.store.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
 def _worker(rank: int, world: int, address: str, run_id: str) -> dict[str, Any]:
     g = ElasticGroup(run_id, coordinator=address, timeouts=_T, min_workers=2, token=TOKEN)
-    g.begin_step()
-    g.all_reduce(torch.ones(1), tag="step").wait()
-    assert g.commit() and g.quorum is not None
+    counting = g.client.store = _CountingStore(g.client.store)  # type: ignore[assignment]
+    for _ in range(3):   # committed steps: their votes say every member is past their collectives
+        g.begin_step()
+        g.all_reduce(torch.ones(1), tag="step").wait()
+        assert g.commit() and g.quorum is not None
+    step_sets = counting.past_sets
     st, prefix, flag = connect(address, 10.0), g.quorum.prefix, f"{run_id}/test/leaving"
     out = torch.empty(2 * world)
     handle = g.all_gather_into(out, torch.full((2,), float(rank)), tag="outside-a-step")
@@ -39,18 +56,18 @@ def _worker(rank: int, world: int, address: str, run_id: str) -> dict[str, Any]:
         handle.wait()
         st.set(flag, "1")
         g.leave()
-        return {"error": repr(g.error), "out": out}
+        return {"error": repr(g.error), "out": out, "step_sets": step_sets}
     st.wait([flag])   # parked inside the collective until rank 0 is leaving
-    # rank 0 has been through 2 collectives (the step's all-reduce, the gather): once it published that,
+    # rank 0 has been through 4 collectives (the steps' all-reduces, the gather): once it published that,
     # it is waiting in leave() for this member
     past0 = f"{prefix}past/{next(m for m in g.quorum.members if m != g.client.member_id)}"
-    while not (st.check([prefix + "abort"]) or (st.check([past0]) and int(st.get(past0)) >= 2)):
+    while not (st.check([prefix + "abort"]) or (st.check([past0]) and int(st.get(past0)) >= 4)):
         time.sleep(0.002)
     aborted = bool(st.check([prefix + "abort"]))
     handle.wait()
     error = g.error
     g.leave()
-    return {"aborted": aborted, "error": repr(error), "out": out, "commits": g.stats.commits}
+    return {"aborted": aborted, "error": repr(error), "out": out, "commits": g.stats.commits, "step_sets": step_sets}
 
 
 @pytest.mark.timeout(90)
@@ -64,4 +81,6 @@ def test_leaving_after_a_collective_outside_a_step_does_not_abort_a_slower_membe
     assert slow["error"] == "None" and fast["error"] == "None", (slow, fast)
     assert torch.equal(slow["out"], fast["out"]), (slow, fast)   # by quorum rank (ordered by member id)
     assert sorted(slow["out"].tolist()) == [0.0, 0.0, 1.0, 1.0], slow
-    assert slow["commits"] == 1   # no step was added
+    assert slow["commits"] == 3   # no step was added
+    # committed steps publish no collective count (the vote says it): one store write a step saved
+    assert slow["step_sets"] == fast["step_sets"] == 0, (slow["step_sets"], fast["step_sets"])

@@ -74,6 +74,54 @@ def test_no_hand_written_vote_outside_the_round_runner() -> None:
     assert votes == [], f"begin_step(); ... commit() written by hand (use Rounds / run_round): {votes}"
 
 
+def _interface_members() -> set[str]:
+    """The names of the step interface (``StepInterface``'s members)."""
+    tree = ast.parse((SHOAL / "comm" / "stepping.py").read_text())
+    proto = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepInterface")
+    return {n.name for n in proto.body if isinstance(n, ast.FunctionDef)}
+
+
+def _body(fn: ast.FunctionDef) -> str:
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and \
+        isinstance(fn.body[0].value, ast.Constant) and isinstance(fn.body[0].value.value, str) else fn.body
+    return ast.unparse(ast.Module(body=body, type_ignores=[]))
+
+
+def test_the_step_interface_answers_are_written_once() -> None:
+    # A default answer (e.g. "every member counts") written in two groups drifts apart; each answer is
+    # written in one place (Group's static ones, or StepHooks that every group calls; abstract
+    # declarations and protocols are not answers).
+    names, seen, twice = _interface_members(), {}, []
+    for base in BELOW:
+        for path in sorted((SHOAL / base).glob("*.py")):
+            for cls in (n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)):
+                if any(isinstance(b, ast.Name) and b.id == "Protocol" for b in cls.bases):
+                    continue
+                for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in names):
+                    if any(isinstance(d, ast.Attribute) and d.attr == "abstractmethod" for d in fn.decorator_list):
+                        continue
+                    if _body(fn).startswith("self.hooks.") and "\n" not in _body(fn):
+                        continue   # a call of the one shared registry (StepHooks), where the answer is written
+                    where = f"{base}/{path.name}:{cls.name}.{fn.name}"
+                    other = seen.setdefault((fn.name, _body(fn)), where)
+                    if other != where:
+                        twice.append((other, where))
+    assert twice == [], f"the same step-interface answer written twice (keep it in one place): {twice}"
+
+
+def test_no_duck_typed_read_of_the_step_interface() -> None:
+    # getattr(group, "step", default) guesses what kind of group it has; every group answers the interface.
+    names = _interface_members()
+    found = []
+    for rel, path in _modules():
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr") \
+                    and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and n.args[1].value in names \
+                    and "group" in ast.unparse(n.args[0]):
+                found.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+    assert found == [], f"duck-typed reads of the step interface (use the interface): {found}"
+
+
 def _group_calls(fn: ast.AST, names: tuple[str, ...]) -> list[str]:
     """``<...group>.begin_step()`` / ``<...group>.commit()`` calls in ``fn`` (a group's step, by hand)."""
     found = []

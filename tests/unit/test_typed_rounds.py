@@ -149,6 +149,16 @@ def test_a_round_of_collectives_refuses_the_background_heal() -> None:
     assert run_round(g, lambda: None) and len(g.refusals) == 1    # type: ignore[arg-type]
 
 
+def test_a_static_groups_step_counts_its_commits(world: None) -> None:
+    # The step interface's ``step`` on a static group: what ZeRO names a lost shard's step by.
+    g = Group()
+    assert g.step == 0
+    for _ in range(3):
+        g.begin_step()
+        assert g.commit()
+    assert g.step == 3
+
+
 def _flying(log: list[str]) -> Round:
     return Round("exchange", reduce=lambda live: log.append(f"reduce exchange {live}"),
                  land=lambda: log.append("land exchange"), apply=lambda: log.append("apply exchange"),
