@@ -172,12 +172,17 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs
     for v in live:
         if not v.touches(optimizer):
             continue
-        if v._pending is not None and _skips_on_device(optimizer):
+        if v._pending is not None and _skips_on_device(optimizer) and v.covers(_params_of(optimizer)):
+            # Only an optimizer that steps nothing but these parameters: found_inf skips its whole step.
             _lend_found_inf(optimizer, v._pending.unit)
         elif v.resolve():
             v.drop_grads(optimizer)
         else:
             v.expire()
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -202,16 +207,19 @@ def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _lend_found_inf(optimizer: torch.optim.Optimizer, unit: torch.Tensor) -> None:
-    mine = getattr(optimizer, _OURS, False)
+    lent = getattr(optimizer, _OURS, None)
     found = getattr(optimizer, "found_inf", None)
-    setattr(optimizer, "found_inf", torch.maximum(found, unit) if mine and found is not None else unit)
-    setattr(optimizer, _OURS, True)
+    value = torch.maximum(found, unit) if lent is not None and found is lent else unit
+    setattr(optimizer, "found_inf", value)
+    setattr(optimizer, _OURS, value)   # the tensor lent: only that one is ever taken back
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-    """Take back a ``found_inf`` lent for one step (a GradScaler's own is not ours)."""
-    if getattr(optimizer, _OURS, False):
-        delattr(optimizer, "found_inf")
+    """Take back a ``found_inf`` lent for one step (a GradScaler's own, set since, is not ours)."""
+    lent = getattr(optimizer, _OURS, None)
+    if lent is not None:
+        if getattr(optimizer, "found_inf", None) is lent:
+            delattr(optimizer, "found_inf")
         delattr(optimizer, _OURS)
 
 

@@ -321,6 +321,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
     # --- training ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # The last backward's deferred non-finite verdict is read before begin_step clears a failed
+        # step's error: the flag of a step that failed since is no verdict (shoal.nonfinite).
+        self.reducer.verdict.resolve()
         self.group.begin_step()  # elastic: adopt the latest quorum (rebuild, heal) before any collective
         if self._per_quorum is not None:
             self._choose_per_quorum(self._per_quorum)
@@ -405,8 +408,10 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
         Bytes are counted for shoal's own collectives; a foreign comm hook that
         calls ``torch.distributed`` directly is not seen by the meter (its wait
-        time is).
+        time is). A non-finite verdict not read yet (a fused optimizer skipped on
+        the device) is read first, so a skip in the last step is counted.
         """
+        self.reducer.verdict.resolve()
         return self._steps.stats()
 
     @property

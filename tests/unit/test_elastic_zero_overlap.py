@@ -171,3 +171,51 @@ def test_nonfinite_gradients_skip_the_step_as_a_commit_not_a_discard(group: Elas
     for i, p in enumerate(ref.parameters()):   # Adam's moments and step count: the skipped step left no trace
         assert torch.equal(held[i]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
         assert held[i]["step"] == opt.state[p]["step"]
+
+
+@pytest.mark.timeout(60)
+def test_a_deferred_nonfinite_verdict_of_a_step_that_failed_after_backward_is_no_verdict(group: ElasticGroup) -> None:
+    # A fused optimizer leaves DDP's verdict unread; the step fails after backward and its vote discards
+    # it, so the inner optimizer never reads it. The next forward reads it before begin_step clears the
+    # failure: no warning and no skip counted for a step that did not happen (it was read after, and
+    # counted, before this was fixed).
+    import warnings
+
+    from shoal.elastic import ElasticOptimizer
+
+    net = _net()
+    model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=CAP_MB)
+    opt = ElasticOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True), group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x, y = _batch(step)
+            loss = F.mse_loss(model(x), y)
+            if step == 2:
+                handle = net[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+            loss.backward()
+            if step == 2:
+                handle.remove()
+                group.report_error(PeerLostError("injected after backward"))
+                assert opt.step() is False
+            else:
+                assert opt.step() is True
+            opt.zero_grad()
+    assert not [w for w in caught if "NaN/Inf" in str(w.message)]
+    assert model.comm_stats().total.nonfinite_skips == 0
+    assert all(bool(torch.isfinite(p).all()) for p in net.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_a_nonfinite_last_step_skipped_on_the_device_is_counted_by_comm_stats(group: ElasticGroup) -> None:
+    net = _net()
+    model = shoal.DistributedDataParallel(net, process_group=group, bucket_cap_mb=CAP_MB)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    x, y = _batch(0)
+    net[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.warns(RuntimeWarning, match="NaN/Inf"):
+        F.mse_loss(model(x), y).backward()
+        opt.step()                                   # skipped on the device, verdict unread
+        assert model.comm_stats().total.nonfinite_skips == 1   # read here: the run's last step counts
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))

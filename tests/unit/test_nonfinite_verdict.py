@@ -139,3 +139,35 @@ def test_a_deferred_verdict_of_a_step_that_failed_since_is_no_verdict() -> None:
     failed[0] = True
     assert verdict.resolve() is False and warned == []
     verdict.expire()
+
+
+def test_a_fused_optimizer_that_also_steps_other_parameters_is_not_lent_the_verdict() -> None:
+    # found_inf skips the optimizer's whole step; the verdict covers only the model's parameters, so an
+    # extra parameter must still train: the gradients of the model are dropped instead, as for any optimizer.
+    a, _ = _model()
+    extra = nn.Parameter(torch.ones(3))
+    extra.grad = torch.ones(3)
+    opt = torch.optim.AdamW([*a.parameters(), extra], lr=0.1, fused=True)
+    verdict, warned = _deferred(list(a.parameters()), bad=True)
+    opt.step()
+    assert not torch.equal(extra.detach(), torch.ones(3)), "the extra parameter did not step"
+    assert all(p.grad is None for p in a.parameters()) and warned == [1]
+    verdict.expire()
+
+
+def test_taking_back_a_stale_loan_leaves_a_grad_scalers_found_inf_alone() -> None:
+    a, _ = _model()
+    opt = torch.optim.AdamW(a.parameters(), lr=0.1, fused=True)
+    verdict, _ = _deferred(list(a.parameters()), bad=False)
+    opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("user hook failed")))
+    try:
+        opt.step()                                   # lent, and the step never finished
+    except RuntimeError:
+        pass
+    opt._optimizer_step_pre_hooks.clear()
+    verdict.expire()
+    theirs = torch.zeros(())
+    opt.found_inf = theirs                           # GradScaler.step sets its own, then steps
+    opt.step()
+    assert getattr(opt, "found_inf", None) is theirs, "GradScaler's found_inf was taken as ours"
+    del opt.found_inf
