@@ -70,9 +70,12 @@ class Pacer:
     lag the real one by one slice at most, so an idle pacer gives no burst
     larger than a slice) and sleeps until the slot, outside the lock.
 
-    >>> p = Pacer(1e6)
-    >>> t = time.monotonic(); p.take(65536); p.take(200_000); round(time.monotonic() - t, 1)
-    0.2
+    Example (1 MB/s: the first slice goes at once, the next 200 KB no sooner than ~0.2 s later)::
+
+        pacer = Pacer(1e6)
+        for piece in pieces:
+            pacer.take(len(piece))
+            conn.sendall(piece)
     """
 
     def __init__(self, rate: float | None) -> None:
