@@ -44,8 +44,15 @@ def _wait_file(path: str, limit: float = 120.0) -> None:
 
 def _park(group: ElasticGroup, out: str, park: int, midway: bool) -> None:
     """Install the joiner's download hook: wait for ``park`` commits, then (``midway``) for a kill."""
+    asked: set[int] = set()
+
     def before_chunk(source: int, received: int) -> None:
         while group.step < group.catchup.stats.admitted_step + park:
+            time.sleep(0.005)
+        asked.add(source)
+        # Striped, whatever the speed: a source's second range waits until another asked for its first.
+        deadline = time.monotonic() + 20.0
+        while received > 0 and len(asked) < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
         if midway and received > 0:
             if not os.path.exists(os.path.join(out, "midway")):
