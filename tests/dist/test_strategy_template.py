@@ -66,19 +66,23 @@ def _train(group: Group, rank: int) -> list[torch.Tensor]:
 def _reference(world: int) -> list[torch.Tensor]:
     nets = [_net(seed=0) for _ in range(world)]
     for step in range(STEPS):
-        for rank, net in enumerate(nets):
-            x, y = _batch(rank, step)
-            F.mse_loss(net(x), y).backward()
-            with torch.no_grad():
-                for p in net.parameters():
-                    p -= 0.1 * p.grad
-                    p.grad = None
-        with torch.no_grad():
-            for ps in zip(*(n.parameters() for n in nets)):
-                mean = torch.stack([p for p in ps]).mean(0)
-                for p in ps:
-                    p.copy_(mean)
+        _sgd_then_average(nets, [_batch(rank, step) for rank in range(world)])
     return [p.detach() for p in nets[0].parameters()]
+
+
+def _sgd_then_average(nets: list[nn.Module], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One reference step: each net an SGD step (lr 0.1) on its batch, then every parameter averaged."""
+    for net, (x, y) in zip(nets, batches):
+        F.mse_loss(net(x), y).backward()
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    with torch.no_grad():
+        for ps in zip(*(n.parameters() for n in nets)):
+            mean = torch.stack([p for p in ps]).mean(0)
+            for p in ps:
+                p.copy_(mean)
 
 
 def _static(rank: int, world: int) -> list[torch.Tensor]:
@@ -151,18 +155,8 @@ def _reference_with_join() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
                 for p, q in zip(nets[2].parameters(), nets[0].parameters()):
                     p.copy_(q)
             healed = [p.detach().clone() for p in nets[2].parameters()]
-        for worker, net in enumerate(nets):
-            x, y = _batch(worker, step if worker < 2 else step - STEPS - 1)
-            F.mse_loss(net(x), y).backward()
-            with torch.no_grad():
-                for p in net.parameters():
-                    p -= 0.1 * p.grad
-                    p.grad = None
-        with torch.no_grad():
-            for ps in zip(*(n.parameters() for n in nets)):
-                mean = torch.stack([p for p in ps]).mean(0)
-                for p in ps:
-                    p.copy_(mean)
+        _sgd_then_average(nets, [_batch(worker, step if worker < 2 else step - STEPS - 1)
+                                 for worker in range(len(nets))])
     return healed, [p.detach() for p in nets[0].parameters()]
 
 
