@@ -87,7 +87,7 @@ class StepVerdict:
         self._ids = frozenset(id(p) for p in self.params)
         self.value: bool | None = None
         self._pending: _Pending | None = None
-        self._covers: "weakref.WeakKeyDictionary[Any, tuple[int, bool]]" = weakref.WeakKeyDictionary()
+        self._covers: "weakref.WeakKeyDictionary[Any, tuple[int, bool, bool]]" = weakref.WeakKeyDictionary()
         _install_hook()
         with _lock:
             _live.add(self)
@@ -131,14 +131,23 @@ class StepVerdict:
                 p.grad = None
 
     def touches(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` steps any of these parameters (cached per optimizer and
-        number of parameters it holds, so ``add_param_group`` is seen)."""
+        """Whether ``optimizer`` steps any of these parameters."""
+        return self._overlap(optimizer)[0]
+
+    def holds_all_of(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether every parameter ``optimizer`` steps is one of these (a found_inf skips them all)."""
+        return self._overlap(optimizer)[1]
+
+    def _overlap(self, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
+        """(any, all) of ``optimizer``'s parameters among these: cached per optimizer and number
+        of parameters it holds, so ``add_param_group`` is seen and a step does no per-parameter work."""
         size = sum(len(g["params"]) for g in optimizer.param_groups)
         known = self._covers.get(optimizer)
         if known is None or known[0] != size:
-            known = (size, any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"]))
+            mine = [id(p) in self._ids for g in optimizer.param_groups for p in g["params"]]
+            known = (size, any(mine), all(mine))
             self._covers[optimizer] = known
-        return known[1]
+        return known[1], known[2]
 
     def covers(self, params: Sequence[torch.Tensor]) -> bool:
         return all(id(p) in self._ids for p in params)
@@ -172,17 +181,13 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs
     for v in live:
         if not v.touches(optimizer):
             continue
-        if v._pending is not None and _skips_on_device(optimizer) and v.covers(_params_of(optimizer)):
+        if v._pending is not None and _skips_on_device(optimizer) and v.holds_all_of(optimizer):
             # Only an optimizer that steps nothing but these parameters: found_inf skips its whole step.
             _lend_found_inf(optimizer, v._pending.unit)
         elif v.resolve():
             v.drop_grads(optimizer)
         else:
             v.expire()
-
-
-def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
