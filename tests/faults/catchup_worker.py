@@ -30,7 +30,7 @@ from torch import nn
 import shoal
 from shoal import codecs
 from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
-from harness import save_and_leave
+from harness import parked_striped, save_and_leave
 from elastic_worker import digest
 
 
@@ -44,16 +44,10 @@ def _wait_file(path: str, limit: float = 120.0) -> None:
 
 def _park(group: ElasticGroup, out: str, park: int, midway: bool) -> None:
     """Install the joiner's download hook: wait for ``park`` commits, then (``midway``) for a kill."""
-    asked: set[int] = set()
+    parked = parked_striped(group, park)
 
     def before_chunk(source: int, received: int) -> None:
-        while group.step < group.catchup.stats.admitted_step + park:
-            time.sleep(0.005)
-        asked.add(source)
-        # Striped, whatever the speed: a source's second range waits until another asked for its first.
-        deadline = time.monotonic() + 20.0
-        while received > 0 and len(asked) < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        parked(source, received)
         if midway and received > 0:
             if not os.path.exists(os.path.join(out, "midway")):
                 with open(os.path.join(out, "midway"), "w") as f:

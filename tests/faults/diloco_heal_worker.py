@@ -34,7 +34,7 @@ from torch import nn
 import shoal
 from shoal.elastic import ElasticGroup, Timeouts
 from shoal.testing import FaultPlan
-from harness import save_and_leave
+from harness import parked_striped, save_and_leave
 
 PERIOD = 4
 
@@ -69,18 +69,7 @@ def main() -> None:
     group = ElasticGroup(timeouts=timeouts, min_workers=2, backend_factory=plan.backend_factory())
     group.heal_chunk = 2048   # a small model still takes many ranges
 
-    asked: set[int] = set()
-
-    def before_chunk(source: int, received: int) -> None:   # the joiner's download waits for --park commits
-        while group.step < group.catchup.stats.admitted_step + a.park:
-            time.sleep(0.005)
-        asked.add(source)
-        # Striped, whatever the speed: a source's second range waits until the other asked for its first
-        # (a fast loopback transfer let one source fetch every range before the other connected).
-        deadline = time.monotonic() + 20.0
-        while received > 0 and len(asked) < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
-    group.catchup.before_chunk = before_chunk
+    group.catchup.before_chunk = parked_striped(group, a.park)   # the download waits for --park commits
     torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the heal must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     if a.powersgd:

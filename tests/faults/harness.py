@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -136,6 +136,22 @@ def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[
             rank, life = (int(v) for v in name[:-3].split("-"))
             outcome.results[(rank, life)] = torch.load(os.path.join(out_dir, name), weights_only=False)
     return code, outcome
+
+
+def parked_striped(group: Any, park: int) -> Callable[[int, int], None]:
+    """A joiner's ``before_chunk`` part: no range before ``park`` commits since its admission (the survivors
+    commit while it downloads, whatever the speed), and a source's second range only once another source
+    asked for its first (striped: a fast loopback source could fetch every range of a small state first)."""
+    asked: set[int] = set()
+
+    def wait(source: int, received: int) -> None:
+        while group.step < group.catchup.stats.admitted_step + park:
+            time.sleep(0.005)
+        asked.add(source)
+        deadline = time.monotonic() + 20.0
+        while received > 0 and len(asked) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    return wait
 
 
 def save_and_leave(out: str, rank: int, life: int, result: dict[str, Any], group: Any) -> None:
