@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.comm.flat import flat_views
+from shoal.comm import lifetime
 from shoal.comm.handle import Handle
 from shoal.comm.meter import Meter
 from shoal.comm.objects import all_gather_object
@@ -171,6 +172,11 @@ class Group(metaclass=abc.ABCMeta):
         self._global_ranks = [dist.get_global_rank(self.pg, r) for r in range(self.size)] if self.pg is not dist.group.WORLD else list(range(self.size))
         self.hooks = StepHooks()   # registered states and step hooks (kept, never healed: no member changes)
         self.step = 0              # committed steps (the step interface's count; an elastic group heals it)
+        lifetime.hold(self)        # its process group is destroyed at exit, not during finalization
+
+    def _let_go_at_exit(self) -> None:
+        """Drop the process group (:mod:`shoal.comm.lifetime`): called at interpreter exit only."""
+        self.__dict__.pop("pg", None)
 
     @property
     def device(self) -> torch.device:
