@@ -35,6 +35,11 @@ from shoal.comm.streams import connect
 from shoal.comm.topology import HostGroups, discover
 from shoal.errors import ConfigError, ShoalError
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn with a FutureWarning at every call);
+# older torch has only the old names.
+_ALL_GATHER_SINGLE: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = ["Group", "Handle", "check_reduce_op", "check_all_to_all", "start_gather_into", "broadcast_coalesced"]
 
 _REDUCE_OPS = {
@@ -223,7 +228,7 @@ class Group(metaclass=abc.ABCMeta):
         self.meter.record(tag, "all_gather", _nbytes(tensor), self.size, self.rank)
         if not needed:
             return Handle(None, output, self.meter, tag, self.timeout)
-        work = dist.all_gather_into_tensor(output, tensor.contiguous(), group=self.pg, async_op=True)
+        work = _ALL_GATHER_SINGLE(output, tensor.contiguous(), group=self.pg, async_op=True)
         return Handle(work, output, self.meter, tag, self.timeout)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, tag: str = "misc") -> Handle:
@@ -279,7 +284,7 @@ class Group(metaclass=abc.ABCMeta):
                 return post(_out) if post is not None else _out
 
             return Handle(work, output, self.meter, tag, self.timeout, take)
-        work = dist.reduce_scatter_tensor(output, tensor.contiguous(), group=self.pg, async_op=True)
+        work = _REDUCE_SCATTER_SINGLE(output, tensor.contiguous(), group=self.pg, async_op=True)
         return Handle(work, output, self.meter, tag, self.timeout, post)
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", tag: str = "misc") -> Handle:
