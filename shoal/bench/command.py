@@ -178,6 +178,22 @@ def _from_results(run_dir: str, target_loss: float | None, target: str, toleranc
     return 0
 
 
+def schedule_line(cfg: Any) -> str:
+    """The inner learning rate every strategy trained with, for the table's footer.
+
+    Example:
+        >>> from shoal.bench.runner import BenchConfig
+        >>> schedule_line(BenchConfig(strategies=("ddp",), steps=100, lr_schedule="cosine"))
+        'inner lr (every strategy): AdamW 0.001, cosine: warm-up 5 steps, then down to 0.0001 at step 100'
+    """
+    text = f"inner lr (every strategy): AdamW {cfg.lr:g}"
+    if cfg.lr_schedule == "constant":
+        return text + ", constant"
+    horizon = cfg.schedule_steps if cfg.schedule_steps is not None else cfg.steps
+    return (text + f", cosine: warm-up {cfg.warmup} steps, then down to {cfg.lr * cfg.lr_final_ratio:g} "
+            f"at step {horizon}")
+
+
 SAMPLES_DEFAULT_STEPS = 1000   # equal-samples quality: at least 1,000 steps of the global batch
 GRID_POINTS = 20               # evaluations on the sample grid
 
@@ -276,5 +292,6 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     report.plot(results, os.path.join(run_dir, "report.png"))
     print(f"\nshoal bench {cfg.task} on {results['network']}")
     print(report.format_table(results))
+    print(schedule_line(cfg))
     print(f"\nwrote {os.path.join(run_dir, 'results.json')} and {os.path.join(run_dir, 'report.png')}")
     return (0 if all(s["ok"] for s in results["strategies"].values()) else 1), results

@@ -388,7 +388,7 @@ def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
         "run": os.path.basename(run_dir),
         "started": started,
         "commit": commit,
-        "config": {**asdict(cfg), "strategies": list(cfg.strategies), "world": cfg.world,
+        "config": {**asdict(cfg), "strategies": list(cfg.strategies), "world": cfg.world, "warmup_steps": cfg.warmup,
                    "model": asdict(LMConfig(**cfg.model))},
         "network": (f"{cfg.hosts} hosts x {cfg.bandwidth or 'unshaped'} (emulated)" if cfg.emulate
                     else f"loopback, {cfg.world} workers"),

@@ -109,8 +109,8 @@ class ScheduledLR:
         >>> sched = ScheduledLR(LRSchedule("cosine", total_steps=10, warmup_steps=2), base_lr=1.0)
         >>> make = sched.track(lambda ps: torch.optim.SGD(ps, lr=1.0))
         >>> opt = make(nn.Linear(2, 1).parameters())
-        >>> sched.apply(0); opt.param_groups[0]["lr"]
-        0.5
+        >>> sched.apply(0), opt.param_groups[0]["lr"]
+        (0.5, 0.5)
     """
 
     def __init__(self, schedule: LRSchedule, base_lr: float) -> None:

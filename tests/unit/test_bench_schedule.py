@@ -125,3 +125,11 @@ def test_worker_config_round_trips_the_schedule(tmp_path) -> None:
                        lr_schedule="cosine", warmup_steps=3, lr_final_ratio=0.05)
     cfg.save(str(tmp_path / "c.json"))
     assert WorkerConfig.load(str(tmp_path / "c.json")).schedule() == LRSchedule("cosine", 30, 3, 0.05)
+
+
+def test_table_footer_names_the_schedule_every_strategy_trained_with() -> None:
+    from shoal.bench.command import schedule_line
+
+    assert schedule_line(BenchConfig(strategies=("ddp",), steps=10)).endswith("AdamW 0.001, constant")
+    line = schedule_line(BenchConfig(strategies=("ddp",), steps=1000, lr=3e-3, lr_schedule="cosine"))
+    assert line.endswith("AdamW 0.003, cosine: warm-up 50 steps, then down to 0.0003 at step 1000")
