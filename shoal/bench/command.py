@@ -46,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=32, help="global batch in windows (split across workers)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="inner learning-rate schedule, the same for every strategy (ddp included): constant "
+                        "(default) or cosine = linear warm-up then cosine decay to --lr-final-ratio x --lr; "
+                        "a function of the global step, so equal samples means an equal schedule")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="--lr-schedule cosine: warm-up steps (default 5%% of --steps)")
+    p.add_argument("--lr-final-ratio", type=float, default=0.1,
+                   help="--lr-schedule cosine: the learning rate at the last step, as a fraction of --lr (default 0.1)")
     p.add_argument("--eval-every", default=None, metavar="N|Ss",
                    help="evaluate every N steps, or every S training seconds with an 's' suffix (default: ~12 evals)")
     p.add_argument("--val-windows", type=int, default=64, help="validation windows evaluated (fixed subset)")
@@ -107,6 +115,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         target_tolerance=args.target_tolerance, seed=args.seed,
         global_batch=args.batch, lr=args.lr, eval_every_steps=every_steps, eval_every_s=every_s,
         val_windows=args.val_windows, model=model, out_root=args.out, run=args.run,
+        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, lr_final_ratio=args.lr_final_ratio,
+        schedule_steps=getattr(args, "schedule_steps", None),
     )
 
 
@@ -168,6 +178,22 @@ def _from_results(run_dir: str, target_loss: float | None, target: str, toleranc
     return 0
 
 
+def schedule_line(cfg: Any) -> str:
+    """The inner learning rate every strategy trained with, for the table's footer.
+
+    Example:
+        >>> from shoal.bench.runner import BenchConfig
+        >>> schedule_line(BenchConfig(strategies=("ddp",), steps=100, lr_schedule="cosine"))
+        'inner lr (every strategy): AdamW 0.001, cosine: warm-up 5 steps, then down to 0.0001 at step 100'
+    """
+    text = f"inner lr (every strategy): AdamW {cfg.lr:g}"
+    if cfg.lr_schedule == "constant":
+        return text + ", constant"
+    horizon = cfg.schedule_steps if cfg.schedule_steps is not None else cfg.steps
+    return (text + f", cosine: warm-up {cfg.warmup} steps, then down to {cfg.lr * cfg.lr_final_ratio:g} "
+            f"at step {horizon}")
+
+
 SAMPLES_DEFAULT_STEPS = 1000   # equal-samples quality: at least 1,000 steps of the global batch
 GRID_POINTS = 20               # evaluations on the sample grid
 
@@ -180,9 +206,14 @@ def _samples_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _speed_args(args: argparse.Namespace, root: str) -> argparse.Namespace:
-    """``args`` for the speed run of ``--mode both``: the link, ``--speed-budget`` seconds, run 'speed'."""
+    """``args`` for the speed run of ``--mode both``: the link, ``--speed-budget`` seconds, run 'speed'.
+
+    The learning-rate schedule keeps the quality run's horizon (its step count), so step *t* runs with
+    the same learning rate in both runs.
+    """
     return argparse.Namespace(**{**vars(args), "steps": None, "time_budget": args.speed_budget,
-                                 "eval_every": None, "out": root, "run": "speed"})
+                                 "eval_every": None, "out": root, "run": "speed",
+                                 "schedule_steps": _samples_args(args).steps})
 
 
 def _both(args: argparse.Namespace) -> int:
@@ -261,5 +292,6 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     report.plot(results, os.path.join(run_dir, "report.png"))
     print(f"\nshoal bench {cfg.task} on {results['network']}")
     print(report.format_table(results))
+    print(schedule_line(cfg))
     print(f"\nwrote {os.path.join(run_dir, 'results.json')} and {os.path.join(run_dir, 'report.png')}")
     return (0 if all(s["ok"] for s in results["strategies"].values()) else 1), results

@@ -89,7 +89,8 @@ for _h in (20, 100):
 # Nesterov lr 0.4 momentum 0.9; n1m5: Nesterov lr 1 momentum 0.5) and the SparseLoCo codec
 # (sp: top 2 % of each 4096-element chunk in 2 bits with error feedback; d95: residual decay 0.95).
 _OUTER = {"avg": OuterSGD(1.0, 0.0, False), "m5": OuterSGD(0.7, 0.5), "lr4": OuterSGD(0.4, 0.9),
-          "n1m5": OuterSGD(1.0, 0.5), "n": OuterSGD(0.7, 0.9)}
+          "n1m5": OuterSGD(1.0, 0.5), "n": OuterSGD(0.7, 0.9),
+          "n1m3": OuterSGD(1.0, 0.3), "n1m7": OuterSGD(1.0, 0.7)}   # the outer momentum around 0.5 at H 5
 _SPARSE = {"sp": (0.02, 1.0), "sp-d95": (0.02, 0.95), "sp4": (0.04, 1.0),   # (ratio, residual decay)
            "sp1": (0.01, 1.0), "sp04": (0.004, 1.0)}   # the same bytes as sp at H 10, sent more often
 _SPARSE_TEXT = {"sp": "SparseLoCo (top 2 %, 2 bits)", "sp-d95": "SparseLoCo (top 2 %, 2 bits, residual decay 0.95)",
@@ -97,7 +98,8 @@ _SPARSE_TEXT = {"sp": "SparseLoCo (top 2 %, 2 bits)", "sp-d95": "SparseLoCo (top
                 "sp04": "SparseLoCo (top 0.4 %, 2 bits)"}
 for _h, _sp, _o in ((20, None, "avg"), (20, None, "m5"), (20, None, "lr4"), (20, None, "n1m5"),
                     (10, "sp", "n"), (10, "sp", "m5"), (10, "sp-d95", "avg"), (10, "sp", "n1m5"), (20, "sp4", "m5"),
-                    (5, "sp1", "n1m5"), (2, "sp04", "n1m5")):
+                    (5, "sp1", "n1m5"), (2, "sp04", "n1m5"), (5, "sp1", "n1m3"), (5, "sp1", "n1m7"),
+                    (5, "sp1", "m5")):
     _codec = (lambda rd: lambda: codecs.SparseLoCo(rd[0], 2, decay=rd[1]))(_SPARSE[_sp]) if _sp else \
         (lambda: codecs.Cast(torch.float16))
     _name = f"diloco-h{_h}-{_sp}-{_o}".replace("-sp-d95-avg", "-sp-avg-d95") if _sp else f"diloco-h{_h}-{_o}"

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from shoal.bench import metrics, strategies
+from shoal.bench.schedule import DEFAULT_FINAL_RATIO, default_warmup
 from shoal.bench.tasks import TASKS, LMConfig
 from shoal.bench.worker import WorkerConfig
 from shoal.errors import ConfigError
@@ -61,6 +62,10 @@ class BenchConfig:
     eval_every_steps: int | None = None
     eval_every_s: float | None = None
     val_windows: int = 64
+    lr_schedule: str = "constant"    # inner lr schedule for every strategy alike (shoal.bench.schedule)
+    warmup_steps: int | None = None  # cosine: None = 5 % of the steps
+    lr_final_ratio: float = DEFAULT_FINAL_RATIO
+    schedule_steps: int | None = None   # the schedule's horizon; None: steps (--mode both's speed run: the quality's)
     model: dict[str, int] = field(default_factory=dict)
     out_root: str = "results"
     run: str = ""
@@ -114,7 +119,17 @@ class BenchConfig:
             strategy=strategy, out_dir=out_dir, task=self.task, model=dict(self.model), seed=self.seed,
             global_batch=self.global_batch, lr=self.lr, steps=self.steps, time_budget_s=self.time_budget_s,
             eval_every_steps=every_steps, eval_every_s=every_s, val_windows=self.val_windows,
+            lr_schedule=self.lr_schedule, warmup_steps=self.warmup, lr_final_ratio=self.lr_final_ratio,
+            schedule_steps=self.schedule_steps,
         )
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up steps the workers use: ``warmup_steps``, or 5 % of the horizon for a cosine schedule."""
+        if self.warmup_steps is not None or self.lr_schedule != "cosine":
+            return self.warmup_steps or 0
+        horizon = self.schedule_steps if self.schedule_steps is not None else self.steps
+        return default_warmup(horizon) if horizon else 0
 
 
 def merge_ranks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -373,7 +388,7 @@ def run_bench(cfg: BenchConfig, on_progress: ProgressFn | None = None,
         "run": os.path.basename(run_dir),
         "started": started,
         "commit": commit,
-        "config": {**asdict(cfg), "strategies": list(cfg.strategies), "world": cfg.world,
+        "config": {**asdict(cfg), "strategies": list(cfg.strategies), "world": cfg.world, "warmup_steps": cfg.warmup,
                    "model": asdict(LMConfig(**cfg.model))},
         "network": (f"{cfg.hosts} hosts x {cfg.bandwidth or 'unshaped'} (emulated)" if cfg.emulate
                     else f"loopback, {cfg.world} workers"),

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.bench import strategies
+from shoal.bench.schedule import DEFAULT_FINAL_RATIO, LRSchedule, ScheduledLR
 from shoal.bench.tasks import LMConfig, build_task
 from shoal.errors import ConfigError
 
@@ -65,6 +66,10 @@ class WorkerConfig:
     eval_every_steps: int | None = None
     eval_every_s: float | None = None
     val_windows: int = 64
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    lr_final_ratio: float = DEFAULT_FINAL_RATIO
+    schedule_steps: int | None = None   # the schedule's horizon; None: ``steps``
 
     def __post_init__(self) -> None:
         if self.steps is None and self.time_budget_s is None:
@@ -86,6 +91,12 @@ class WorkerConfig:
             )
         strategies.get(self.strategy)  # unknown names fail here, before any process starts
         LMConfig(**self.model)
+        self.schedule()
+
+    def schedule(self) -> LRSchedule:
+        """The inner learning-rate schedule every strategy trains with (:mod:`shoal.bench.schedule`)."""
+        return LRSchedule(self.lr_schedule, self.schedule_steps if self.schedule_steps is not None else self.steps,
+                          self.warmup_steps, self.lr_final_ratio)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -238,9 +249,14 @@ def train(cfg: WorkerConfig, rank: int, world: int) -> dict[str, Any]:
     task = build_task(cfg.task, LMConfig(**cfg.model))
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and for every strategy
     module = task.build_model()
+    # Every optimizer the strategy builds from the factory (and the one it returns) follows the
+    # schedule, a function of the global step: the same learning rates for every strategy.
+    sched = ScheduledLR(cfg.schedule(), cfg.lr)
     trainer = strategies.get(cfg.strategy).build(
-        module, lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0), group
+        module, sched.track(lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0)), group
     )
+    sched.add(trainer.optimizer)
+    scheduled = cfg.lr_schedule != "constant"   # constant: the factory's lr, untouched
     control = _Control(cfg, world)
     rec = _Recorder(cfg, task, trainer, module, rank, world)
     rec.record(0, 0.0)
@@ -248,6 +264,8 @@ def train(cfg: WorkerConfig, rank: int, world: int) -> dict[str, Any]:
     clock, step = Clock(), 0
     clock.start()
     while True:
+        if scheduled:   # before the forward: ZeRO copies its groups into its shards' as the step begins
+            sched.apply(step)
         batch = task.corpus.train_batch(step, cfg.seed, cfg.global_batch, rank, world)
         loss = task.loss(trainer.model, batch)
         trainer.optimizer.zero_grad(set_to_none=True)
