@@ -195,6 +195,9 @@ class DiLoCo(Strategy):
     live contributors, and global copies, outer optimizer state, counters,
     codec state and the module's buffers heal into newcomers, whose
     parameters are rebuilt from the healed global copies (not sent twice).
+    A member lost during the inner steps is seen by the group's peer watch
+    (:mod:`shoal.membership.watch`, without overlapped reductions) and left
+    out before the next round, which then runs once (docs/elastic.md).
     The inner optimizer's state stays each worker's own, as in the paper (a
     newcomer starts from a peer's; background heal: docs/elastic.md).
 
