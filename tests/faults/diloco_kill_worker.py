@@ -1,7 +1,9 @@
 """One worker of the between-rounds kill test: shoal.wrap(net, Adam, DiLoCo) on an ElasticGroup, gloo on loopback.
 
 Rank ``--victim`` SIGKILLs itself right after inner step ``--kill-at`` (between
-two outer rounds; the harness does not restart it). The survivors park right
+two outer rounds; with ``--rejoin`` the harness restarts it and the survivors
+also wait until the restart is in a published quorum, so the next outer round
+admits it, with ``SHOAL_HEAL=background`` as a downloader). The survivors park right
 after that same inner step until their quorum's abort flag is raised (the kill
 was detected: by the peer watch, or by the coordinator's ``heartbeat_timeout``,
 which the test sets far longer than the park may wait), so the next outer
@@ -19,6 +21,7 @@ import argparse
 import os
 import signal
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -33,6 +36,12 @@ from harness import save_and_leave
 PERIOD = 4
 
 
+def restarted(group: ElasticGroup, q: Any) -> bool:
+    """Whether the restarted victim is in the latest published quorum: one after ``q`` with three members again."""
+    latest = group.client.latest()
+    return latest > q.qid and len(group.client.quorum(latest).members) == 3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -41,6 +50,8 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=5)
     ap.add_argument("--fragments", type=int, default=1)
     ap.add_argument("--park", type=float, default=20.0, help="longest wait for the detection (s)")
+    ap.add_argument("--rejoin", action="store_true",
+                    help="the survivors also wait until the restarted victim is in a published quorum")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -48,6 +59,12 @@ def main() -> None:
     # only the peer watch (a window of `probe` seconds, then the coordinator's probe) does.
     timeouts = Timeouts(op=10.0, heartbeat_interval=0.1, probe=1.0, heartbeat_timeout=60.0, quorum=90.0, join=120.0)
     group = ElasticGroup(timeouts=timeouts, min_workers=2)
+    first_chunk: dict[str, int | None] = {"step": None}   # the joiner: its step at its first download request
+
+    def before_chunk(source: int, received: int) -> None:
+        if first_chunk["step"] is None:
+            first_chunk["step"] = group.step
+    group.catchup.before_chunk = before_chunk
     torch.manual_seed(100 + 10 * rank)   # different on purpose: the start state must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     strategy: Any = (shoal.DiLoCo(inner_steps=PERIOD) if a.fragments == 1 else
@@ -76,8 +93,11 @@ def main() -> None:
             while q is not None and not group.client.abort.raised(q.prefix) and time.monotonic() < t0 + a.park:
                 time.sleep(0.01)
             detected = strategy.step if q is not None and group.client.abort.raised(q.prefix) else None
+            while a.rejoin and detected is not None and not restarted(group, q) and time.monotonic() < t0 + 90:
+                time.sleep(0.02)
     result = {"discarded": discarded, "detected": detected, "sizes": sizes, "stats": vars(group.stats),
               "suspected": group.watch.suspected if group.watch is not None else 0,
+              "catchup": asdict(group.catchup.stats), "first_chunk_step": first_chunk["step"],
               "synced": synced_state(strategy, model), "rank": rank, "life": life, "step": strategy.step}
     save_and_leave(a.out, rank, life, result, group)
 

@@ -48,3 +48,28 @@ def test_kill_between_outer_rounds_costs_no_failed_round(fragments: int, tmp_pat
     assert a["step"] == b["step"] == 16 and len(a["synced"]) == len(b["synced"]) > 0, why
     for i, (x, y) in enumerate(zip(a["synced"], b["synced"])):
         assert torch.equal(x, y), f"synced tensor {i} differs between the survivors\n{why}"
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_admitted_in_the_renewed_round_downloads_after_it_and_ends_equal(tmp_path: Any) -> None:
+    # The victim is restarted and is in a published quorum before the survivors' next outer round: that round
+    # re-forms over all three and admits it as a zero-weight downloader (SHOAL_HEAL=background). Nobody's
+    # round is discarded, its first download request comes after the admitting round committed (the
+    # round's all-reduce has the link to itself), and all three end bitwise equal.
+    out = harness.run(str(tmp_path), 3, ["--kill-at", str(KILL_AT), "--rejoin", "--steps", "24"],
+                      env={"SHOAL_HEAL": "background"}, hard_limit=160, restarts=1, script="diloco_kill_worker.py")
+    why = out.logs
+    assert [r for r, _ in out.deaths] == [2], why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    *survivors, joiner = final
+    for r in survivors:
+        assert r["detected"] == KILL_AT and r["discarded"] == [] and r["stats"]["discards"] == 0, why
+    cu = joiner["catchup"]
+    assert cu["admitted_step"] >= 0 and joiner["first_chunk_step"] is not None, why
+    assert joiner["first_chunk_step"] > cu["admitted_step"] and cu["caught_up_step"] > cu["admitted_step"], why
+    ref = survivors[0]
+    for r in final[1:]:
+        assert r["step"] == ref["step"] == 24 and len(r["synced"]) == len(ref["synced"]) > 0, why
+        for i, (x, y) in enumerate(zip(ref["synced"], r["synced"])):
+            assert torch.equal(x, y), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
