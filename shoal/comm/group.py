@@ -365,6 +365,13 @@ class Group(metaclass=abc.ABCMeta):
     def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
         """Nothing here: only an elastic group heals joiners in the background (SHOAL_HEAL=background)."""
 
+    def watch_peers(self) -> None:
+        """Nothing here: only an elastic group watches its members' heartbeats (shoal.membership.watch)."""
+
+    def renew_if_dissolved(self) -> bool:
+        """False: a static group's membership never changes (an elastic group may re-form before a round)."""
+        return False
+
     def start_state(self, module: nn.Module, named_params: list[tuple[str, Any]] | None = None,
                     tag: str = "init", buffers: bool = True) -> None:
         """Give every member rank 0's model (collective): check that every rank built the same model, then broadcast.

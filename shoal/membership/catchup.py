@@ -303,6 +303,8 @@ class CatchUp:
         g = self.group
         result: tuple[bytes | None, str | None]
         try:
+            if any(getattr(r, "after_commit", False) for r in self.replayers):
+                self._await_commit(generation)
             sources = self._sources(hid, members, store)
             dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,
                           chunk=min(g.heal_chunk, 1 << 20), timeout=g.timeouts.op)   # finer stripes
@@ -322,6 +324,19 @@ class CatchUp:
             self.stats.by_source, self.stats.failed_sources = dict(dl.by_source), sorted(dl.failed)
         self._result = result
         self._done.set()
+
+    def _await_commit(self, generation: int) -> None:
+        """Wait until the step that admitted this joiner committed (a replayer's ``after_commit``: DiLoCo).
+
+        An averaging strategy may admit a joiner in its outer round (a quorum
+        re-formed right before it); its collectives then use the link that a
+        download would share. Inner steps need none: the download starts
+        after the round, when the link is idle. Bounded by ``Timeouts.join``.
+        """
+        g, top = self.group, self.stats.admitted_step
+        deadline = time.monotonic() + g.timeouts.join
+        while g.step <= top and generation == self._generation and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _sources(self, hid: int, members: list[int], store: Any) -> list[Source]:
         """The sources' published (address, size, sha256), waiting until all or, 2 s after the first, some."""

@@ -21,13 +21,11 @@ and the vote in :mod:`~shoal.membership.vote`; healing and rollback in
 the bookkeeping of an orderly leave in :mod:`~shoal.membership.leaving`.
 
 The commit vote (:mod:`shoal.membership.vote`): through the store, peer to peer while the coordinator is down.
-
-Healing (:mod:`shoal.membership.heal`): the lowest-ranked up-to-date member
-sends every registered state to the members behind or new, who check it
-before loading any of it (:mod:`shoal.membership.received`); or, with
-``SHOAL_HEAL=background``, joiners download it while training
-(:mod:`shoal.membership.catchup`). Every member proves it holds the run
-token when it joins (:mod:`shoal.membership.auth`; the ``token`` argument).
+A lost member between rounds: :mod:`shoal.membership.watch`. Healing (:mod:`shoal.membership.heal`):
+the lowest-ranked up-to-date member sends every registered state to the members behind or new, who
+check it before loading any of it (:mod:`shoal.membership.received`); or, with ``SHOAL_HEAL=background``,
+joiners download it while training (:mod:`shoal.membership.catchup`). Every member proves it holds
+the run token when it joins (:mod:`shoal.membership.auth`; the ``token`` argument).
 
 Example::
 
@@ -59,6 +57,7 @@ from shoal.membership.transport import (BackendFactory, BackendSpec, ElasticColl
                                         gloo_backend)
 from shoal.membership.views import ElasticHostGroups, ElasticSubgroup
 from shoal.membership.vote import Ballot, DiscardStreak, Failures
+from shoal.membership.watch import PeerWatching
 from shoal.comm.group import Group, Handle
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, Timeouts, Trace
@@ -72,7 +71,7 @@ __all__ = ["ElasticGroup", "ElasticStats", "BackendSpec", "BackendFactory", "glo
            "CONTROL_TAG", "HEAL_TAG", "HEAL_CHUNK"]
 
 
-class ElasticGroup(ElasticCollectives):
+class ElasticGroup(PeerWatching, ElasticCollectives):
     """A Group whose members follow the run's quorums; see the module docstring.
 
     Args:
@@ -130,8 +129,7 @@ class ElasticGroup(ElasticCollectives):
         self._healed_since_commit = False  # loaded a heal since this member's last committed step
         self.heal_chunk = HEAL_CHUNK  # bytes per heal message; each must arrive within Timeouts.op
         self.newcomers: tuple[int, ...] = ()  # ranks healed at this step's begin_step, or catching up
-        if min_workers is None:
-            min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1"))
+        min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", "1")) if min_workers is None else min_workers
         info = {"rank": os.environ.get("RANK", "?"), "pid": os.getpid(), "host": host_identity(host_id)}
         self.client = client or MemberClient(env_or("SHOAL_COORDINATOR", coordinator, "coordinator"),
                                              env_or("SHOAL_RUN_ID", run_id, "run_id"), self.timeouts, min_workers, info,
@@ -146,6 +144,7 @@ class ElasticGroup(ElasticCollectives):
         self.discards = DiscardStreak()   # why each step since the last commit was discarded
         self.register_state("elastic/discards", self.discards.state, self.discards.load)
         self.catchup = CatchUp(self)      # the background heal (SHOAL_HEAL=background): shoal.membership.catchup
+        self.watch = None                 # watch_peers() starts it (shoal.membership.watch)
         # Joining waits for the first begin_step: a newcomer that announced itself
         # while still building its model would keep the others waiting for it.
 
@@ -487,6 +486,7 @@ class ElasticGroup(ElasticCollectives):
 
     def _depart(self) -> None:
         """Leave without the finished mark (a refused heal: the launcher may restart this worker)."""
+        self.stop_watch()
         self.client.leave()
         self._abandon()
 

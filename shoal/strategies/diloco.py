@@ -195,6 +195,9 @@ class DiLoCo(Strategy):
     live contributors, and global copies, outer optimizer state, counters,
     codec state and the module's buffers heal into newcomers, whose
     parameters are rebuilt from the healed global copies (not sent twice).
+    A member lost during the inner steps is seen by the group's peer watch
+    (:mod:`shoal.membership.watch`, without overlapped reductions) and left
+    out before the next round, which then runs once (docs/elastic.md).
     The inner optimizer's state stays each worker's own, as in the paper (a
     newcomer starts from a peer's; background heal: docs/elastic.md).
 
@@ -266,6 +269,8 @@ class DiLoCo(Strategy):
         group.register_state(f"{key}/schedule", lambda: schedule_state(self), lambda s: load_schedule(self, s))
         group.register_state(f"{key}/pending", lambda: pending_state(self), lambda s: load_pending(self, s))
         enable_background_heal(self, group, optimizer)   # SHOAL_HEAL=background: shoal.strategies.diloco_heal
+        if cfg.overlap_steps == 0 and hasattr(group, "watch_peers"):
+            group.watch_peers()   # a member lost during the inner steps is left out before the round: _renew
         group.before_begin_step(self._settle)
         self.rounds.join(self._first_state)
         self._mark_step()  # the set-up traffic is not the first step's
@@ -299,6 +304,7 @@ class DiLoCo(Strategy):
         for f in self.fragments:
             if self.step % self.config.inner_steps == f.offset:
                 if self.config.overlap_steps == 0:
+                    self._renew()
                     self.rounds.run(self._rounds[f.index][0])
                 else:
                     self._launch(f)
@@ -306,6 +312,15 @@ class DiLoCo(Strategy):
             if f.merge_at == self.step:
                 self._merge_round(f)
         self._mark_step()
+
+    def _renew(self) -> None:
+        """Before a round: a quorum dissolved during the inner steps (a member lost: its abort flag, raised by
+        the peer watch or the coordinator) is left now, so the round runs once over the survivors' quorum
+        instead of failing and running again (docs/elastic.md). Not with overlapped reductions: a launched
+        one runs on the quorum it was launched in, and its landing round handles the failure."""
+        renew = getattr(self.group, "renew_if_dissolved", None)
+        if renew is not None:
+            renew()
 
     def _merge_round(self, f: _Fragment) -> None:
         """The round in which a background reduction lands: voted, then merged (or dropped, given up)."""

@@ -59,6 +59,10 @@ class OuterReplay:
     (the inner optimizer) is each member's own and restarts empty.
     """
 
+    # The joiner's download starts once the round that admitted it committed (shoal.membership.catchup): a round
+    # uses the link, the inner steps that follow do not.
+    after_commit = True
+
     def __init__(self, strategy: Any, key: str, optimizer: torch.optim.Optimizer) -> None:   # a DiLoCo
         self.strategy, self.key, self.optimizer = strategy, key, optimizer
 

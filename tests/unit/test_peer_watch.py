@@ -1,0 +1,112 @@
+"""The pieces that let DiLoCo's survivors leave out a lost member before the next outer round (issue #20).
+
+- :class:`~shoal.membership.watch.PeerWatch`: a member whose heartbeat counter
+  stops is suspected; the watch raises the quorum's abort flag and asks the
+  coordinator for a new quorum (a real TCPStore on loopback).
+- :meth:`renew_if_dissolved`: leaves a quorum whose abort flag is raised, only
+  outside a step and once per quorum.
+- :class:`~shoal.membership.catchup.CatchUp`: a joiner of an averaging
+  strategy (a replayer with ``after_commit``) starts its download only once
+  the step that admitted it committed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shoal.membership.client import AbortWatch
+from shoal.membership.coordinator import Quorum, connect
+from shoal.membership.watch import PeerWatch, PeerWatching
+
+
+@pytest.mark.timeout(30)
+def test_a_member_whose_heartbeat_stops_dissolves_the_quorum_and_asks_for_a_new_one() -> None:
+    master = connect("127.0.0.1:0", 10.0, is_master=True)
+    address = f"127.0.0.1:{master.port}"
+    q = Quorum(3, (1, 2, 3), "run/q3/")
+    client = SimpleNamespace(address=address, member_id=1, down=threading.Event(), abort=AbortWatch(),
+                             key=lambda k: f"run/{k}")
+    client.abort.watch(q.prefix)
+    for m in (1, 2, 3):
+        master.set(f"run/hb/{m}", "1")
+    stop = threading.Event()
+
+    def beat() -> None:   # members 1 and 2 live; member 3 was SIGKILLed: its counter stays
+        n = 1
+        while not stop.wait(0.01):
+            n += 1
+            master.set("run/hb/1", str(n))
+            master.set("run/hb/2", str(n))
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    watch = PeerWatch(client, lambda: q, window=0.2).start()   # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 20
+        while not client.abort.raised(q.prefix) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        watch.stop()
+        stop.set()
+        beater.join()
+    assert client.abort.raised(q.prefix) and watch.suspected == 1
+    assert master.check([q.prefix + "abort"]) and "[3]" in master.get(q.prefix + "abort").decode()
+    assert master.get("run/req/3").decode() == "1"   # the coordinator probes and publishes the next quorum
+
+
+class _Group(PeerWatching):
+    def __init__(self, raised: bool) -> None:
+        self.quorum = Quorum(4, (1, 2), "run/q4/")
+        self.client = SimpleNamespace(abort=AbortWatch(), requests=[])
+        self.client.request_quorum = self.client.requests.append
+        self.client.abort.watch(self.quorum.prefix)
+        if raised:
+            self.client.abort.saw(self.quorum.prefix)
+        self.trace = lambda ev, **info: None
+        self.step, self._in_step, self._after, self.watch = 7, False, 0, None
+        self.abandoned = 0
+
+    def _abandon(self) -> None:
+        self.abandoned += 1
+
+
+def test_renew_leaves_a_dissolved_quorum_once_and_only_outside_a_step() -> None:
+    g = _Group(raised=True)
+    g._in_step = True
+    assert not g.renew_if_dissolved() and g.abandoned == 0   # inside a step: its vote discards it
+    g._in_step = False
+    assert g.renew_if_dissolved() and g.abandoned == 1 and g.client.requests == [4] and g._after == 4
+    assert not g.renew_if_dissolved() and g.abandoned == 1   # already leaving it
+    intact = _Group(raised=False)
+    assert not intact.renew_if_dissolved() and intact.abandoned == 0 and intact._after == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("after_commit", [True, False])
+def test_an_averaging_joiner_downloads_only_after_its_admitting_step_committed(after_commit: bool) -> None:
+    from shoal.membership.catchup import CatchUp
+
+    group = SimpleNamespace(step=5, timeouts=SimpleNamespace(join=30.0, op=5.0), on_commit=lambda fn: None,
+                            client=SimpleNamespace(key=lambda k: f"run/{k}"))
+    c = CatchUp(group)
+    c.replayers.append(SimpleNamespace(after_commit=after_commit))
+    c.stats.admitted_step = 5
+    asked: list[int] = []
+
+    def sources(hid: int, members: list[int], store: Any) -> list[Any]:
+        asked.append(group.step)
+        raise RuntimeError("no source in this test")
+    c._sources = sources   # type: ignore[method-assign]
+    store = SimpleNamespace(set=lambda k, v: None)
+    t = threading.Thread(target=c._fetch, args=(4, [1, 2], store, c._generation))
+    t.start()
+    if after_commit:
+        time.sleep(0.3)
+        assert asked == []          # the admitting step (5) has not committed: no byte asked for yet
+        group.step = 6              # it commits
+    t.join(timeout=20)
+    assert asked == ([6] if after_commit else [5]) and c._done.is_set()
