@@ -51,6 +51,17 @@ peers even when it lands in the retry of a failed round. After a committed
 round, if a newer quorum is waiting, an empty round (``ADOPT``) admits it at
 once instead of a period later.
 
+The rule of admission: :meth:`Rounds.run` admits a joiner only after the
+round's ``apply``, never between the vote and the apply. The admitting
+round's heal copies the peers' registered state as it is at that moment; a
+joiner admitted before the apply would copy a half-finished step (the vote
+taken, the update not yet in) and never apply it, while its peers do: its
+state would differ from theirs for good. For the same reason everything a
+committed round changes in registered state belongs in its ``apply``, not in
+code that runs after :meth:`Rounds.run` returns (DASO lands a global mean in
+the round's apply for this: ``tests/dist/test_daso_admission.py``); a round
+run with ``admit=False`` leaves the admission to the next one.
+
 Example (periodic parameter averaging that survives a lost peer)::
 
     rounds = Rounds(group, "avg")
