@@ -40,6 +40,7 @@ from shoal.membership.catchup import OptimizerReplay
 from shoal.membership.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
 from shoal.membership.coordinator import Coordinator, Quorum, Timeouts
 from shoal.errors import ConfigError
+from shoal.steps import open_step
 from shoal.strategies.rounds import FailurePolicy, run_round
 
 __all__ = [
@@ -147,7 +148,7 @@ class ElasticSampler:
         """This worker's indices for the current step (starts the step: may rebuild and heal)."""
         if self._pending and members_fixed(self.group):
             self._advance()   # a static group's step always commits, whether or not anything voted it
-        self.group.begin_step()
+        open_step(self.group)   # no round: the step's quorum gives the slice; the optimizer votes it
         self._pending = self.group.size * self.batch_size
         start = self.cursor + self.group.rank * self.batch_size
         return [self._index(p) for p in range(start, start + self.batch_size)]

@@ -31,6 +31,7 @@ from shoal.ddp_args import torch_ddp_options
 from shoal.ddp_join import JoinableDDP
 from shoal.errors import ConfigError, ShoalError
 from shoal.reducer import BucketStepper, CommHook, Reducer
+from shoal.steps import open_step
 
 
 def _as_group(process_group: Any) -> Group:
@@ -324,7 +325,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         # The last backward's deferred non-finite verdict is read before begin_step clears a failed
         # step's error: the flag of a step that failed since is no verdict (shoal.nonfinite).
         self.reducer.verdict.resolve()
-        self.group.begin_step()  # elastic: adopt the latest quorum (rebuild, heal) before any collective
+        open_step(self.group)  # elastic: adopt the latest quorum (rebuild, heal) before any collective
         if self._per_quorum is not None:
             self._choose_per_quorum(self._per_quorum)
         self._notify_join()  # inside torch's Join: this rank is live (ranks that joined shadow what follows)

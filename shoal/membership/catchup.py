@@ -232,7 +232,7 @@ class CatchUp:
         catching up are this step's newcomers too (they bring no progress of their own)."""
         if not self.pending:
             return
-        self._read_ready()
+        self._ready_or_fail()
         if self.group.client.member_id in self.pending:
             self._joiner_begin(self.group.step)
         else:
@@ -243,16 +243,41 @@ class CatchUp:
     def _key(self, hid: int, what: str) -> str:
         return str(self.group.client.key(f"heal/{hid}/{what}"))
 
-    def _read_ready(self) -> None:
+    def _read_ready(self) -> bool:
+        """Read the joiners' "ready" records not read yet; False if the coordinator's store did not answer."""
         st, book = self.group.client.store, self.group.client.book
-        for m, p in self.pending.items():
-            if p.ready is not None or m == self.group.client.member_id:
-                continue
-            k = self._key(p.hid, f"ready/{m}")
-            if st.check([k]):
-                rec = book.open(st.get(k), writer=m, kind="heal ready")
-                if rec is not None:
-                    p.ready, p.keys = int(rec["from"]), tuple(str(x) for x in rec["keys"])
+        try:
+            for m, p in self.pending.items():
+                if p.ready is not None or m == self.group.client.member_id:
+                    continue
+                k = self._key(p.hid, f"ready/{m}")
+                if st.check([k]):
+                    rec = book.open(st.get(k), writer=m, kind="heal ready")
+                    if rec is not None:
+                        p.ready, p.keys = int(rec["from"]), tuple(str(x) for x in rec["keys"])
+        except Exception as e:  # noqa: BLE001 - the coordinator is unreachable: a blip or an outage
+            log.debug("reading the joiners' ready records failed (%s)", e)
+            return False
+        return True
+
+    def _ready_or_fail(self) -> None:
+        """At a step's begin: read the ready records, or fail the step if the coordinator cannot tell.
+
+        A record this member cannot read (the coordinator's store does not
+        answer) is no answer: the joiner may be contributing from this step on
+        its peers (who read it), and counting it out here would make every mean
+        of the step wrong. So, as the heartbeat does, a blip is tried again
+        (until the client declares an outage, at most ``heartbeat_timeout``),
+        and past it this step fails on every member; the next one waits for the
+        coordinator, as a membership change does during an outage."""
+        g = self.group
+        deadline = time.monotonic() + g.timeouts.heartbeat_timeout
+        while not self._read_ready():
+            if g.client.down.is_set() or time.monotonic() > deadline:
+                g._record(CommTimeoutError(f"the coordinator at {g.client.address} did not answer: this member "
+                                           "cannot read whether the joiners catching up contribute to this step"))
+                return
+            time.sleep(0.01)
 
     def _write_topups(self, t: int) -> None:
         """The lowest-ranked member holding the run's state writes what joiners entering now still lack."""
@@ -406,7 +431,8 @@ class CatchUp:
 
     def _record(self) -> None:
         if self.pending:   # after the vote every joiner's "ready" record is in: every member answers
-            self._read_ready()   # contribution() alike until the next begin_step (e.g. a background reduction)
+            self._read_ready()   # contribution() alike until the next begin_step (e.g. a background reduction);
+            # unread (the coordinator did not answer): the next begin_step reads again, or fails its step
         if self.hid >= 0 and not self.loaded:
             self.records.append([r.record() for r in self.replayers])
 

@@ -14,7 +14,8 @@ broadcast, on a process group of its own. The broadcasts are waited for just
 before the next forward (a forward pre-hook on the module).
 
 The step is the same on every group (:mod:`shoal.optim.zero_shards`): it
-begins with ``group.begin_step()`` and ends with ``group.commit()``, and what
+begins with :func:`~shoal.steps.open_step` (``group.begin_step()``) and ends
+with :func:`~shoal.steps.vote_step` (``group.commit()``), and what
 a step changes is registered rollback state on the group. On a static group
 those are trivial (commit is always True, nothing is copied); on an
 :class:`~shoal.elastic.ElasticGroup` (with DDP on the same group)
@@ -58,6 +59,7 @@ from shoal.optim.zero_layout import (GRAD_TAG, PARAM_TAG, STATE_TAG, ZeroStats, 
 from shoal.optim.zero_overlap import Overlap
 from shoal.optim.zero_shards import Shards
 from shoal.reducer import Reducer
+from shoal.steps import open_step
 
 __all__ = ["ZeroRedundancyOptimizer", "partition_by_size", "assign_bucket_owners",
            "PARAM_TAG", "GRAD_TAG", "STATE_TAG"]
@@ -291,7 +293,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> Any:
         """The whole step at once (not overlapped): open, step, broadcast, verdict."""
         group, shards = self.group, self._shards
-        group.begin_step()   # a no-op after the DDP forward; a step with no collective still needs it
+        open_step(group)   # a no-op after the DDP forward; a step with no collective still needs it
         shard = shards.open(group)
         loss, handles = None, []
         nonfinite = shard is not None and closure is None and self._nonfinite_grads()

@@ -5,12 +5,12 @@ attaches :class:`Overlap` to the DDP's reducer through its extension point
 (:class:`shoal.reducer.BucketStepper`). Whole gradient buckets are the
 shards; the step, on a static group and an elastic one alike::
 
-    forward               DDP: group.begin_step() (elastic: adopt the quorum, heal newcomers)
+    forward               DDP: open_step(group) (elastic: adopt the quorum, heal newcomers)
     backward, bucket 0    open the step: re-shard if the membership changed (elastic)
     backward, bucket b    owner (and its replica holder): record the bucket's parameters and state
                           in the journal (if one is open), step them; owner broadcasts them into
                           the bucket's flat buffer
-    end of the step       wait for every broadcast, group.commit():
+    end of the step       wait for every broadcast, vote_step(group) (shoal.steps):
                           commit  -> received parameters copied in, new layout adopted
                           discard -> the journal restored, gradients cleared: nothing happened
 

@@ -2,12 +2,12 @@
 
 One step, on a static group and on an elastic one alike::
 
-    group.begin_step()        (the DDP forward) elastic: adopt a quorum, heal; the group opens
+    open_step(group)          (the DDP forward) elastic: adopt a quorum, heal; the group opens
                               this optimizer's Journal (registered rollback state)
     open()                    re-shard if the layout is for another membership (collective)
     step + broadcast          each member steps its shard (+ replica), recording in the journal
                               what it changes; owners broadcast their parameters into flat buffers
-    end()                     wait for the broadcasts, group.commit():
+    end()                     wait for the broadcasts, vote_step(group) (group.commit()):
                                 commit  -> received parameters copied in, a new layout adopted
                                 discard -> the group restored the journal; gradients cleared
 
@@ -49,6 +49,7 @@ from shoal.comm.objects import all_gather_bytes, failed, from_bytes, to_bytes
 from shoal.errors import ShoalError
 from shoal.optim.zero_layout import (PARAM_TAG, STATE_TAG, Journal, Shard, Unit, ZeroStats, assign_bucket_owners,
                                      membership_id, nbytes, partition_by_size, plain_units, sync_groups)
+from shoal.steps import vote_step
 
 
 @dataclass
@@ -249,7 +250,7 @@ class Shards:
         try:
             for h in handles:
                 h.wait()
-            commit = self.group.commit() and shard is not None
+            commit = vote_step(self.group) and shard is not None
         finally:   # on an exception before the verdict too: never keep a half-stepped shard
             if not commit and self.journal is not None:
                 self.journal.restore()   # (after a discard the group restored it already: the same values)

@@ -5,16 +5,20 @@ parameter average, a DiLoCo pseudo-gradient mean, DASO's host and leader
 exchanges. Every round runs the same way on any group (see
 :mod:`shoal.comm.stepping`)::
 
-    group.begin_step()          # elastic: adopt the latest quorum, heal newcomers
+    open_step(group)            # group.begin_step(): elastic: adopt the latest quorum, heal newcomers
     round.reduce(contributes)   # collectives into scratch buffers
-    if group.commit():          # the same verdict on every member
+    if vote_step(group):        # group.commit(): the same verdict on every member
         round.apply()
 
 A round is a :class:`Round` (its name, failure policy, ``reduce``,
 ``apply`` and an optional ``after_join``) added to the strategy's
 :class:`Rounds`, the one runner that begins, votes and retries. A strategy
 never writes ``begin_step(); ... commit()`` itself; code outside a strategy
-runs a one-off round with :func:`run_round`.
+runs a one-off round with :func:`run_round`. The runner opens and votes
+steps only through :func:`~shoal.steps.open_step` and
+:func:`~shoal.steps.vote_step`, which the steps that are no round (a DDP
+step, ZeRO's, the elastic sampler's) call too: nothing above the membership
+package calls ``begin_step`` or ``commit`` by hand (:mod:`shoal.steps`).
 
 A round whose work stays in flight across optimizer steps (NonBlocking's
 per-layer reductions: launched in backward, applied in the next forward)
@@ -47,6 +51,17 @@ peers even when it lands in the retry of a failed round. After a committed
 round, if a newer quorum is waiting, an empty round (``ADOPT``) admits it at
 once instead of a period later.
 
+The rule of admission: :meth:`Rounds.run` admits a joiner only after the
+round's ``apply``, never between the vote and the apply. The admitting
+round's heal copies the peers' registered state as it is at that moment; a
+joiner admitted before the apply would copy a half-finished step (the vote
+taken, the update not yet in) and never apply it, while its peers do: its
+state would differ from theirs for good. For the same reason everything a
+committed round changes in registered state belongs in its ``apply``, not in
+code that runs after :meth:`Rounds.run` returns (DASO lands a global mean in
+the round's apply for this: ``tests/dist/test_daso_admission.py``); a round
+run with ``admit=False`` leaves the admission to the next one.
+
 Example (periodic parameter averaging that survives a lost peer)::
 
     rounds = Rounds(group, "avg")
@@ -70,6 +85,7 @@ from shoal.codecs.base import Codec
 from shoal.comm.asks import step_ends_at_vote
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
+from shoal.steps import open_step, vote_step
 
 ADOPT = "adopt"  # a round with no collective: adopt the latest quorum, heal newcomers
 
@@ -294,7 +310,7 @@ class Rounds:
         attempts = self.max_attempts if policy is None else (1 if policy is FailurePolicy.DISCARD else self._tries)
         for _ in range(attempts):
             self.current = kind
-            self.group.begin_step()
+            open_step(self.group)
             kind = self.last_kind = self.current   # a newcomer just healed runs its peers' round
             now = self._round(kind)
             contributes = self.contributes
@@ -317,7 +333,7 @@ class Rounds:
 
     def _vote(self, now: Round, contributes: bool) -> bool:
         """The group's verdict on ``now``'s attempt: apply it (True) or discard it, on every member alike."""
-        if self.group.commit():
+        if vote_step(self.group):
             now.apply()
             self.commits += 1
             self.contributed += int(contributes and now.name != ADOPT)
@@ -348,7 +364,7 @@ class Rounds:
         kind = self._check_added(round)
         if not round.in_flight:
             raise ConfigError(f"round {kind!r} does not stay in flight (no land): run it with rounds.run(round)")
-        self.group.begin_step()          # its hooks may land the round in flight: then this is a new step
+        open_step(self.group)          # its hooks may land the round in flight: then this is a new step
         if self.flying is not None:
             return
         self.current = self.last_kind = kind
@@ -438,9 +454,9 @@ def run_round(group: Group, fn: Callable[[], None] | None = None,
         group.refuse_background_heal("a round of collectives (run_round with a function) means every member")
     attempts = 1 if policy is FailurePolicy.DISCARD else max_attempts
     for _ in range(attempts):
-        group.begin_step()      # a step with no collective still needs a quorum to vote in
+        open_step(group)        # a step with no collective still needs a quorum to vote in
         if fn is not None:
             fn()
-        if group.commit():
+        if vote_step(group):
             return True
     return False
