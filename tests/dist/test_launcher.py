@@ -16,6 +16,8 @@ import pytest
 
 from shoal.cli.launcher import launch
 
+from cli_inprocess import shoal_cli
+
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -139,10 +141,10 @@ def test_cli_module_mode_and_exit_code() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_cli_rejects_bad_kill_spec() -> None:
-    proc = subprocess.run([PY, "-m", "shoal", "run", "-n", "2", "--kill", "1at5", "x.py"],
-                          capture_output=True, text=True, timeout=20, env=_cli_env())
-    assert proc.returncode == 2 and "RANK@SECONDS" in proc.stderr
+def test_cli_rejects_bad_kill_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    # In this process: the refusal comes before the launcher starts anything (no interpreter start-up to wait for).
+    code, _, err = shoal_cli(["run", "-n", "2", "--kill", "1at5", "x.py"], capsys)
+    assert code == 2 and "RANK@SECONDS" in err, err
 
 
 @pytest.mark.timeout(60)

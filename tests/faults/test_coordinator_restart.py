@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 import torch
@@ -50,12 +51,22 @@ def _votes(trace: Path) -> list[dict[str, object]]:
     return out
 
 
-def _wait(cond, limit: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def _wait(cond, limit: float, what: str, alive: Sequence[subprocess.Popen[bytes]] = ()) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``cond`` until it holds; fail at once if a process of ``alive`` exits (waiting longer cannot
+    help then), else after ``limit`` s."""
     deadline = time.monotonic() + limit
     while not cond():
+        gone = [p.args for p in alive if p.poll() is not None]
+        if gone:
+            raise AssertionError(f"{what}: exited meanwhile: {gone}")
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.1)
+
+
+def _serving(log: Path, n: int) -> bool:
+    """Whether ``log`` says a coordinator started serving ``n`` times (its own readiness line)."""
+    return log.exists() and log.read_text(errors="replace").count("shoal coordinator: serving on") >= n
 
 
 class _Run:
@@ -96,9 +107,13 @@ class _Run:
         return {int(v["pid"]) for v in votes if str(v["verdict"]).startswith("commit") and float(v["t"]) > t}  # type: ignore[arg-type]
 
     def start_three_and_wait_until_they_train(self) -> None:
+        """Readiness first: the coordinator serves (its start-up, a torch import, takes long on a loaded
+        machine), then the three workers start and train; a worker that exits ends the wait at once."""
+        _wait(lambda: _serving(self.coord_log, 1), 120, "the coordinator never served", [self.coord])
         for r in range(3):
             self.start(r)
-        _wait(lambda: len(self.committed_after(0.0)) == 3, 90, "the three workers never trained")
+        _wait(lambda: len(self.committed_after(0.0)) == 3, 200, "the three workers never trained",
+              [self.coord, *self.workers.values()])
 
     def kill_coordinator(self) -> float:
         """SIGKILL the coordinator; when it was dead (``time.time()``)."""
@@ -113,22 +128,27 @@ class _Run:
         self.workers[2].kill()
 
     def restart_coordinator(self) -> float:
-        """A new coordinator on the same port with the same token (an empty store); when it started."""
+        """A new coordinator on the same port with the same token (an empty store); when it serves."""
         self.coord = _coordinator(self.port, self.coord_log)
+        _wait(lambda: _serving(self.coord_log, 2), 120, "the restarted coordinator never served", [self.coord])
         return time.time()
 
     def logs(self) -> str:
         return "\n".join(f"=== {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(self.out.glob("*.txt")))
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_coordinator_killed_and_restarted_the_run_goes_on_and_admits_a_join(tmp_path: Path) -> None:
     with _Run(tmp_path, ["--steps", "20", "--op", "10", "--min-workers", "2", "--pace", "0.05",
                          "--want-size", "4", "--max-steps", "3000"]) as run:
         run.start_three_and_wait_until_they_train()
         killed = run.kill_coordinator()
-        time.sleep(10)
-        down = run.committed_after(killed + 1.0)   # a second for the last votes through the store to end
+        time.sleep(10)                             # an outage longer than the workers' heartbeat timeout
+        # ... and on until each committed a step without it (a second for the last votes through the store
+        # to end), however slow the machine: a worker that dies meanwhile ends the wait.
+        _wait(lambda: len(run.committed_after(killed + 1.0)) == 3, 60, "a worker stopped committing",
+              list(run.workers.values()))
+        down = run.committed_after(killed + 1.0)
         alive = [r for r, p in run.workers.items() if p.poll() is None]
         restarted = run.restart_coordinator()
         _wait(lambda: "re-announced" in run.coord_log.read_text(), 60, "no worker re-announced itself")
@@ -198,7 +218,7 @@ def test_a_restarted_coordinator_admits_only_claims_that_verify() -> None:
         coord.stop()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp_path: Path) -> None:
     # The coordinator dies for good, then a worker is lost: the survivors cannot form a quorum without it,
     # wait Timeouts.quorum (op + 10 s in the worker) and stop with an error that says what to do.
@@ -215,11 +235,13 @@ def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp
     assert waited >= 13.0 - 1.0, waited      # it waited Timeouts.quorum (13 s) for the coordinator first
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_a_worker_lost_while_the_coordinator_is_down_is_left_out_once_it_is_back(tmp_path: Path) -> None:
     # The change arrives while the coordinator is down: the survivors wait for it (no restart of theirs);
     # the restarted coordinator hears from them only, leaves the lost worker out, and they finish as one.
-    with _Run(tmp_path, ["--steps", "60", "--op", "10", "--min-workers", "2", "--pace", "0.05"]) as run:
+    # --op 30: they wait Timeouts.quorum (40 s) for it, room for its start-up (a torch import) on a loaded
+    # machine after the 9 s outage.
+    with _Run(tmp_path, ["--steps", "60", "--op", "30", "--min-workers", "2", "--pace", "0.05"]) as run:
         run.start_three_and_wait_until_they_train()
         run.lose_the_coordinator_then_worker_2()
         time.sleep(9.0)

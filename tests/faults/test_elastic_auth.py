@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
+from cli_inprocess import shoal_cli  # noqa: E402
 
 from shoal.membership import auth  # noqa: E402
 from shoal.membership.client import MemberClient  # noqa: E402
@@ -232,11 +233,12 @@ def test_a_heal_with_a_bad_tensor_is_refused_and_never_loaded(kind: str, caplog:
     assert peer["joined"] and peer["after"] == 3, peer
 
 
-def test_shoal_coordinator_refuses_to_start_without_a_token() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SHOAL_TOKEN"}
-    p = subprocess.run([sys.executable, "-m", "shoal", "coordinator", "--port", "0"], env=env,
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "no run token: pass --token or set $SHOAL_TOKEN" in p.stderr, p.stderr
+@pytest.mark.timeout(30)
+def test_shoal_coordinator_refuses_to_start_without_a_token(monkeypatch: Any, capsys: Any) -> None:
+    # In this process: the refusal comes before the coordinator serves (no interpreter start-up to wait for).
+    monkeypatch.delenv("SHOAL_TOKEN", raising=False)
+    code, _, err = shoal_cli(["coordinator", "--port", "0"], capsys)
+    assert code == 2 and "no run token: pass --token or set $SHOAL_TOKEN" in err, err
 
 
 # --- shoal run --elastic -----------------------------------------------------------------------
@@ -279,8 +281,16 @@ def test_shoal_run_without_a_token_gives_its_workers_a_fresh_one(tmp_path: Any) 
     assert len(found[0].split()[0]) >= 16, found
 
 
-def test_shoal_run_token_needs_elastic_and_a_standalone_coordinator_needs_a_token(tmp_path: Any) -> None:
-    code, out, _ = _shoal_run(tmp_path, ["-n", "1", "--token", "cli-token-123"], None)
-    assert code == 2 and "--token need --elastic" in out, out
-    code, out, _ = _shoal_run(tmp_path, ["-n", "1", "--elastic", "--coordinator", "127.0.0.1:9"], None)
-    assert code == 2 and "needs the run's token" in out, out
+@pytest.mark.timeout(30)
+def test_shoal_run_token_needs_elastic_and_a_standalone_coordinator_needs_a_token(tmp_path: Any, monkeypatch: Any,
+                                                                                 capsys: Any) -> None:
+    # In this process: both refusals come before the launcher starts a worker.
+    monkeypatch.delenv("SHOAL_TOKEN", raising=False)
+    script = tmp_path / "worker.py"
+    script.write_text(_SCRIPT)
+    code, out, err = shoal_cli(["run", "-n", "1", "--token", "cli-token-123", str(script), str(tmp_path)], capsys)
+    assert code == 2 and "--token need --elastic" in err, out + err
+    code, out, err = shoal_cli(["run", "-n", "1", "--elastic", "--coordinator", "127.0.0.1:9", str(script),
+                                str(tmp_path)], capsys)
+    assert code == 2 and "needs the run's token" in err, out + err
+    assert not [f for f in tmp_path.iterdir() if f.name in ("0", "1")], "a worker started"
