@@ -314,6 +314,14 @@ class ElasticCollectives(abc.ABC):
     def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
         """Make quorums heal blocking (while ``when()``, or always): a component cannot have a non-contributor."""
 
+    @abc.abstractmethod
+    def watch_peers(self) -> None:
+        """Watch the quorum's heartbeats between rounds (:mod:`shoal.membership.watch`)."""
+
+    @abc.abstractmethod
+    def renew_if_dissolved(self) -> bool:
+        """Before a round, outside a step: leave a quorum whose abort flag is raised; True if it left."""
+
     def start_state(self, module: nn.Module, named_params: list[tuple[str, Any]] | None = None,
                     tag: str = "init", buffers: bool = True) -> None:
         """Nothing: an elastic group has no members yet; its first quorum's heal gives newcomers the state."""

@@ -86,6 +86,8 @@ class QuorumParent(Protocol):
     def contribution(self) -> tuple[bool, int]: ...
     def register_replay(self, replayer: Any) -> None: ...
     def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None: ...
+    def watch_peers(self) -> None: ...
+    def renew_if_dissolved(self) -> bool: ...
 
 
 def member_infos(client: MemberClient, q: Quorum) -> list[MemberInfo]:
@@ -202,6 +204,13 @@ class ElasticSubgroup(ElasticCollectives):
 
     def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None:
         self.parent.refuse_background_heal(why, when)
+
+    # The peer watch is the parent's too: its quorum is the one a subgroup's follows.
+    def watch_peers(self) -> None:
+        self.parent.watch_peers()
+
+    def renew_if_dissolved(self) -> bool:
+        return self.parent.renew_if_dissolved()
 
     def contribution(self) -> tuple[bool, int]:
         if self.parent.contribution()[1] != self.parent.size:

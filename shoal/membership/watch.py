@@ -103,9 +103,7 @@ class PeerWatching:
     step: int
     _in_step: bool
     _after: int
-
-    def _abandon(self) -> None:  # pragma: no cover - the group's
-        raise NotImplementedError
+    _abandon: Callable[[], None]      # the group's: drop the quorum's process group
 
     def watch_peers(self) -> None:
         """Watch the quorum's heartbeats from now on (once; see the module docstring): DiLoCo and streaming

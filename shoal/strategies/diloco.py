@@ -269,7 +269,7 @@ class DiLoCo(Strategy):
         group.register_state(f"{key}/schedule", lambda: schedule_state(self), lambda s: load_schedule(self, s))
         group.register_state(f"{key}/pending", lambda: pending_state(self), lambda s: load_pending(self, s))
         enable_background_heal(self, group, optimizer)   # SHOAL_HEAL=background: shoal.strategies.diloco_heal
-        if cfg.overlap_steps == 0 and hasattr(group, "watch_peers"):
+        if cfg.overlap_steps == 0:
             group.watch_peers()   # a member lost during the inner steps is left out before the round: _renew
         group.before_begin_step(self._settle)
         self.rounds.join(self._first_state)
@@ -318,9 +318,8 @@ class DiLoCo(Strategy):
         the peer watch or the coordinator) is left now, so the round runs once over the survivors' quorum
         instead of failing and running again (docs/elastic.md). Not with overlapped reductions: a launched
         one runs on the quorum it was launched in, and its landing round handles the failure."""
-        renew = getattr(self.group, "renew_if_dissolved", None)
-        if renew is not None:
-            renew()
+        if self.group is not None:   # bound in setup
+            self.group.renew_if_dissolved()
 
     def _merge_round(self, f: _Fragment) -> None:
         """The round in which a background reduction lands: voted, then merged (or dropped, given up)."""
