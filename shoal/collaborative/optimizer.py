@@ -17,7 +17,9 @@ go wrong, and what happens:
   state and epoch from an up-to-date, non-client peer;
 - a peer sends a header it cannot back (wrong shapes or dtypes, absurd
   weight) or non-finite data: it is excluded from the round (see
-  :mod:`shoal.collaborative.validate` for how) and logged;
+  :mod:`shoal.collaborative.validate` for how) and logged; a header
+  violation also bans it from this peer's later rounds (not waited for,
+  not listed, and a round it closed alone does not leave this peer behind);
 - a peer caught sending NaN/Inf is also left out of the round's state
   averaging and does not serve state in it;
 - a peer declares an epoch ahead of the round's (to be the one others load
@@ -350,6 +352,8 @@ class CollaborativeOptimizer(StateMixin):
         while time.monotonic() < deadline:
             q = self.group.matchmake(epoch, attempt, weight > 0, excluded, deadline)
             attempt += 1
+            if q is None and self.group.skipped:
+                continue        # a banned peer closed this attempt alone: the next one, with the others
             if q is None and not self.group.gave_up:
                 log.debug("epoch %d: the round closed without this peer", epoch)
                 self._fresh = self._left_out = True
@@ -389,6 +393,7 @@ class CollaborativeOptimizer(StateMixin):
             for r in verdict.violators:
                 log.warning("epoch %d: excluding member %d from the round: it %s", epoch, members[r], verdict.reasons[r])
             excluded.update(members[r] for r in verdict.violators)
+            self.group.ban({members[r] for r in verdict.violators})
             g.drop()
             if g.rank in verdict.violators:
                 return RoundReport(epoch, "local", 1, weight, time.monotonic() - t0, (self.member_id,)), None

@@ -116,6 +116,8 @@ class RoundGroup:
         # timeout tells a dead peer from a busy one without waiting for the coordinator's verdict.
         self.silence = max(timeouts.probe, timeouts.heartbeat_timeout / 2)
         self.gave_up = False
+        self.skipped = False     # the last matchmake found a list made only of banned members (see matchmake)
+        self.banned: set[int] = set()
         self._admitted_ids: set[int] = set()
 
     def key(self, k: str) -> str:
@@ -184,9 +186,15 @@ class RoundGroup:
 
     def live_others(self) -> set[int]:
         """The other peers that may still be in the swarm: listed, admitted since the list, or in the
-        last committed round, and heartbeating (a peer that left says so at once)."""
+        last committed round, heartbeating (a peer that left says so at once) and not banned."""
         others = (self.live_members() | self._unlisted() | self._last_members()) - {self.client.member_id}
-        return others - self._silent(others, time.monotonic())
+        return others - self.banned - self._silent(others, time.monotonic())
+
+    def ban(self, ids: set[int]) -> None:
+        """Leave members out of every later round: they broke the round protocol (validate.py's header
+        rules: another model's layout, an impossible weight or epoch, a forged id), which no honest
+        peer does, so no later round of theirs is one this peer waits for, averages in, or follows."""
+        self.banned |= ids - {self.client.member_id}
 
     def first_open_epoch(self, start: int) -> int:
         """The first epoch from ``start`` on whose round has no member list yet (rounds close in epoch order)."""
@@ -224,10 +232,18 @@ class RoundGroup:
     # --- matchmaking ---------------------------------------------------------
     def matchmake(self, epoch: int, attempt: int, contributing: bool, excluded: set[int],
                   deadline: float) -> Quorum | None:
-        """Register as ready for the round and wait for its member list; None if left out."""
+        """Register as ready for the round and wait for its member list; None if left out.
+
+        ``excluded`` and :attr:`banned` members are neither waited for nor listed by this peer. A list
+        that another peer closed with banned members only (a banned peer that ran ahead and closed the
+        round alone), or with nobody (a peer gave up on a window nobody contributed to), is not the
+        swarm moving on without this peer: None, with :attr:`skipped` set, and the caller tries the
+        next attempt of the same epoch with the peers it trusts.
+        """
         st, base, me = self.mm_store, self.key(f"mm/{epoch}/{attempt}/"), self.client.member_id
+        excluded = excluded | self.banned
         t0 = time.monotonic()
-        self.gave_up = False
+        self.gave_up = self.skipped = False
         slot = int(st.add(base + "n", 1))
         rec = {"id": me, "c": int(contributing), "cl": int(bool(self.role.get("client")))}
         st.set(base + f"s/{slot}", self.book.seal(rec))
@@ -257,10 +273,10 @@ class RoundGroup:
             if opened is not None and (everyone or now - opened >= self.matchmaking_time):
                 log.debug("closing %s: ready %s, live %s (quorum %d), expected %s", base, sorted(ready), sorted(live), self._members_cache[0],
                           sorted(expected))
-                self._close(base, ready, None)
+                self._close(base, ready, None, reuse=attempt == 0)
                 break
             if now > deadline:
-                self._close(base, ready, me)   # give up: close the round without this peer
+                self._close(base, ready, me, reuse=attempt == 0)   # give up: close the round without this peer
                 self.gave_up = True
                 break
             time.sleep(_POLL_S)
@@ -273,6 +289,10 @@ class RoundGroup:
             return None
         members = tuple(int(m) for m in record["members"])
         if me not in members:
+            if set(members) <= excluded:     # nobody, or nobody this peer trusts, averaged in it
+                log.debug("epoch %d: %s closed with %s only: trying the next attempt", epoch, base,
+                          f"banned members {list(members)}" if members else "no member")
+                self.skipped = True
             return None
         return Quorum(_QID + epoch * 1000 + attempt, members, str(record["prefix"]))
 
@@ -285,11 +305,19 @@ class RoundGroup:
         except (ValueError, TypeError, AttributeError):
             return set()
 
-    def _close(self, base: str, ready: dict[int, dict[str, int]], without: int | None) -> None:
+    def _close(self, base: str, ready: dict[int, dict[str, int]], without: int | None, reuse: bool) -> None:
+        """Write the attempt's member list (compare-and-set: the first closer's list is everybody's).
+
+        ``reuse``: name the last committed round's group when the members are the same, so nobody
+        reconnects. Only a first attempt may: a later one follows an attempt whose group its members
+        entered and dropped, so they no longer hold the last committed group, and the record that
+        says so (:meth:`drop` clears it) may not be written yet when the list is closed. Naming that
+        group again would make them rendezvous twice under one prefix, which hangs.
+        """
         members = sorted((i for i in ready if i != without), key=lambda i: (ready[i]["cl"], i))
         prefix = f"{base}g/"
         last = self.key("mm/last")
-        if self.mm_store.check([last]):
+        if reuse and self.mm_store.check([last]):
             prev = self._signed(self.mm_store.get(last), "last group")
             if prev.get("members") == members and isinstance(prev.get("prefix"), str):
                 prefix = str(prev["prefix"])          # same peers as the last good round: reuse its group

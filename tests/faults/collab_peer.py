@@ -67,6 +67,7 @@ class Spec:
     start_peers: int = 0            # wait for this many peers before training (run_threads: the coordinator's initial workers)
     hold_after: int = -1            # once this epoch is done, wait until hold_peers peers are in the swarm (a late
     hold_peers: int = 2             # joiner then always finds this peer there, however slowly it starts)
+    wait_for_list: int = -1         # enter this epoch's first matchmaking only once another peer closed it
 
 
 def digest(tensors: list[torch.Tensor]) -> float:
@@ -123,7 +124,25 @@ def _drift(opt: CollaborativeOptimizer, rank: int) -> None:
                 p.copy_(q)
 
 
+def _wait_for_list(opt: CollaborativeOptimizer, epoch: int) -> None:
+    """This peer reaches epoch ``epoch``'s first attempt only after another peer closed it (a peer that
+    ran ahead, alone or with nobody): deterministic parking for the case, whatever the machine's load."""
+    real = opt.group.matchmake
+
+    def late(e: int, attempt: int, *args: Any, **kw: Any) -> Any:
+        if e == epoch and attempt == 0:
+            key, deadline = opt.group.key(f"mm/{e}/0/members"), time.monotonic() + 30.0
+            while not opt.group.mm_store.check([key]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nobody closed epoch {e}'s first attempt within 30 s")
+                time.sleep(0.01)
+        return real(e, attempt, *args, **kw)
+    opt.group.matchmake = late  # type: ignore[method-assign]
+
+
 def _install_roles(opt: CollaborativeOptimizer, spec: Spec) -> None:
+    if spec.wait_for_list >= 0:
+        _wait_for_list(opt, spec.wait_for_list)
     if spec.role == "nan":   # lies: declares finite gradients, then sends NaN into the sum
         real = opt._contribution
 

@@ -116,3 +116,24 @@ def test_a_peer_sending_bad_tensors_is_excluded(attack: str, caplog: Any) -> Non
         if bad_member is not None:
             assert bad_member in excluded
     assert "excluding member" in caplog.text or "sent non-finite" in caplog.text
+
+
+@pytest.mark.timeout(90)
+def test_a_banned_peer_closing_a_round_alone_does_not_leave_the_others_behind() -> None:
+    """The peer with another model is excluded (and banned) in epochs 0 and 1; then the honest peers reach
+    epoch 2's first attempt only after it closed that attempt (alone, having run ahead; or with nobody,
+    having given up). The honest peers must not take that for the swarm averaging without them (which
+    made them stop to load state from nobody and end an epoch short): they average epoch 2 together."""
+    honest = [Spec(rank=r, batch=8 * (r + 1), epochs=4, max_seconds=60, wait_for_list=2) for r in range(2)]
+    out = run_threads([*honest, Spec(rank=2, batch=24, epochs=4, max_seconds=60, role="shape")], TOKEN,
+                      hard_limit=75)
+    res = finished(out[:2])
+    assert_equal_after_each_round(res)
+    bad_member = out[2]["member"] if isinstance(out[2], dict) else None
+    for r in res:
+        assert r["epoch"] == 4, r["log"]
+        assert all(rec["outcome"] != "behind" for rec in r["log"]), r["log"]
+        two = by_epoch(r)[2]
+        assert two["outcome"] == "averaged" and two["peers"] == 2 and two["own"] > 0, two
+        if bad_member is not None:
+            assert bad_member in {m for rec in r["log"] for m in rec["excluded"]}

@@ -55,3 +55,82 @@ def test_first_round_waits_for_peers_admitted_before_the_coordinators_first_list
         for g in groups:
             g.client.leave()
         coord.stop()
+
+
+def _two_groups(matchmaking_time: float) -> tuple[Coordinator, list[RoundGroup]]:
+    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
+    cfg = shoal.CollaborativeConfig(run_id="mm" + uuid.uuid4().hex[:8], target_batch_size=2, batch_size_per_step=1,
+                                    coordinator=coord.address, token=TOKEN, matchmaking_time=matchmaking_time)
+    return coord, [RoundGroup(cfg.run_id, cfg.coordinator, cfg.timeouts(), TOKEN, cfg.matchmaking_time, {"pid": k})
+                   for k in range(2)]
+
+
+def _matchmake_both(groups: list[RoundGroup], epoch: int, attempt: int) -> list[Any]:
+    got: list[Any] = [None, None]
+
+    def ready(k: int) -> None:
+        try:
+            got[k] = groups[k].matchmake(epoch, attempt, True, set(), time.monotonic() + 30)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            got[k] = e
+    threads = [threading.Thread(target=ready, args=(k,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(45)
+    for q in got:
+        if isinstance(q, BaseException) or q is None:
+            raise AssertionError(f"matchmaking of {epoch}/{attempt} failed: {got}")
+    return got
+
+
+@pytest.mark.timeout(90)
+def test_only_a_first_attempt_names_the_last_committed_group() -> None:
+    """An attempt after the first follows one whose group its members entered and dropped, while the record
+    of the last committed group may still name the group they held before (its clearing, by the dropped
+    group's rank 0, can land after the next list is closed). Naming that group would make them rendezvous
+    a second time under one prefix, which hangs until averaging_timeout; so only a first attempt reuses."""
+    coord, groups = _two_groups(matchmaking_time=20.0)
+    try:
+        ids = sorted(g.client.member_id for g in groups)
+        stale = "an/old/committed/group/"
+        last = groups[0].key("mm/last")
+        groups[0].mm_store.set(last, groups[0].book.seal({"members": ids, "prefix": stale}))
+        later = _matchmake_both(groups, 7, 1)
+        assert {q.prefix for q in later} == {groups[0].key("mm/7/1/g/")}, [q.prefix for q in later]
+        first = _matchmake_both(groups, 8, 0)       # the steady case keeps its reuse (no reconnection)
+        assert {q.prefix for q in first} == {stale}, [q.prefix for q in first]
+    finally:
+        for g in groups:
+            g.client.leave()
+        coord.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_round_closed_by_banned_or_no_members_does_not_leave_a_peer_behind() -> None:
+    """A banned peer (it broke the header rules) that runs ahead closes an epoch's first attempt alone, or
+    a peer that gave up closes it with nobody: that is not the swarm averaging without this peer (which
+    would make it stop and load state from nobody); it tries the next attempt. A list with a peer it
+    trusts still leaves it behind."""
+    coord, (a, b) = _two_groups(matchmaking_time=0.3)
+    try:
+        def alone(epoch: int, give_up: bool) -> None:
+            deadline = time.monotonic() + (0.5 if give_up else 30)
+            q = b.matchmake(epoch, 0, not give_up, set(), deadline)   # a never registers: b closes it
+            assert (q is None) == give_up and (give_up or q.members == (b.client.member_id,)), q
+
+        alone(3, give_up=False)
+        a.ban({b.client.member_id})
+        assert a.matchmake(3, 0, True, set(), time.monotonic() + 5) is None and a.skipped, "banned-only list"
+        alone(4, give_up=True)
+        a.banned.clear()
+        assert a.matchmake(4, 0, True, set(), time.monotonic() + 5) is None and a.skipped, "empty list"
+        alone(5, give_up=False)
+        assert a.matchmake(5, 0, True, set(), time.monotonic() + 5) is None and not a.skipped, \
+            "a list of trusted peers without this one: behind, as before"
+        a.ban({b.client.member_id, a.client.member_id})
+        assert a.banned == {b.client.member_id} and b.client.member_id not in a.live_others()
+    finally:
+        for g in (a, b):
+            g.client.leave()
+        coord.stop()
