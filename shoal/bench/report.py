@@ -117,7 +117,9 @@ def target_line(results: dict[str, Any]) -> str:
     """One line saying which target loss the times refer to, and why that one."""
     target, source = results.get("target_loss"), results.get("target_source")
     if target is None:
-        return ("no target loss: ddp did not finish; give --target-loss, or --target worst "
+        ran = {"ddp", "torch-ddp"} & set(results.get("strategies", {}))
+        why = f"{' and '.join(sorted(ran))} did not finish" if ran else "neither ddp nor torch-ddp was in the run"
+        return (f"no target loss: {why}; give --target-loss, or --target worst "
                 "(the highest final loss of the compared strategies)")
     tol = results.get("target_tolerance", 0.0)
     how = {"given": "given", "worst": "the highest final loss of the compared strategies (--target worst)"}.get(

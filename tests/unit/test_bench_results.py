@@ -55,9 +55,12 @@ def test_worst_loss_target_only_on_request_and_torch_ddp_stands_in_for_ddp() -> 
     no_ddp = {n: r for n, r in runs.items() if n != "ddp"}
     assert summarize(no_ddp, None)["target_loss"] == pytest.approx(3.6 * 1.005)
     alone = {"local": runs["local"], "nosync": runs["nosync"]}
-    out = summarize(alone, None)
+    out = {**summarize(alone, None), "strategies": alone}     # as the bench writes results.json
     assert out["target_loss"] is None and out["target_source"] == "none"
-    assert "no target loss" in report.target_line(out)
+    assert "no target loss: neither ddp nor torch-ddp was in the run" in report.target_line(out)
+    with_failed = {**alone, "ddp": {**runs["ddp"], "points": [], "ok": False}}
+    failed = {**summarize(with_failed, None), "strategies": with_failed}
+    assert failed["target_loss"] is None and "no target loss: ddp did not finish" in report.target_line(failed)
     with pytest.raises(ConfigError, match="target"):
         summarize(runs, None, target="best")
 
