@@ -77,8 +77,12 @@ def main() -> None:
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
     data = ElasticSampler(512, group, batch_size=16)
     log = []
-    # group.size is the last step's quorum size, the same on every member: all stop together.
-    while group.step < a.steps or (group.size < a.want_size and group.step < a.max_steps):
+    # The size of the last COMMITTED step, the same on every member: all stop together. (group.size
+    # alone is the last step's quorum, committed or not: a member that stopped after a discarded step
+    # of the wanted size left a joiner that was never healed alone in a finished run.)
+    full = {"size": 0}
+    group.on_commit(lambda: full.update(size=group.size))
+    while group.step < a.steps or (full["size"] < a.want_size and group.step < a.max_steps):
         if a.park_at and rank == 1 and life == 0 and group.step == a.park_at:
             with open(os.path.join(a.out, "parked-1.tmp"), "w") as f:
                 f.write(str(os.getpid()))
