@@ -96,7 +96,7 @@ def main() -> None:
             while a.rejoin and detected is not None and not restarted(group, q) and time.monotonic() < t0 + 90:
                 time.sleep(0.02)
     result = {"discarded": discarded, "detected": detected, "sizes": sizes, "stats": vars(group.stats),
-              "suspected": group.watch.suspected if group.watch is not None else 0,
+              "suspected": group.watcher.suspected,
               "catchup": asdict(group.catchup.stats), "first_chunk_step": first_chunk["step"],
               "synced": synced_state(strategy, model), "rank": rank, "life": life, "step": strategy.step}
     save_and_leave(a.out, rank, life, result, group)
