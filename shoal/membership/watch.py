@@ -1,23 +1,29 @@
 """The peer watch: a survivor learns of a lost member between rounds, not from the round that fails.
 
-Averaging strategies (DiLoCo, streaming DiLoCo) run collectives only at
-their outer rounds, tens of seconds apart. A member SIGKILLed in between is
+Averaging strategies (local SGD, post-local SGD, Hierarchical, DiLoCo,
+streaming DiLoCo) run collectives only at their rounds, up to tens of
+seconds apart; DASO's rounds are its steps. A member SIGKILLed in between is
 otherwise seen only when the next round's collective fails (or when the
 coordinator's ``heartbeat_timeout`` passes); the round is then discarded and
 run again over the survivors, so a kill costs two rounds. With the watch on
-(:meth:`~shoal.membership.elastic.ElasticGroup.watch_peers`, which starts the
-group's :class:`PeerWatcher`), a background
-thread reads the quorum's heartbeat counters every ``Timeouts.probe``
-seconds (one store read per window, none on the training thread). A member
-whose counter did not move over a whole window is suspected, by the same
-rule as the commit vote's own probe (:mod:`shoal.membership.vote`): the watch
-raises the quorum's abort flag, so that no step of that quorum can commit any
-more, and asks the coordinator for a new quorum, which it forms after its own
-probe (it alone decides who is gone). Before its next round the strategy
-calls :meth:`~shoal.membership.elastic.ElasticGroup.renew_if_dissolved`: the
-dissolved quorum is left there and the round runs once, over the quorum the
-coordinator published. Only the coordinator's quorums ever commit: the watch
-only forbids commits (the abort flag), it never forms a quorum itself.
+(:meth:`~shoal.membership.elastic.ElasticGroup.watch_peers`, which starts
+the group's :class:`PeerWatcher`), a background thread reads the quorum's
+heartbeat counters every ``Timeouts.probe`` seconds (one store read per
+window, none on the training thread). A member whose counter did not move
+over a whole window is suspected, by the same rule as the commit vote's own
+probe (:mod:`shoal.membership.vote`): the watch raises the quorum's abort
+flag, so that no step of that quorum can commit any more, and asks the
+coordinator for a new quorum, which it forms after its own probe (it alone
+decides who is gone). Before its next round the strategy calls
+:meth:`~shoal.membership.elastic.ElasticGroup.renew_if_dissolved`, which asks
+the watcher whether a dissolved quorum is due to be left
+(:meth:`PeerWatcher.due`) and leaves it: the round then runs once, over the
+quorum the coordinator published. Only the coordinator's quorums ever
+commit: the watch only forbids commits (the abort flag), it never forms a
+quorum itself. Strategies renew only before rounds that a failure runs
+again (or, DASO, before the empty round that adopts a quorum), so a member
+that missed the flag meets the renewed ones in the same round
+(docs/elastic.md, "A member lost between two rounds").
 
 Example::
 
