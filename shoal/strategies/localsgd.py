@@ -372,11 +372,14 @@ class PostLocalSGD(AveragingStrategy):
         if self._in_ddp or self.rounds is None:
             return None
         # (a newcomer is admitted at the next round, not between the mean and the optimizer step)
+        if self.step >= self.warmup_steps and self.local_group is None:
+            return None
+        # A quorum dissolved since the last step is left first. A member that missed its flag discards this
+        # step there and, its step not counted, runs this same step's round next: on the renewed quorum.
+        self.group_.renew_if_dissolved()
         if self.step < self.warmup_steps:
             return self.rounds.run(self._rounds["grad"], admit=False)
-        if self.local_group is not None:
-            return self.rounds.run(self._rounds["local_grad"], FailurePolicy.DISCARD, admit=False)
-        return None
+        return self.rounds.run(self._rounds["local_grad"], FailurePolicy.DISCARD, admit=False)
 
     def _finish_joined(self, kind: str) -> None:
         if kind in ("grad", "local_grad") and self.optimizer is not None:  # its peers now step with these

@@ -38,7 +38,8 @@ from harness import save_and_leave
 from strategy_worker import synced_state
 
 PERIOD = 4
-STRATEGIES = ["diloco", "streaming", "streaming-overlap", "localsgd", "postlocal", "hierarchical", "daso"]
+STRATEGIES = ["diloco", "streaming", "streaming-overlap", "localsgd", "postlocal", "postlocal-group", "hierarchical",
+              "daso"]
 
 
 def make_strategy(name: str, steps: int) -> Any:
@@ -52,6 +53,8 @@ def make_strategy(name: str, steps: int) -> Any:
         return shoal.LocalSGD(period=PERIOD, average_optimizer_state=True)
     if name == "postlocal":      # a gradient round per step up to 6, then averages after steps 7, 11, 15, ...
         return shoal.PostLocalSGD(period=PERIOD, warmup_steps=6, average_optimizer_state=True)
+    if name == "postlocal-group":   # also a gradient round per step after it, inside launch slots {0, 1}, {2}
+        return shoal.PostLocalSGD(period=PERIOD, warmup_steps=6, local_group_size=2, average_optimizer_state=True)
     if name == "hierarchical":   # launch slots {0, 1} and {2} after steps 3, 7, ...; everyone after 1, 5, 9, ...
         return shoal.Hierarchical({2: 2, 4: 4}, average_optimizer_state=True)
     if name == "daso":           # hosts {0, 1} and {2}; global syncs every step in the first epoch, then fewer

@@ -17,8 +17,11 @@ Per strategy (``KILL``: the step after which the victim dies, between two rounds
 - DiLoCo, streaming DiLoCo (two fragments) without and with overlapped
   reductions: with overlap, the launch after the renewal starts nothing and
   its landing round reduces in the foreground over the survivors;
-- local SGD, post-local SGD (past its warm-up), Hierarchical (the round after
-  the kill is the level of launch slots {0, 1}, whose vote is the quorum's);
+- local SGD, post-local SGD past its warm-up (without and with local
+  gradient groups, launch slots {0, 1} and {2}: then every step is a
+  ``DISCARD`` gradient round, renewed before too), Hierarchical (the round
+  after the kill is the level of launch slots {0, 1}, whose vote is the
+  quorum's);
 - DASO: every step is a voted step; the renewal before the next step's
   ``begin_step`` (DASO's admission hook) leaves the dissolved quorum, so not
   even the step after the kill is discarded.
@@ -38,8 +41,9 @@ import harness  # noqa: E402
 
 # (the step after which rank 2 dies, the step at which all stop: right after a round of every member)
 KILL = {"diloco": (5, 16), "streaming": (5, 16), "streaming-overlap": (5, 16), "localsgd": (6, 16),
-        "postlocal": (9, 16), "hierarchical": (6, 16), "daso": (6, 16)}
-END = {"localsgd": 17, "postlocal": 19, "hierarchical": 17}   # the first step >= 16 right after an averaging
+        "postlocal": (9, 16), "postlocal-group": (9, 16), "hierarchical": (6, 16), "daso": (6, 16)}
+# the first step >= 16 right after an averaging
+END = {"localsgd": 17, "postlocal": 19, "postlocal-group": 19, "hierarchical": 17}
 
 
 @pytest.mark.timeout(150)
