@@ -128,7 +128,7 @@ class PeerWatcher:
 
     @property
     def suspected(self) -> int:
-        """Quorums this member's watch dissolved so far (read by tests and the bench)."""
+        """Quorums this member's watch dissolved so far (0 once stopped; read by tests)."""
         return self.thread.suspected if self.thread is not None else 0
 
     def start(self) -> None:
