@@ -9,23 +9,16 @@ on an elastic group has three parts::
     ...collectives...       # failures are recorded, never raised, never waited out
     group.commit()          # the same True/False on every member of the quorum
 
-This module owns the group itself: adopting a quorum (rendezvous, building
-its process group, healing, abandoning it after a failure) and the step
-(begin, vote, commit or roll back). The rest is split by responsibility
-(see :mod:`shoal.membership`): the quorum's collectives, which record
-failures (:class:`~shoal.errors.PeerLostError`,
-:class:`~shoal.errors.CommTimeoutError`) in :attr:`ElasticGroup.error`
-instead of raising, in :mod:`~shoal.membership.transport`; the abort flag
-and the vote in :mod:`~shoal.membership.vote`; healing and rollback in
-:mod:`~shoal.membership.heal`; subgroups in :mod:`~shoal.membership.views`;
-the bookkeeping of an orderly leave in :mod:`~shoal.membership.leaving`.
-
-The commit vote (:mod:`shoal.membership.vote`): through the store, peer to peer while the coordinator is down.
-A lost member between rounds: :mod:`shoal.membership.watch`. Healing (:mod:`shoal.membership.heal`):
-the lowest-ranked up-to-date member sends every registered state to the members behind or new, who
-check it before loading any of it (:mod:`shoal.membership.received`); or, with ``SHOAL_HEAL=background``,
-joiners download it while training (:mod:`shoal.membership.catchup`). Every member proves it holds
-the run token when it joins (:mod:`shoal.membership.auth`; the ``token`` argument).
+This module owns the group itself: adopting a quorum (rendezvous, building its process group, healing,
+abandoning it after a failure) and the step (begin, vote, commit or roll back). It composes the rest
+(see :mod:`shoal.membership`): collectives that record failures in :attr:`ElasticGroup.error` instead
+of raising (:mod:`~shoal.membership.transport`); the abort flag and the commit vote, through the store,
+peer to peer while the coordinator is down (:mod:`~shoal.membership.vote`); healing and rollback
+(:mod:`~shoal.membership.heal`, checked before loading: :mod:`~shoal.membership.received`; joiners
+download while training with ``SHOAL_HEAL=background``: :mod:`~shoal.membership.catchup`); subgroups
+(:mod:`~shoal.membership.views`); an orderly leave (:mod:`~shoal.membership.leaving`); the watch over
+members lost between rounds (a :class:`~shoal.membership.watch.PeerWatcher` the group owns); the run
+token every member proves when it joins (:mod:`~shoal.membership.auth`).
 
 Example::
 
@@ -57,7 +50,7 @@ from shoal.membership.transport import (BackendFactory, BackendSpec, ElasticColl
                                         gloo_backend)
 from shoal.membership.views import ElasticHostGroups, ElasticSubgroup
 from shoal.membership.vote import Ballot, DiscardStreak, Failures
-from shoal.membership.watch import PeerWatching
+from shoal.membership.watch import PeerWatcher
 from shoal.comm.group import Group, Handle
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, Timeouts, Trace
@@ -71,7 +64,7 @@ __all__ = ["ElasticGroup", "ElasticStats", "BackendSpec", "BackendFactory", "glo
            "CONTROL_TAG", "HEAL_TAG", "HEAL_CHUNK"]
 
 
-class ElasticGroup(PeerWatching, ElasticCollectives):
+class ElasticGroup(ElasticCollectives):
     """A Group whose members follow the run's quorums; see the module docstring.
 
     Args:
@@ -144,9 +137,8 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
         self.discards = DiscardStreak()   # why each step since the last commit was discarded
         self.register_state("elastic/discards", self.discards.state, self.discards.load)
         self.catchup = CatchUp(self)      # the background heal (SHOAL_HEAL=background): shoal.membership.catchup
-        self.watch = None                 # watch_peers() starts it (shoal.membership.watch)
-        # Joining waits for the first begin_step: a newcomer that announced itself
-        # while still building its model would keep the others waiting for it.
+        self.watcher = PeerWatcher(self.client, lambda: self.quorum, self.timeouts.probe)   # watch_peers() starts it
+        # Joining waits for the first begin_step: a newcomer announced while building its model would stall others.
 
     @property
     def rank(self) -> int:
@@ -243,7 +235,7 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
                              "(shoal's DistributedDataParallel does so in forward)")
         self._in_step = False
         q, hooks = self.quorum, self.hooks
-        verdict = self._vote(q)
+        verdict = self.ballot.vote(q, self.step, self.size)
         self.trace("vote", verdict=verdict, qid=q.qid, step=self.step, member=self.client.member_id)
         if verdict.startswith("commit"):
             self._tell(agreed=True)
@@ -260,26 +252,30 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
             return True
         self.stats.discards += 1
         restore(hooks.states, self._snapshots)
-        self._abandon()
-        self.client.request_quorum(q.qid)
-        self._after = q.qid
+        self._leave(q)
         self.discards.count(self.error, self.link.failures.aborted, self.timeouts.max_consecutive_discards)
         return False
 
-    def start_step(self) -> None:
-        """The older name of :meth:`begin_step`."""
-        self.begin_step()
+    # --- a member lost between rounds (shoal.membership.watch) -------------------------
+    def watch_peers(self) -> None:
+        """Watch the quorum's heartbeats from now on (idempotent; averaging strategies turn it on)."""
+        self.watcher.start()
 
-    def should_commit(self) -> bool:
-        """The older name of :meth:`commit`."""
-        return self.commit()
+    def renew_if_dissolved(self) -> bool:
+        """Before a round, outside a step: leave the current quorum now if its abort flag is raised; True if it left.
+        The next ``begin_step`` adopts the coordinator's next quorum and the round runs once, instead of failing
+        and running again: nothing is discarded (:mod:`shoal.membership.watch`).
 
-    def before_start_step(self, fn: Callable[[], None]) -> None:
-        """The older name of :meth:`before_begin_step` (NonBlocking ends its lazily ended step there)."""
-        self.before_begin_step(fn)
+        Example::
 
-    def _vote(self, q: Quorum) -> str:
-        return self.ballot.vote(q, self.step, self.size)
+            group.renew_if_dissolved()   # a peer died during the local steps: re-form first
+            group.begin_step()           # adopts the survivors' quorum; the round then runs once
+        """
+        q = self.watcher.due(self._in_step, self._after)
+        if q is not None:
+            self.trace("dissolved", qid=q.qid, step=self.step)
+            self._leave(q)
+        return q is not None
 
     # --- structure -------------------------------------------------------------------
     def subgroup(self, rule: Partition, name: str) -> ElasticSubgroup:
@@ -312,8 +308,7 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
         self._abandon()
         st = self.client.store
         st.add(q.prefix + "arrive", 1)
-        # A store-level barrier first: unlike the gloo constructor it can give up
-        # as soon as a newer quorum supersedes this one.
+        # A store-level barrier first: unlike the gloo constructor it gives up once a newer quorum supersedes this one.
         while st.add(q.prefix + "arrive", 0) < len(q.members):
             if self.client.latest() > q.qid or time.monotonic() > deadline:
                 return False
@@ -333,8 +328,7 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
             self._heal(q)
             self.trace("healed", qid=q.qid, ok=self.error is None)
         if self.error is not None:
-            self._abandon()
-            self.client.request_quorum(q.qid)
+            self._leave(q)
             return False
         return True
 
@@ -369,8 +363,8 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
         self.newcomers = plan.newcomers
         self._fresh = False
 
-    # The background heal (shoal.membership.catchup): a joiner catching up counts zero in the means; replays
-    # what it received while downloading; components that cannot have a non-contributor make quorums heal blocking.
+    # The background heal (shoal.membership.catchup): a joiner catching up counts zero, replays what it received
+    # while downloading; a component that cannot have a non-contributor makes quorums heal blocking.
     def contribution(self) -> tuple[bool, int]:
         return self.catchup.contribution()
 
@@ -387,6 +381,12 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
         """Load the healing peer's state, all of it or (refused: leave the run and raise) none of it."""
         member = self.quorum.members[src] if self.quorum is not None else "?"
         load_blob(self.hooks.states, blob, src, member, self._depart)
+
+    def _leave(self, q: Quorum) -> None:
+        """Leave quorum ``q`` (failed or dissolved): drop its group; the next begin_step adopts a newer one."""
+        self._abandon()
+        self.client.request_quorum(q.qid)
+        self._after = q.qid
 
     def _abandon(self) -> None:
         self.link.retire(self.seat.pg)
@@ -423,7 +423,7 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
         q = self.quorum
         if q is None:
             raise ShoalError("vote_quorum() without a quorum: enter one first (enter_quorum)")
-        verdict = self._vote(q)
+        verdict = self.ballot.vote(q, self.step, self.size)
         self.step += 1
         return verdict.startswith("commit")
 
@@ -486,7 +486,7 @@ class ElasticGroup(PeerWatching, ElasticCollectives):
 
     def _depart(self) -> None:
         """Leave without the finished mark (a refused heal: the launcher may restart this worker)."""
-        self.stop_watch()
+        self.watcher.stop()
         self.client.leave()
         self._abandon()
 

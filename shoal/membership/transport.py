@@ -260,6 +260,31 @@ class ElasticCollectives(abc.ABC):
     def _started(self) -> bool:
         """Whether a quorum was adopted (a collective before that is a usage error)."""
 
+    # --- the step (each concrete group's) and its older names, once for both -------------------
+    @abc.abstractmethod
+    def begin_step(self) -> None:
+        """Begin a step: adopt a newer quorum if one is due."""
+
+    @abc.abstractmethod
+    def commit(self) -> bool:
+        """End the step: the same verdict on every member."""
+
+    @abc.abstractmethod
+    def before_begin_step(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` at the top of every ``begin_step``."""
+
+    def start_step(self) -> None:
+        """The older name of :meth:`begin_step`."""
+        self.begin_step()
+
+    def should_commit(self) -> bool:
+        """The older name of :meth:`commit`."""
+        return self.commit()
+
+    def before_start_step(self, fn: Callable[[], None]) -> None:
+        """The older name of :meth:`before_begin_step` (NonBlocking ends its lazily ended step there)."""
+        self.before_begin_step(fn)
+
     @property
     def member(self) -> bool:
         """Whether this worker belongs to this group (a subgroup's rule may leave it out)."""

@@ -226,10 +226,6 @@ class ElasticSubgroup(ElasticCollectives):
     def before_begin_step(self, fn: Callable[[], None]) -> None:
         self.parent.before_begin_step(fn)
 
-    def before_start_step(self, fn: Callable[[], None]) -> None:
-        """The older name of :meth:`before_begin_step`."""
-        self.parent.before_begin_step(fn)
-
     def begin_step(self) -> None:
         """The parent's ``begin_step``."""
         self.parent.begin_step()
@@ -237,14 +233,6 @@ class ElasticSubgroup(ElasticCollectives):
     def commit(self) -> bool:
         """The parent's verdict."""
         return self.parent.commit()
-
-    def start_step(self) -> None:
-        """The older name of :meth:`begin_step`."""
-        self.begin_step()
-
-    def should_commit(self) -> bool:
-        """The older name of :meth:`commit`."""
-        return self.commit()
 
     def leave(self, finished: bool | None = None) -> None:
         self.parent.leave(finished)

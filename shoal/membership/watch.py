@@ -1,28 +1,35 @@
 """The peer watch: a survivor learns of a lost member between rounds, not from the round that fails.
 
-Averaging strategies (DiLoCo, streaming DiLoCo) run collectives only at
-their outer rounds, tens of seconds apart. A member SIGKILLed in between is
+Averaging strategies (local SGD, post-local SGD, Hierarchical, DiLoCo,
+streaming DiLoCo) run collectives only at their rounds, up to tens of
+seconds apart; DASO's rounds are its steps. A member SIGKILLed in between is
 otherwise seen only when the next round's collective fails (or when the
 coordinator's ``heartbeat_timeout`` passes); the round is then discarded and
 run again over the survivors, so a kill costs two rounds. With the watch on
-(:meth:`~shoal.membership.elastic.ElasticGroup.watch_peers`), a background
-thread reads the quorum's heartbeat counters every ``Timeouts.probe``
-seconds (one store read per window, none on the training thread). A member
-whose counter did not move over a whole window is suspected, by the same
-rule as the commit vote's own probe (:mod:`shoal.membership.vote`): the watch
-raises the quorum's abort flag, so that no step of that quorum can commit any
-more, and asks the coordinator for a new quorum, which it forms after its own
-probe (it alone decides who is gone). Before its next round the strategy
-calls :meth:`~shoal.membership.elastic.ElasticGroup.renew_if_dissolved`: the
-dissolved quorum is left there and the round runs once, over the quorum the
-coordinator published. Only the coordinator's quorums ever commit: the watch
-only forbids commits (the abort flag), it never forms a quorum itself.
+(:meth:`~shoal.membership.elastic.ElasticGroup.watch_peers`, which starts
+the group's :class:`PeerWatcher`), a background thread reads the quorum's
+heartbeat counters every ``Timeouts.probe`` seconds (one store read per
+window, none on the training thread). A member whose counter did not move
+over a whole window is suspected, by the same rule as the commit vote's own
+probe (:mod:`shoal.membership.vote`): the watch raises the quorum's abort
+flag, so that no step of that quorum can commit any more, and asks the
+coordinator for a new quorum, which it forms after its own probe (it alone
+decides who is gone). Before its next round the strategy calls
+:meth:`~shoal.membership.elastic.ElasticGroup.renew_if_dissolved`, which asks
+the watcher whether a dissolved quorum is due to be left
+(:meth:`PeerWatcher.due`) and leaves it: the round then runs once, over the
+quorum the coordinator published. Only the coordinator's quorums ever
+commit: the watch only forbids commits (the abort flag), it never forms a
+quorum itself. Strategies renew only before rounds that a failure runs
+again (or, DASO, before the empty round that adopts a quorum), so a member
+that missed the flag meets the renewed ones in the same round
+(docs/elastic.md, "A member lost between two rounds").
 
 Example::
 
-    watch = PeerWatch(group.client, lambda: group.quorum, window=group.timeouts.probe).start()
+    group.watch_peers()            # the group's PeerWatcher starts its PeerWatch thread
     ...
-    watch.stop()
+    group.renew_if_dissolved()     # before a round: leave a quorum the watch dissolved
 """
 
 from __future__ import annotations
@@ -91,50 +98,57 @@ class PeerWatch:
         self.suspected += 1
 
 
-class PeerWatching:
-    """What :class:`~shoal.membership.elastic.ElasticGroup` gets from this module: :meth:`watch_peers`,
-    :meth:`renew_if_dissolved` and :meth:`stop_watch` (the group's own attributes are used as they are)."""
+class PeerWatcher:
+    """The elastic group's watch over its quorum's members: owned by the group, which asks it before each round.
 
-    watch: PeerWatch | None
-    client: MemberClient
-    timeouts: Any
-    quorum: Quorum | None
-    trace: Any
-    step: int
-    _in_step: bool
-    _after: int
-    _abandon: Callable[[], None]      # the group's: drop the quorum's process group
+    It starts the :class:`PeerWatch` thread on :meth:`start` (once; a strategy
+    whose members can fall silent between rounds turns it on) and answers
+    :meth:`due`: the quorum this member should leave before its next round,
+    because that quorum's abort flag is raised (the watch, the coordinator or a
+    failed collective raised it) and no step of it can commit any more. The
+    group does the leaving (:meth:`~shoal.membership.elastic.ElasticGroup.renew_if_dissolved`):
+    the watcher holds no process group and forms no quorum.
 
-    def watch_peers(self) -> None:
-        """Watch the quorum's heartbeats from now on (once; see the module docstring): DiLoCo and streaming
-        DiLoCo turn it on, so that a member lost during inner steps is left out before the next round."""
-        if self.watch is None:
-            self.watch = PeerWatch(self.client, lambda: self.quorum, self.timeouts.probe).start()
+    Args:
+        client: this member's connection to the coordinator.
+        quorum: returns the quorum this member is in now (None: none yet).
+        window: seconds between two reads of the heartbeats (``Timeouts.probe``).
 
-    def stop_watch(self) -> None:
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
+    Example::
 
-    def renew_if_dissolved(self) -> bool:
-        """Before a round, outside a step: leave the current quorum now if its abort flag is raised.
+        watcher = PeerWatcher(group.client, lambda: group.quorum, group.timeouts.probe)
+        watcher.start()                                    # idempotent
+        q = watcher.due(in_step=False, after=0)            # a dissolved quorum to leave, or None
+        watcher.stop()
+    """
 
-        A raised flag (the coordinator dropped a member, or a member's watch or
-        failure raised it) means no step of that quorum can commit any more;
-        leaving it now, the next ``begin_step`` adopts the coordinator's next
-        quorum and the round runs once, instead of failing and running again.
-        Nothing is discarded. True if it left.
+    def __init__(self, client: MemberClient, quorum: Callable[[], Quorum | None], window: float) -> None:
+        self.client, self.quorum, self.window = client, quorum, window
+        self.thread: PeerWatch | None = None
 
-        Example::
+    @property
+    def suspected(self) -> int:
+        """Quorums this member's watch dissolved so far (0 once stopped; read by tests)."""
+        return self.thread.suspected if self.thread is not None else 0
 
-            group.renew_if_dissolved()   # a peer died during the inner steps: re-form first
-            group.begin_step()           # adopts the survivors' quorum; the round then runs once
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = PeerWatch(self.client, self.quorum, self.window).start()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+            self.thread = None
+
+    def due(self, in_step: bool, after: int) -> Quorum | None:
+        """The current quorum if it should be left before the next round, else None.
+
+        Only outside a step (inside one, the step's vote discards it and leaves),
+        only a quorum not left already (``after``: the group adopts a quorum newer
+        than this one at its next ``begin_step``), and only once its abort flag is
+        raised: a raised flag means no step of that quorum can commit any more.
         """
-        q = self.quorum
-        if self._in_step or q is None or self._after >= q.qid or not self.client.abort.raised(q.prefix):
-            return False
-        self.trace("dissolved", qid=q.qid, step=self.step)
-        self._abandon()
-        self.client.request_quorum(q.qid)
-        self._after = q.qid
-        return True
+        q = self.quorum()
+        if in_step or q is None or after >= q.qid or not self.client.abort.raised(q.prefix):
+            return None
+        return q

@@ -39,7 +39,10 @@ one code path for static and elastic groups):
   skipped;
 - **membership** changes only in a round: a quorum waiting to be adopted is
   adopted in an empty round before the next gradient step begins, so a
-  newcomer always joins its peers in a round. Newcomers receive the run's
+  newcomer always joins its peers in a round. A member lost between two
+  steps is seen by the group's peer watch (:mod:`shoal.membership.watch`);
+  the next step first leaves the dissolved quorum and adopts the survivors'
+  in that empty round, so a kill costs at most the step in flight. Newcomers receive the run's
   state (module, optimizer, schedule, agreed parameters, pending result),
   then, in the same round, their *host's* state (parameters, buffers,
   optimizer state, parameters at launch) from the lowest-ranked established
@@ -309,6 +312,7 @@ class DASO(Strategy):
         self._rounds = self._make_rounds(self.rounds)
         self.rounds.register(optimizer=optimizer, get_state=self._state, load_state=self._load_state)
         group.before_begin_step(self._admit)
+        group.watch_peers()   # a member lost between steps is left out before the next one: _admit
         self._busy = True
         try:
             joined = self.rounds.join()
@@ -335,11 +339,15 @@ class DASO(Strategy):
 
     # --- rounds -------------------------------------------------------------------
     def _admit(self) -> None:
-        """Before a step begins: adopt a waiting quorum in empty rounds, so newcomers join in a round."""
-        if self._busy or self.rounds is None:
+        """Before a step begins: leave a quorum dissolved since the last step (a member lost: the peer watch or
+        the coordinator raised its abort flag), then adopt a waiting quorum in empty rounds, so newcomers
+        join in a round and the step runs once over the survivors. A member that missed the flag runs its
+        step on the dissolved quorum, which discards it there and then adopts in the same empty round."""
+        if self._busy or self.rounds is None or self.group is None:
             return
         self._busy = True
         try:
+            self.group.renew_if_dissolved()   # outside a step only
             while self.group is not None and self.group.quorum_pending:
                 self.rounds.run(ADOPT)
         finally:

@@ -196,8 +196,8 @@ class DiLoCo(Strategy):
     codec state and the module's buffers heal into newcomers, whose
     parameters are rebuilt from the healed global copies (not sent twice).
     A member lost during the inner steps is seen by the group's peer watch
-    (:mod:`shoal.membership.watch`, without overlapped reductions) and left
-    out before the next round, which then runs once (docs/elastic.md).
+    (:mod:`shoal.membership.watch`) and left out before the next round (with
+    overlapped reductions: the next launch), which then runs once (docs/elastic.md).
     The inner optimizer's state stays each worker's own, as in the paper (a
     newcomer starts from a peer's; background heal: docs/elastic.md).
 
@@ -269,8 +269,7 @@ class DiLoCo(Strategy):
         group.register_state(f"{key}/schedule", lambda: schedule_state(self), lambda s: load_schedule(self, s))
         group.register_state(f"{key}/pending", lambda: pending_state(self), lambda s: load_pending(self, s))
         enable_background_heal(self, group, optimizer)   # SHOAL_HEAL=background: shoal.strategies.diloco_heal
-        if cfg.overlap_steps == 0:
-            group.watch_peers()   # a member lost during the inner steps is left out before the round: _renew
+        group.watch_peers()   # a member lost during the inner steps is left out before the round: _renew
         group.before_begin_step(self._settle)
         self.rounds.join(self._first_state)
         self._mark_step()  # the set-up traffic is not the first step's
@@ -306,6 +305,8 @@ class DiLoCo(Strategy):
                 if self.config.overlap_steps == 0:
                     self._renew()
                     self.rounds.run(self._rounds[f.index][0])
+                elif self._renew():   # no quorum to launch on: the landing round reduces over the survivors
+                    f.merge_at, f.redo = self.step + self.config.overlap_steps, True
                 else:
                     self._launch(f)
         for f in self.fragments:
@@ -313,13 +314,16 @@ class DiLoCo(Strategy):
                 self._merge_round(f)
         self._mark_step()
 
-    def _renew(self) -> None:
-        """Before a round: a quorum dissolved during the inner steps (a member lost: its abort flag, raised by
-        the peer watch or the coordinator) is left now, so the round runs once over the survivors' quorum
-        instead of failing and running again (docs/elastic.md). Not with overlapped reductions: a launched
-        one runs on the quorum it was launched in, and its landing round handles the failure."""
-        if self.group is not None:   # bound in setup
-            self.group.renew_if_dissolved()
+    def _renew(self) -> bool:
+        """Before a round or a launch: a quorum dissolved during the inner steps (a member lost: its abort flag,
+        raised by the peer watch or the coordinator) is left now (True), so the round runs once over the
+        survivors' quorum instead of failing and running again (docs/elastic.md). A launch after a renewal
+        starts nothing (only a round adopts the next quorum): its landing round reduces in the foreground,
+        as the retry of a failed landing does, which is what a member that missed the flag runs after its
+        landing failed. Not while a launched reduction is in flight: it runs on the quorum it was launched in."""
+        if self.group is None or any(f.future is not None and not f.future.done() for f in self.fragments):
+            return False
+        return self.group.renew_if_dissolved()
 
     def _merge_round(self, f: _Fragment) -> None:
         """The round in which a background reduction lands: voted, then merged (or dropped, given up)."""

@@ -69,7 +69,10 @@ class AveragingStrategy(Strategy):
     per averaging) and copied back when the round commits, which on a static
     group it always does. On an :class:`~shoal.elastic.ElasticGroup` a
     failed round is run again with the survivors of the next quorum, and the
-    average divides by the live contributors; local steps need no vote.
+    average divides by the live contributors; local steps need no vote. A
+    member lost during the local steps is seen by the group's peer watch
+    (:mod:`shoal.membership.watch`) and left out before the next averaging,
+    which then runs once: the kill discards no round (docs/elastic.md).
 
     NaN/Inf (SPEC G5): a rank whose gradients are non-finite skips its own
     optimizer update (together with its group where gradients are averaged);
@@ -110,6 +113,7 @@ class AveragingStrategy(Strategy):
 
         self.rounds = Rounds(self.group_, self.name)
         self._rounds = {r.name: self.rounds.add(r) for r in self._make_rounds()}
+        self.group_.watch_peers()   # a member lost during the local steps is left out before the averaging
         self.rounds.register(module, self.optimizer, averager.codec, lambda: {"step": averager.step}, load)
         self._finish_joined(self.rounds.join(first))
         self._mark_step()  # the set-up traffic is not the first step's
@@ -243,6 +247,9 @@ class AveragingStrategy(Strategy):
         self.averager.step += 1
         self.averager.last_group, self.averager.last_left_out = None, 0
         if self.averager._group_at(step) is not None:
+            # A quorum dissolved during the local steps (a member lost: the peer watch or the coordinator
+            # raised its abort flag) is left first: the averaging then runs once, over the survivors.
+            self.group_.renew_if_dissolved()
             self.rounds.run(self._rounds["params"])
         self._mark_step()
 
@@ -365,11 +372,14 @@ class PostLocalSGD(AveragingStrategy):
         if self._in_ddp or self.rounds is None:
             return None
         # (a newcomer is admitted at the next round, not between the mean and the optimizer step)
+        if self.step >= self.warmup_steps and self.local_group is None:
+            return None
+        # A quorum dissolved since the last step is left first. A member that missed its flag discards this
+        # step there and, its step not counted, runs this same step's round next: on the renewed quorum.
+        self.group_.renew_if_dissolved()
         if self.step < self.warmup_steps:
             return self.rounds.run(self._rounds["grad"], admit=False)
-        if self.local_group is not None:
-            return self.rounds.run(self._rounds["local_grad"], FailurePolicy.DISCARD, admit=False)
-        return None
+        return self.rounds.run(self._rounds["local_grad"], FailurePolicy.DISCARD, admit=False)
 
     def _finish_joined(self, kind: str) -> None:
         if kind in ("grad", "local_grad") and self.optimizer is not None:  # its peers now step with these

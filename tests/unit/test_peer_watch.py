@@ -1,10 +1,10 @@
-"""The pieces that let DiLoCo's survivors leave out a lost member before the next outer round (issue #20).
+"""The pieces that let an averaging strategy's survivors leave out a lost member before the next outer round (issue #20).
 
 - :class:`~shoal.membership.watch.PeerWatch`: a member whose heartbeat counter
   stops is suspected; the watch raises the quorum's abort flag and asks the
   coordinator for a new quorum (a real TCPStore on loopback).
-- :meth:`renew_if_dissolved`: leaves a quorum whose abort flag is raised, only
-  outside a step and once per quorum.
+- :meth:`PeerWatcher.due` (what the group's ``renew_if_dissolved`` leaves): a
+  quorum whose abort flag is raised, only outside a step and once per quorum.
 - :class:`~shoal.membership.catchup.CatchUp`: a joiner of an averaging
   strategy (a replayer with ``after_commit``) starts its download only once
   the step that admitted it committed.
@@ -21,7 +21,7 @@ import pytest
 
 from shoal.membership.client import AbortWatch
 from shoal.membership.coordinator import Quorum, connect
-from shoal.membership.watch import PeerWatch, PeerWatching
+from shoal.membership.watch import PeerWatch, PeerWatcher
 
 
 @pytest.mark.timeout(30)
@@ -58,31 +58,23 @@ def test_a_member_whose_heartbeat_stops_dissolves_the_quorum_and_asks_for_a_new_
     assert master.get("run/req/3").decode() == "1"   # the coordinator probes and publishes the next quorum
 
 
-class _Group(PeerWatching):
-    def __init__(self, raised: bool) -> None:
-        self.quorum = Quorum(4, (1, 2), "run/q4/")
-        self.client = SimpleNamespace(abort=AbortWatch(), requests=[])
-        self.client.request_quorum = self.client.requests.append
-        self.client.abort.watch(self.quorum.prefix)
-        if raised:
-            self.client.abort.saw(self.quorum.prefix)
-        self.trace = lambda ev, **info: None
-        self.step, self._in_step, self._after, self.watch = 7, False, 0, None
-        self.abandoned = 0
-
-    def _abandon(self) -> None:
-        self.abandoned += 1
+def _watcher(raised: bool) -> PeerWatcher:
+    q = Quorum(4, (1, 2), "run/q4/")
+    client = SimpleNamespace(abort=AbortWatch())
+    client.abort.watch(q.prefix)
+    if raised:
+        client.abort.saw(q.prefix)
+    return PeerWatcher(client, lambda: q, window=1.0)   # type: ignore[arg-type]
 
 
-def test_renew_leaves_a_dissolved_quorum_once_and_only_outside_a_step() -> None:
-    g = _Group(raised=True)
-    g._in_step = True
-    assert not g.renew_if_dissolved() and g.abandoned == 0   # inside a step: its vote discards it
-    g._in_step = False
-    assert g.renew_if_dissolved() and g.abandoned == 1 and g.client.requests == [4] and g._after == 4
-    assert not g.renew_if_dissolved() and g.abandoned == 1   # already leaving it
-    intact = _Group(raised=False)
-    assert not intact.renew_if_dissolved() and intact.abandoned == 0 and intact._after == 0
+def test_a_dissolved_quorum_is_due_to_be_left_once_and_only_outside_a_step() -> None:
+    w = _watcher(raised=True)
+    assert w.due(in_step=True, after=0) is None            # inside a step: its vote discards it
+    q = w.due(in_step=False, after=0)
+    assert q is not None and q.qid == 4
+    assert w.due(in_step=False, after=4) is None            # already leaving it (the group set _after)
+    assert _watcher(raised=False).due(in_step=False, after=0) is None   # intact: nothing to leave
+    assert w.suspected == 0 and w.thread is None            # the thread starts only with watch_peers()
 
 
 @pytest.mark.timeout(30)
