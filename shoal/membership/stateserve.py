@@ -334,7 +334,8 @@ class Download(threading.Thread):
     every range arrived and the sha256 matches, :attr:`blob` holds the bytes;
     if every source failed (or the bytes do not match), :attr:`error` says why.
     ``before_chunk(source, received_so_far)``, if set, runs before every request
-    (tests park a download there).
+    (tests park a download there). ``pace`` (a :class:`~shoal.membership.pace.StepPace`), if set,
+    holds every request until one of its slots is open.
     """
 
     def __init__(self, hid: int, sources: list[Source], token: str, run_id: str, member: int,
@@ -348,8 +349,13 @@ class Download(threading.Thread):
         self.by_source: dict[int, int] = {s.member: 0 for s in sources}
         self.failed: dict[int, str] = {}
         self.before_chunk: Callable[[int, int], None] | None = None
+        self.pace: Any = None
         self.t0 = time.monotonic()
         self.seconds = 0.0
+
+    def live(self) -> int:
+        """The sources that have not failed (yet)."""
+        return len(self.sources) - len(self.failed)
 
     def run(self) -> None:
         size, sha = self.sources[0].size, self.sources[0].sha
@@ -390,6 +396,8 @@ class Download(threading.Thread):
                     with lock:
                         if left[0] == 0:
                             break
+                    if self.pace is not None:
+                        self.pace.wait()   # a slot of the run's step (pace.py); the others' queue is the same
                     try:
                         job = todo.get(timeout=0.05)
                     except queue.Empty:

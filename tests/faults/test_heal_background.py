@@ -64,18 +64,25 @@ def _check_join(final: list[dict[str, Any]], park: int, why: str, complete: bool
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", ["ddp", "wrap"])
+@pytest.mark.parametrize("path", ["ddp", "wrap", "paced"])
 def test_joiner_admitted_before_download_survivors_commit_and_state_is_bitwise_equal(path: str, tmp_path: Any) -> None:
     park = 3
     extra = ["--wrap"] if path == "wrap" else []
-    out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--park", str(park), *extra], env=ENV, hard_limit=100,
+    env = {**ENV, "SHOAL_HEAL_PACE": "0.5"} if path == "paced" else ENV
+    out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--park", str(park), *extra], env=env, hard_limit=100,
                       restarts=0, script="catchup_worker.py", initial_workers=2)
     why = out.logs
     final = out.final()
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], why
     cu = _check_join(final, park, why)
-    # Striped: both survivors served part of it.
+    # Striped: both survivors served part of it, and the parts make the whole state.
     assert len(cu["by_source"]) == 2 and all(n > 0 for n in cu["by_source"].values()), why
+    assert sum(cu["by_source"].values()) == cu["download_bytes"], why
+    paced = final[2]["paced"]
+    if path == "paced":   # SHOAL_HEAL_PACE: no range asked for before a commit after the admission opened a slot
+        assert paced and min(paced) >= 1 and cu["slots"] >= 1, why
+    else:
+        assert paced and set(paced) == {-1} and cu["slots"] == 0, why
 
 
 @pytest.mark.timeout(120)
