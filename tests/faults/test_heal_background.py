@@ -4,7 +4,8 @@ A joiner is admitted before its download, the survivors keep committing while
 it downloads (its download is parked until they committed some steps: the
 checks run every time, whatever the machine's speed), it replays what it
 missed and ends bitwise equal to the survivors; a source SIGKILLed
-mid-transfer loses its ranges to the other sources.
+mid-transfer loses its ranges to the other sources. With SHOAL_HEAL_PACE the
+same, the download asking for ranges only in the slots the commits open.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def test_joiner_admitted_before_download_survivors_commit_and_state_is_bitwise_e
 
 
 @pytest.mark.timeout(120)
-def test_source_killed_mid_transfer_joiner_finishes_from_the_others(tmp_path: Any) -> None:
+@pytest.mark.parametrize("pace", ["", "0.5"])
+def test_source_killed_mid_transfer_joiner_finishes_from_the_others(pace: str, tmp_path: Any) -> None:
     stop = threading.Event()
 
     def killer() -> None:   # SIGKILL rank 1 once the joiner holds part of the state, then let it go on
@@ -101,7 +103,8 @@ def test_source_killed_mid_transfer_joiner_finishes_from_the_others(tmp_path: An
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     try:
-        out = harness.run(str(tmp_path), 4, ["--joiner", "3", "--park", "2", "--midway"], env=ENV,
+        out = harness.run(str(tmp_path), 4, ["--joiner", "3", "--park", "2", "--midway"],
+                          env={**ENV, "SHOAL_HEAL_PACE": pace},
                           hard_limit=100, restarts=0, script="catchup_worker.py", initial_workers=3)
     finally:
         stop.set()
@@ -113,6 +116,7 @@ def test_source_killed_mid_transfer_joiner_finishes_from_the_others(tmp_path: An
     assert cu["failed_sources"] != [] and len(cu["failed_sources"]) == 1, why
     alive = [m for m in cu["by_source"] if m not in cu["failed_sources"]]
     assert len(alive) == 2 and all(cu["by_source"][m] > 0 for m in alive), why
+    assert (cu["slots"] >= 1) == bool(pace), why   # paced: the stripes of the lost source came in slots too
 
 
 @pytest.mark.timeout(120)
