@@ -18,9 +18,9 @@ How a join goes (``t`` is the run's committed step)::
                                     is a non-contributor: it zeroes its gradients, the others divide by
                                     the contributors; each source clones its state (no host sync) and a
                                     side thread serialises and serves it (stateserve.SnapshotServer)
-    steps t0 .. t-1                 survivors train and commit; the joiner fetches the snapshot
-                                    striped over every source, and records each committed step's
-                                    averaged gradients (it receives them as a zero-weight member)
+    steps t0 .. t-1                 survivors train and commit; the joiner fetches the snapshot striped
+                                    over every source (paced by the commits: SHOAL_HEAL_PACE, pace.py), and
+                                    records each committed step's averaged gradients (as a zero-weight member)
     begin_step(t), download done    joiner: load the snapshot (checked as any heal), replay the
                                     t - t0 recorded steps (optimizer steps): its model and optimizer
                                     now equal the survivors' at t; it publishes "contributes from

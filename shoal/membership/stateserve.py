@@ -19,7 +19,9 @@ so an unpaced download stalls the survivors' steps for as long as it takes
 ``rate`` (``SHOAL_HEAL_RATE``, e.g. ``4mbit``) a source sends at most that
 many bytes a second, all joiners together (:class:`Pacer`): the download
 takes longer and the joiner replays more steps, but the survivors' steps
-lose only that share of the link.
+lose only that share of the link. ``SHOAL_HEAL_PACE`` paces from the
+joiner's side instead, by the run's committed steps (``Download.pace``,
+:mod:`shoal.membership.pace`).
 
 Security: a joiner proves it holds the run token before anything is served
 (``HMAC-SHA256(token, "<run>/heal/<member>", nonce)`` for a fresh nonce of
