@@ -156,11 +156,12 @@ class StepPace:
         return max(0.0, self._open_until - now)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until a slot is open (or the pace is released); False if ``timeout`` passed first."""
-        deadline = None if timeout is None else self.clock() + timeout
+        """Block until a slot is open by ``clock`` (or the pace is released); False if ``timeout`` (real
+        seconds) passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self.slot_left(self.clock()) <= 0.0:
-                left = None if deadline is None else deadline - self.clock()
+                left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cv.wait(left)   # a commit or a release opens a slot, and both notify

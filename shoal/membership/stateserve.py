@@ -382,6 +382,14 @@ class Download(threading.Thread):
         else:
             self.blob = bytes(buf)
 
+    def _paced(self, left: list[int], lock: threading.Lock) -> bool:
+        """Wait for a slot of the run's step (``pace``); False once the other sources fetched every range."""
+        while not self.pace.wait(timeout=0.05):
+            with lock:
+                if left[0] == 0:
+                    return False
+        return True
+
     def _pull(self, src: Source, buf: bytearray, todo: queue.Queue[tuple[int, int]], left: list[int],
               lock: threading.Lock) -> None:
         job: tuple[int, int] | None = None
@@ -398,8 +406,8 @@ class Download(threading.Thread):
                     with lock:
                         if left[0] == 0:
                             break
-                    if self.pace is not None:
-                        self.pace.wait()   # a slot of the run's step (pace.py); the others' queue is the same
+                    if self.pace is not None and not self._paced(left, lock):
+                        break
                     try:
                         job = todo.get(timeout=0.05)
                     except queue.Empty:

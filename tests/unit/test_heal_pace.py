@@ -136,3 +136,33 @@ def test_a_paced_striped_download_asks_nothing_between_slots_and_each_source_sen
     got = from_bytes(torch.frombuffer(bytearray(dl.blob), dtype=torch.uint8))
     assert torch.equal(got["model"]["w"], tree["model"]["w"])
     a.close(), b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_source_waiting_for_a_slot_stops_once_the_others_fetched_the_last_range() -> None:
+    # Two ranges: the second is asked for in the slot, which then closes; the other source, done with the first
+    # range and waiting for a slot, must not hold the download until the next commit (there may be none).
+    tree = _tree()
+    (a, sa), (b, sb) = _serve(tree), _serve(tree)
+    sources = [Source(1, sa.address, sa.size, sa.sha), Source(2, sb.address, sb.size, sb.sha)]
+    now = [0.0]
+    pace = StepPace(0.5, clock=lambda: now[0])
+    pace.admitted(now=0.0)
+    dl = Download(3, sources, TOKEN, RUN, member=9, chunk=(sa.size + 1) // 2)
+    dl.pace = pace
+    calls = []
+
+    def before_chunk(source: int, received: int) -> None:
+        calls.append(source)
+        if len(calls) == 2:        # the last range: close the slot, let the first range's source reach its wait
+            now[0] = 100.0
+            while dl.received == 0:
+                threading.Event().wait(0.01)
+            threading.Event().wait(0.2)
+
+    dl.before_chunk = before_chunk
+    pace.committed(sources=2, joiners=1, now=10.0)      # one slot, from 10 to 15 (the clock reads 0.0)
+    dl.start()
+    dl.join(20)
+    assert not dl.is_alive() and dl.error is None and dl.received == sa.size and pace.slots == 1
+    a.close(), b.close()
