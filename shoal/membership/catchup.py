@@ -112,7 +112,6 @@ class CatchUp:
         self.rate = heal_rate()                 # a source's bytes/s to joiners (SHOAL_HEAL_RATE), None: no limit
         self.pace_fraction = heal_pace()        # a joiner's share of each step (SHOAL_HEAL_PACE), None: no pace
         self.pace: StepPace | None = None       # joiner: this download's slots (pace.py)
-        self._download: Download | None = None
         self.replayers: list[Replayer] = []
         self.refusals: list[tuple[str, Callable[[], bool] | None]] = []   # why (and when) it cannot
         self._generation = 0                    # a download given up on never reports into a later one
@@ -308,7 +307,7 @@ class CatchUp:
         self.stats.admitted_step, self.stats.admitted_at = top, time.time()
         self.stats.admissions += 1
         self._done.clear()
-        self._generation, self._download = self._generation + 1, None
+        self._generation += 1
         self._unpace()   # an earlier download given up on goes on unpaced (nobody waits for it)
         if self.pace_fraction is not None and not any(getattr(r, "after_commit", False) for r in self.replayers):
             self.pace = StepPace(self.pace_fraction)   # step-synchronous only: DiLoCo downloads in its idle inner steps
@@ -333,8 +332,6 @@ class CatchUp:
             dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,   # finer stripes;
                           chunk=min(g.heal_chunk, PACED_CHUNK if pace else 1 << 20), timeout=g.timeouts.op)
             dl.before_chunk, dl.pace = self.before_chunk, pace   # paced: a slot overshoots by a chunk a source
-            if generation == self._generation:
-                self._download = dl
             dl.run()    # in this thread
             result = (dl.blob, dl.error)
         except Exception as e:  # noqa: BLE001 - reported to the training thread, which fails the step
@@ -437,10 +434,8 @@ class CatchUp:
             # unread (the coordinator did not answer): the next begin_step reads again, or fails its step
         if self.hid >= 0 and not self.loaded:
             self.records.append([r.record() for r in self.replayers])
-            if self.pace is not None:   # the next slot: a share of the step, split over the live sources
-                dl = self._download
-                joiners = sum(1 for p in self.pending.values() if p.ready is None)
-                self.pace.committed(dl.live() if dl is not None else 1, joiners, time.monotonic())
+            if self.pace is not None:   # the next slot: a share of the step, striped over the live sources
+                self.pace.committed(time.monotonic())
                 self.stats.slots = self.pace.slots
 
     def _joiner_begin(self, t: int) -> None:

@@ -18,12 +18,13 @@ step's forward pass leaves the link idlest. So:
 
 * a survivor's step loses at most ``fraction`` of a step to the download
   (less where the slot falls in the link's idle time), whatever the link's speed;
-* each of ``k`` sources sends ~1/k of every slot (the chunks are striped), so a
-  source's upload is shared the same way; with ``j`` joiners downloading
-  at once from ``k`` sources (``j > k``), each joiner's slot is scaled by
-  ``k / j``, so a source's upload still carries about one slot a step;
-* the download takes about ``S / (fraction * step * link rate)`` steps
-  (the state's size ``S``): bounded, and on a fast link one or two steps.
+* the slots of every joiner open at the same commits, so a source's upload
+  is busy for about one slot a step however many joiners it serves (they
+  share it), and each of ``k`` sources sends ~1/k of a joiner's bytes (the
+  chunks are striped): the bytes a joiner gets per step follow the number of
+  sources and joiners by themselves, no source ever sends for longer;
+* the download takes about ``S * j / (fraction * step * link rate * min(k, j))``
+  steps (the state's size ``S``): bounded, and on a fast link one or two steps.
 
 Pure bookkeeping plus one condition variable: :meth:`committed` and
 :meth:`slot_left` take the time as an argument (tests pass made-up times),
@@ -33,7 +34,7 @@ Example (a joiner at 10 s a step with ``SHOAL_HEAL_PACE=0.2``)::
 
     pace = StepPace(0.2)
     pace.admitted(now=0.0)
-    pace.committed(sources=3, joiners=1, now=10.0)   # a 2 s slot: downloads until 12.0
+    pace.committed(now=10.0)                         # a 2 s slot: downloads until 12.0
     pace.slot_left(now=11.0)                          # 1.0
     pace.slot_left(now=12.5)                          # 0.0: wait() blocks until the next commit
 """
@@ -125,19 +126,14 @@ class StepPace:
         """The median interval between the commits seen so far (None before the first)."""
         return statistics.median(self._intervals) if self._intervals else None
 
-    def share(self, sources: int, joiners: int) -> float:
-        """The fraction of a step this joiner downloads for, with ``sources`` live sources and ``joiners``
-        downloading: ``fraction``, scaled by ``sources / joiners`` when joiners outnumber sources."""
-        return self.fraction * min(1.0, max(sources, 1) / max(joiners, 1))
-
-    def committed(self, sources: int, joiners: int, now: float) -> float:
+    def committed(self, now: float) -> float:
         """A step committed at ``now``: open the next slot; returns its length in seconds."""
         with self._cv:
             if self._last is not None and now > self._last:
                 self._intervals.append(now - self._last)
             self._last = now
             step = self.step()
-            slot = self.share(sources, joiners) * step if step is not None else 0.0
+            slot = self.fraction * step if step is not None else 0.0
             self._open_until = now + slot
             self.slots += 1
             self._cv.notify_all()

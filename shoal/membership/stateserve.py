@@ -355,10 +355,6 @@ class Download(threading.Thread):
         self.t0 = time.monotonic()
         self.seconds = 0.0
 
-    def live(self) -> int:
-        """The sources that have not failed (yet)."""
-        return len(self.sources) - len(self.failed)
-
     def run(self) -> None:
         size, sha = self.sources[0].size, self.sources[0].sha
         buf = bytearray(size)

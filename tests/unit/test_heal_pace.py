@@ -20,7 +20,7 @@ def test_no_slot_before_the_first_commit_then_a_share_of_the_step_measured_from_
     pace = StepPace(0.2)
     pace.admitted(now=100.0)
     assert pace.slot_left(100.0) == 0.0 and pace.slot_left(105.0) == 0.0   # the admission step: no download
-    assert pace.committed(sources=3, joiners=1, now=110.0) == pytest.approx(2.0)   # 0.2 x the 10 s step
+    assert pace.committed(now=110.0) == pytest.approx(2.0)   # 0.2 x the 10 s step
     assert pace.slot_left(110.0) == pytest.approx(2.0) and pace.slot_left(111.5) == pytest.approx(0.5)
     assert pace.slot_left(112.0) == 0.0 and pace.slot_left(119.0) == 0.0   # closed until the next commit
     assert pace.slots == 1
@@ -30,28 +30,27 @@ def test_the_step_is_the_median_of_the_recent_commit_intervals() -> None:
     pace = StepPace(0.5)
     pace.admitted(now=0.0)
     for t in (10.0, 20.0, 50.0):   # intervals 10, 10, 30: one slow step (a kill's re-run) does not set the pace
-        slot = pace.committed(sources=2, joiners=1, now=t)
+        slot = pace.committed(now=t)
     assert pace.step() == 10.0 and slot == pytest.approx(5.0)
     for t in (52.0, 54.0, 56.0, 58.0):   # the window keeps the last 5 intervals: 30, 2, 2, 2, 2
-        slot = pace.committed(sources=2, joiners=1, now=t)
+        slot = pace.committed(now=t)
     assert pace.step() == 2.0 and slot == pytest.approx(1.0)
 
 
 def test_a_commit_without_an_admission_time_opens_no_slot_until_a_step_is_measured() -> None:
     pace = StepPace(0.5)
-    assert pace.committed(sources=1, joiners=1, now=5.0) == 0.0 and pace.slot_left(5.0) == 0.0
-    assert pace.committed(sources=1, joiners=1, now=9.0) == pytest.approx(2.0)
+    assert pace.committed(now=5.0) == 0.0 and pace.slot_left(5.0) == 0.0
+    assert pace.committed(now=9.0) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("sources, joiners, share", [(3, 1, 0.2), (3, 3, 0.2), (1, 3, 0.2 / 3), (2, 4, 0.1),
-                                                     (0, 2, 0.1)])
-def test_joiners_outnumbering_sources_share_each_source_s_slot(sources: int, joiners: int, share: float) -> None:
-    # Each source sends ~1/k of every slot (striped); j joiners on k < j sources would load a source's upload
-    # with j/k slots a step, so each joiner's slot shrinks by k/j. A source count of 0 (all failed) counts as 1.
-    pace = StepPace(0.2)
-    assert pace.share(sources, joiners) == pytest.approx(share)
-    pace.admitted(now=0.0)
-    assert pace.committed(sources, joiners, now=10.0) == pytest.approx(10.0 * share)
+def test_every_joiner_s_slot_opens_at_the_same_commit_and_lasts_the_same_whoever_shares_the_sources() -> None:
+    # Time slots, not byte budgets: j joiners of one source download in the same slot and share its upload,
+    # so the source sends for one slot a step whatever j is; no count of sources or joiners enters.
+    paces = [StepPace(0.2) for _ in range(3)]
+    for p in paces:
+        p.admitted(now=0.0)
+    assert [p.committed(now=10.0) for p in paces] == [pytest.approx(2.0)] * 3
+    assert [p.slot_left(11.0) for p in paces] == [pytest.approx(1.0)] * 3
 
 
 def test_release_lifts_the_pace_for_good() -> None:
@@ -76,7 +75,7 @@ def test_wait_blocks_until_a_commit_opens_a_slot() -> None:
     t = threading.Thread(target=downloader, daemon=True)
     t.start()
     assert not passed.wait(0.05)                  # still blocked: nothing committed
-    pace.committed(sources=2, joiners=1, now=4.0)   # a 2 s slot from 4.0; the clock reads 0.0 < 6.0: open
+    pace.committed(now=4.0)   # a 2 s slot from 4.0; the clock reads 0.0 < 6.0: open
     assert passed.wait(5.0)
     t.join(5.0)
     now[0] = 6.5                                  # past the slot's end
@@ -121,14 +120,14 @@ def test_a_paced_striped_download_asks_nothing_between_slots_and_each_source_sen
     dl.before_chunk = before_chunk
     dl.start()
     assert not dl.is_alive() or dl.received == 0          # nothing before the first commit
-    pace.committed(sources=2, joiners=1, now=10.0)      # slot 1: 5 s of a 10 s step, the clock reads 0.0
+    pace.committed(now=10.0)      # slot 1: 5 s of a 10 s step, the clock reads 0.0
     deadline = threading.Event()
     while len(asked) < 6 and not deadline.wait(0.01):
         pass
     deadline.wait(0.3)                                   # let any request that was past its wait through
     in_first = [s for s in asked if s[0] == 1]
     assert 6 <= len(in_first) <= 6 + 2 and dl.is_alive() and dl.received < sa.size
-    pace.committed(sources=2, joiners=1, now=100.0)     # slot 2: from 100 to 105; the clock reads 100.0
+    pace.committed(now=100.0)     # slot 2: from 100 to 105; the clock reads 100.0
     dl.join(30)
     assert dl.error is None and dl.blob is not None and dl.received == sa.size
     assert all(slot in (1, 2) for slot, _ in asked) and {src for _, src in asked} == {1, 2}
@@ -161,7 +160,7 @@ def test_a_source_waiting_for_a_slot_stops_once_the_others_fetched_the_last_rang
             threading.Event().wait(0.2)
 
     dl.before_chunk = before_chunk
-    pace.committed(sources=2, joiners=1, now=10.0)      # one slot, from 10 to 15 (the clock reads 0.0)
+    pace.committed(now=10.0)      # one slot, from 10 to 15 (the clock reads 0.0)
     dl.start()
     dl.join(20)
     assert not dl.is_alive() and dl.error is None and dl.received == sa.size and pace.slots == 1
