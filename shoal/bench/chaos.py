@@ -14,9 +14,9 @@ newcomer's admission, minus a median step), the newcomer's seconds from
 process start to its first committed step, and the goodput (committed
 samples per second; chaos over fault-free: ``goodput_ratio``); the
 definitions, unit-tested: :mod:`shoal.bench.chaos_stats`. Per join also
-(``joins``): the joiner's seconds from process start to its first
-contributing step and the bytes it received. ``--heal background`` heals
-restarted workers in the background (SHOAL_HEAL, docs/elastic.md).
+(``joins``): the joiner's seconds from process start to its first contributing step and the bytes it
+received. ``--heal background`` heals restarted workers in the background (SHOAL_HEAL, docs/elastic.md),
+``--heal-pace`` paces it by the run's steps (SHOAL_HEAL_PACE).
 
 Two tasks. ``--task markov`` (default) is a small real one that 2 CPU cores
 can train in minutes: a character-level LM (2-layer causal transformer,
@@ -55,10 +55,11 @@ import torch
 import torch.nn.functional as F
 
 import shoal
-from shoal.bench.chaos_stats import goodput, join_stalls, kill_stalls, median_step, spread, trained_s
+from shoal.bench.chaos_stats import goodput, join_stalls, joins as join_table, kill_stalls, median_step, spread, trained_s
 from shoal.bench.overhead import TinyTransformer
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.rates import parse_rate
+from shoal.membership.pace import parse_pace
 from shoal.cli.elastic_launch import NamespacedCoordinator
 from shoal.elastic import Coordinator, ElasticGroup, Timeouts
 
@@ -176,12 +177,12 @@ def worker(a: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
-                              "discards": group.stats.discards - d0, "round": group.step,
-                              "contributes": mine}) + "\n")
+                              "discards": group.stats.discards - d0, "round": group.step, "contributes": mine}) + "\n")
         if mine and not contributed:   # what it received to get here (it may be killed before "done")
-            contributed = True
+            contributed, cu = True, group.catchup.stats
             log.write(json.dumps({"event": "contributing", "t": time.time(), "heal_bytes": group.stats.heal_bytes,
-                                  "download_bytes": group.catchup.stats.download_bytes}) + "\n")
+                                  "download_bytes": cu.download_bytes, "by_source": cu.by_source,
+                                  "slots": cu.slots}) + "\n")
     log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net)}) + "\n")
     log.close()
     group.leave()
@@ -191,7 +192,7 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
     with ExitStack() as stack:
         token = secrets.token_urlsafe(16)   # elastic runs require one; the workers read SHOAL_TOKEN
         env = {**os.environ, "SHOAL_RUN_ID": uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "SHOAL_TOKEN": token,
-               "SHOAL_HEAL": a.heal, "SHOAL_HEAL_RATE": a.heal_rate}
+               "SHOAL_HEAL": a.heal, "SHOAL_HEAL_RATE": a.heal_rate, "SHOAL_HEAL_PACE": a.heal_pace}
         env.pop("SHOAL_ELASTIC_TRACE", None)
         if a.trace:   # the workers and the coordinator write timestamped events (see _recovery)
             env["SHOAL_ELASTIC_TRACE"] = os.path.join(out, "trace")
@@ -334,7 +335,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         "heal_s": [round(e["heal_s"], 3) for e in joins],
         "heal_bytes": max((e["heal_bytes"] for e in joins), default=0),
         "params": next((e["params"] for lg in logs.values() for e in lg if "params" in e), 0),
-        "joins": _joins(logs, normal),
+        "joins": join_table(logs, normal),
         # Per kill and per join (shoal.bench.chaos_stats): the survivors' stall, minus a median step.
         "stall_per_kill_s": spread([k["stall_s"] for k in per_kill]),
         "stall_per_join_s": spread([j["stall_s"] for j in per_join]),
@@ -343,29 +344,6 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         # Over the training's wall time: start to the last worker's end of training (not its leave).
         "goodput_samples_s": round(goodput(logs, batch, trained_s(logs, began, wall), sum(lost)), 2),
     }
-
-
-def _joins(logs: dict[tuple[int, int], list[dict[str, Any]]], normal: float) -> list[dict[str, Any]]:
-    """Per restarted worker: its seconds from process start to its first contributing step, the state it
-    received, and the survivors' stall while it joined: the longest gap between two logged steps of any
-    other worker overlapping [its first step's start (asking to be admitted), its first contributing
-    step], minus the median step (a kill's own stall falls in it only if the restart asked that early)."""
-    out = []
-    for (rank, life), lg in sorted(logs.items()):
-        ev = {e["event"]: e for e in lg if "event" in e}
-        first = next((e for e in lg if "dt" in e and e.get("contributes", True)), None)
-        if life == 0 or "joined" not in ev or "joining" not in ev or first is None:
-            continue
-        t0, t1, gaps = ev["joining"]["t"], first["t"], []
-        for (other, _), lg2 in logs.items():
-            ts = [e["t"] for e in lg2 if "dt" in e]
-            gaps += [b - a for a, b in zip(ts, ts[1:]) if other != rank and b >= t0 and a <= t1]
-        got = ev.get("contributing", {})
-        out.append({"rank": rank, "life": life, "start_to_contribute_s": round(t1 - ev["joined"]["started"], 2),
-                    "survivor_stall_s": round(max(gaps) - normal, 3) if gaps else None,
-                    "steps_before_contributing": sum(1 for e in lg if "dt" in e and not e.get("contributes", True)),
-                    "state_bytes": got.get("heal_bytes", 0), "downloaded_bytes": got.get("download_bytes", 0)})
-    return out
 
 
 PHASES = ("request", "publish", "quorum", "barrier", "built", "healed")
@@ -459,12 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heal", choices=["blocking", "background"], default="blocking",
                     help="how restarted workers get the run's state (SHOAL_HEAL; docs/elastic.md); background "
                          "applies to --strategy ddp and diloco")
-    ap.add_argument("--heal-rate", default="", help="background heal: a source's bytes/s to joiners, a tc rate "
-                    "such as 4mbit (SHOAL_HEAL_RATE; default: no limit)")
+    ap.add_argument("--heal-rate", default="", help="background heal: a source's flat rate, e.g. 4mbit (SHOAL_HEAL_RATE)")
+    ap.add_argument("--heal-pace", default="", help="background heal: a joiner's share of each step (SHOAL_HEAL_PACE)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    parse_rate(a.heal_rate) if a.heal_rate else None   # a bad rate stops here (ConfigError), not in each worker
+    (parse_rate(a.heal_rate) if a.heal_rate else None, parse_pace(a.heal_pace))   # bad: ConfigError here, once
     if a.worker:
         worker(a)
         return 0

@@ -142,3 +142,27 @@ def spread(values: list[float | None]) -> dict[str, float | int]:
     """``{"n", "median", "max"}`` of the values that are not None (``{"n": 0}`` if none)."""
     v = sorted(x for x in values if x is not None)
     return {"n": len(v), "median": round(statistics.median(v), 3), "max": round(v[-1], 3)} if v else {"n": 0}
+
+
+def joins(logs: Logs, normal: float) -> list[dict[str, Any]]:
+    """Per restarted worker: its seconds from process start to its first contributing step, the state it
+    received, and the survivors' stall while it joined: the longest gap between two logged steps of any
+    other worker overlapping [its first step's start (asking to be admitted), its first contributing
+    step], minus the median step (a kill's own stall falls in it only if the restart asked that early)."""
+    out = []
+    for (rank, life), lg in sorted(logs.items()):
+        ev = {e["event"]: e for e in lg if "event" in e}
+        first = next((e for e in lg if "dt" in e and e.get("contributes", True)), None)
+        if life == 0 or "joined" not in ev or "joining" not in ev or first is None:
+            continue
+        t0, t1, gaps = ev["joining"]["t"], first["t"], []
+        for (other, _), lg2 in logs.items():
+            ts = [e["t"] for e in lg2 if "dt" in e]
+            gaps += [b - a for a, b in zip(ts, ts[1:]) if other != rank and b >= t0 and a <= t1]
+        got = ev.get("contributing", {})
+        out.append({"rank": rank, "life": life, "start_to_contribute_s": round(t1 - ev["joined"]["started"], 2),
+                    "survivor_stall_s": round(max(gaps) - normal, 3) if gaps else None,
+                    "steps_before_contributing": sum(1 for e in lg if "dt" in e and not e.get("contributes", True)),
+                    "state_bytes": got.get("heal_bytes", 0), "downloaded_bytes": got.get("download_bytes", 0),
+                    "by_source": got.get("by_source", {}), "slots": got.get("slots", 0)})
+    return out

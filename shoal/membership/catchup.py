@@ -18,9 +18,9 @@ How a join goes (``t`` is the run's committed step)::
                                     is a non-contributor: it zeroes its gradients, the others divide by
                                     the contributors; each source clones its state (no host sync) and a
                                     side thread serialises and serves it (stateserve.SnapshotServer)
-    steps t0 .. t-1                 survivors train and commit; the joiner fetches the snapshot
-                                    striped over every source, and records each committed step's
-                                    averaged gradients (it receives them as a zero-weight member)
+    steps t0 .. t-1                 survivors train and commit; the joiner fetches the snapshot striped
+                                    over every source (paced by the commits: SHOAL_HEAL_PACE, pace.py), and
+                                    records each committed step's averaged gradients (as a zero-weight member)
     begin_step(t), download done    joiner: load the snapshot (checked as any heal), replay the
                                     t - t0 recorded steps (optimizer steps): its model and optimizer
                                     now equal the survivors' at t; it publishes "contributes from
@@ -63,14 +63,14 @@ import torch
 from shoal.comm.objects import from_bytes, to_bytes
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 from shoal.membership.heal import HealPlan, broadcast_object, load_blob
+from shoal.membership.pace import PACED_CHUNK, StepPace, heal_pace, heal_rate
 from shoal.membership.received import check_received
 from shoal.membership.replay import OptimizerReplay, Replayer
 from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, local_address
-from shoal.rates import parse_rate
 
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
-__all__ = ["CatchUp", "CatchUpStats", "OptimizerReplay", "Pending", "Replayer", "MODES"]
+__all__ = ["CatchUp", "CatchUpStats", "OptimizerReplay", "Pending", "Replayer", "MODES", "heal_pace", "heal_rate"]
 
 
 @dataclass
@@ -97,21 +97,7 @@ class CatchUpStats:
     failed_sources: list[int] = field(default_factory=list)
     served: int = 0               # snapshots this worker offered as a source
     admissions: int = 0           # times admitted as a downloader (again after a download that failed)
-
-
-def heal_rate() -> float | None:
-    """``SHOAL_HEAL_RATE`` (a tc rate such as ``4mbit``): what a source sends joiners at most, a second.
-
-    Unset or empty: no limit. On a link the training also needs, a rate below
-    it keeps a download from stalling the survivors (docs/elastic.md, "Pacing
-    the download")."""
-    rate = os.environ.get("SHOAL_HEAL_RATE", "").strip()
-    if not rate:
-        return None
-    try:
-        return parse_rate(rate)
-    except ConfigError as e:
-        raise ConfigError(f"SHOAL_HEAL_RATE: {e}") from None
+    slots: int = 0                # paced download (SHOAL_HEAL_PACE): the commits that opened a slot
 
 
 class CatchUp:
@@ -124,6 +110,8 @@ class CatchUp:
         self.group = group
         self.enabled = mode == "background"
         self.rate = heal_rate()                 # a source's bytes/s to joiners (SHOAL_HEAL_RATE), None: no limit
+        self.pace_fraction = heal_pace()        # a joiner's share of each step (SHOAL_HEAL_PACE), None: no pace
+        self.pace: StepPace | None = None       # joiner: this download's slots (pace.py)
         self.replayers: list[Replayer] = []
         self.refusals: list[tuple[str, Callable[[], bool] | None]] = []   # why (and when) it cannot
         self._generation = 0                    # a download given up on never reports into a later one
@@ -191,6 +179,7 @@ class CatchUp:
         if self.hid >= 0 and g.rank in plan.needy and not plan.background:
             log.warning("giving up the background heal %d: this quorum heals blocking", self.hid)
             self.hid, self._generation = -1, self._generation + 1
+            self._unpace()
         if not (plan.background and plan.needy):
             return False
         if not self._send_admission(plan):
@@ -319,21 +308,30 @@ class CatchUp:
         self.stats.admissions += 1
         self._done.clear()
         self._generation += 1
+        self._unpace()   # an earlier download given up on goes on unpaced (nobody waits for it)
+        if self.pace_fraction is not None and not any(getattr(r, "after_commit", False) for r in self.replayers):
+            self.pace = StepPace(self.pace_fraction)   # step-synchronous only: DiLoCo downloads in its idle inner steps
+            self.pace.admitted(time.monotonic())
         store = g.client.store.clone()
-        threading.Thread(target=self._fetch, args=(hid, sources, store, self._generation), name="shoal-heal-fetch",
-                         daemon=True).start()
+        threading.Thread(target=self._fetch, args=(hid, sources, store, self._generation, self.pace),
+                         name="shoal-heal-fetch", daemon=True).start()
         log.info("admitted at step %d as a non-contributor; fetching heal %d from members %s", top, hid, sources)
 
-    def _fetch(self, hid: int, members: list[int], store: Any, generation: int) -> None:
+    def _unpace(self) -> None:
+        if self.pace is not None:
+            self.pace.release()
+        self.pace = None
+
+    def _fetch(self, hid: int, members: list[int], store: Any, generation: int, pace: StepPace | None) -> None:
         g = self.group
         result: tuple[bytes | None, str | None]
         try:
             if any(getattr(r, "after_commit", False) for r in self.replayers):
                 self._await_commit(generation)
             sources = self._sources(hid, members, store)
-            dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,
-                          chunk=min(g.heal_chunk, 1 << 20), timeout=g.timeouts.op)   # finer stripes
-            dl.before_chunk = self.before_chunk
+            dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,   # finer stripes;
+                          chunk=min(g.heal_chunk, PACED_CHUNK if pace else 1 << 20), timeout=g.timeouts.op)
+            dl.before_chunk, dl.pace = self.before_chunk, pace   # paced: a slot overshoots by a chunk a source
             dl.run()    # in this thread
             result = (dl.blob, dl.error)
         except Exception as e:  # noqa: BLE001 - reported to the training thread, which fails the step
@@ -390,6 +388,7 @@ class CatchUp:
         it serves. Both bounded by ``Timeouts.quorum``."""
         g = self.group
         deadline = time.monotonic() + g.timeouts.quorum
+        self._unpace()   # nobody commits steps any more: the rest of the download goes flat out
         if self.hid >= 0 and not self.loaded:
             blob, error = self._result if self._done.wait(g.timeouts.quorum) else (None, "it did not finish")
             if blob is not None and error is None:
@@ -435,6 +434,9 @@ class CatchUp:
             # unread (the coordinator did not answer): the next begin_step reads again, or fails its step
         if self.hid >= 0 and not self.loaded:
             self.records.append([r.record() for r in self.replayers])
+            if self.pace is not None:   # the next slot: a share of the step, striped over the live sources
+                self.pace.committed(time.monotonic())
+                self.stats.slots = self.pace.slots
 
     def _joiner_begin(self, t: int) -> None:
         p = self.pending[self.group.client.member_id]

@@ -19,7 +19,9 @@ so an unpaced download stalls the survivors' steps for as long as it takes
 ``rate`` (``SHOAL_HEAL_RATE``, e.g. ``4mbit``) a source sends at most that
 many bytes a second, all joiners together (:class:`Pacer`): the download
 takes longer and the joiner replays more steps, but the survivors' steps
-lose only that share of the link.
+lose only that share of the link. ``SHOAL_HEAL_PACE`` paces from the
+joiner's side instead, by the run's committed steps (``Download.pace``,
+:mod:`shoal.membership.pace`).
 
 Security: a joiner proves it holds the run token before anything is served
 (``HMAC-SHA256(token, "<run>/heal/<member>", nonce)`` for a fresh nonce of
@@ -334,7 +336,8 @@ class Download(threading.Thread):
     every range arrived and the sha256 matches, :attr:`blob` holds the bytes;
     if every source failed (or the bytes do not match), :attr:`error` says why.
     ``before_chunk(source, received_so_far)``, if set, runs before every request
-    (tests park a download there).
+    (tests park a download there). ``pace`` (a :class:`~shoal.membership.pace.StepPace`), if set,
+    holds every request until one of its slots is open.
     """
 
     def __init__(self, hid: int, sources: list[Source], token: str, run_id: str, member: int,
@@ -348,6 +351,7 @@ class Download(threading.Thread):
         self.by_source: dict[int, int] = {s.member: 0 for s in sources}
         self.failed: dict[int, str] = {}
         self.before_chunk: Callable[[int, int], None] | None = None
+        self.pace: Any = None
         self.t0 = time.monotonic()
         self.seconds = 0.0
 
@@ -374,6 +378,14 @@ class Download(threading.Thread):
         else:
             self.blob = bytes(buf)
 
+    def _paced(self, left: list[int], lock: threading.Lock) -> bool:
+        """Wait for a slot of the run's step (``pace``); False once the other sources fetched every range."""
+        while not self.pace.wait(timeout=0.05):
+            with lock:
+                if left[0] == 0:
+                    return False
+        return True
+
     def _pull(self, src: Source, buf: bytearray, todo: queue.Queue[tuple[int, int]], left: list[int],
               lock: threading.Lock) -> None:
         job: tuple[int, int] | None = None
@@ -390,6 +402,8 @@ class Download(threading.Thread):
                     with lock:
                         if left[0] == 0:
                             break
+                    if self.pace is not None and not self._paced(left, lock):
+                        break
                     try:
                         job = todo.get(timeout=0.05)
                     except queue.Empty:

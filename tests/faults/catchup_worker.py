@@ -42,11 +42,16 @@ def _wait_file(path: str, limit: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+PACED: list[int] = []   # the joiner: per chunk request, the pace's slots opened so far
+
+
 def _park(group: ElasticGroup, out: str, park: int, midway: bool) -> None:
     """Install the joiner's download hook: wait for ``park`` commits, then (``midway``) for a kill."""
     parked = parked_striped(group, park)
 
     def before_chunk(source: int, received: int) -> None:
+        pace = group.catchup.pace   # SHOAL_HEAL_PACE: which slot let this request through (-1: no pace)
+        PACED.append(pace.slots if pace is not None else -1)
         parked(source, received)
         if midway and received > 0:
             if not os.path.exists(os.path.join(out, "midway")):
@@ -150,7 +155,8 @@ def main() -> None:
                 open(os.path.join(a.out, "go"), "w").close()
             _wait_file(os.path.join(a.out, "joining"))   # outside any step: nobody's collective waits
     result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(), "stats": vars(group.stats),
-              "catchup": asdict(group.catchup.stats), "grads": grads, "cursor": data.cursor, "rank": rank, "life": life}
+              "catchup": asdict(group.catchup.stats), "grads": grads, "cursor": data.cursor, "rank": rank, "life": life,
+              "paced": PACED}
     if a.end_at_admission:   # leave first: the joiner's model is the run's only once leave() caught it up
         group.leave()
         result.update(model=net.state_dict(), opt=inner.state_dict(), caught_up=group.catchup.caught_up,

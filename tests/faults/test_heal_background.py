@@ -4,7 +4,8 @@ A joiner is admitted before its download, the survivors keep committing while
 it downloads (its download is parked until they committed some steps: the
 checks run every time, whatever the machine's speed), it replays what it
 missed and ends bitwise equal to the survivors; a source SIGKILLed
-mid-transfer loses its ranges to the other sources.
+mid-transfer loses its ranges to the other sources. With SHOAL_HEAL_PACE the
+same, the download asking for ranges only in the slots the commits open.
 """
 
 from __future__ import annotations
@@ -64,22 +65,30 @@ def _check_join(final: list[dict[str, Any]], park: int, why: str, complete: bool
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", ["ddp", "wrap"])
+@pytest.mark.parametrize("path", ["ddp", "wrap", "paced"])
 def test_joiner_admitted_before_download_survivors_commit_and_state_is_bitwise_equal(path: str, tmp_path: Any) -> None:
     park = 3
     extra = ["--wrap"] if path == "wrap" else []
-    out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--park", str(park), *extra], env=ENV, hard_limit=100,
+    env = {**ENV, "SHOAL_HEAL_PACE": "0.5"} if path == "paced" else ENV
+    out = harness.run(str(tmp_path), 3, ["--joiner", "2", "--park", str(park), *extra], env=env, hard_limit=100,
                       restarts=0, script="catchup_worker.py", initial_workers=2)
     why = out.logs
     final = out.final()
     assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 0)], why
     cu = _check_join(final, park, why)
-    # Striped: both survivors served part of it.
+    # Striped: both survivors served part of it, and the parts make the whole state.
     assert len(cu["by_source"]) == 2 and all(n > 0 for n in cu["by_source"].values()), why
+    assert sum(cu["by_source"].values()) == cu["download_bytes"], why
+    paced = final[2]["paced"]
+    if path == "paced":   # SHOAL_HEAL_PACE: no range asked for before a commit after the admission opened a slot
+        assert paced and min(paced) >= 1 and cu["slots"] >= 1, why
+    else:
+        assert paced and set(paced) == {-1} and cu["slots"] == 0, why
 
 
 @pytest.mark.timeout(120)
-def test_source_killed_mid_transfer_joiner_finishes_from_the_others(tmp_path: Any) -> None:
+@pytest.mark.parametrize("pace", ["", "0.5"])
+def test_source_killed_mid_transfer_joiner_finishes_from_the_others(pace: str, tmp_path: Any) -> None:
     stop = threading.Event()
 
     def killer() -> None:   # SIGKILL rank 1 once the joiner holds part of the state, then let it go on
@@ -94,7 +103,8 @@ def test_source_killed_mid_transfer_joiner_finishes_from_the_others(tmp_path: An
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     try:
-        out = harness.run(str(tmp_path), 4, ["--joiner", "3", "--park", "2", "--midway"], env=ENV,
+        out = harness.run(str(tmp_path), 4, ["--joiner", "3", "--park", "2", "--midway"],
+                          env={**ENV, "SHOAL_HEAL_PACE": pace},
                           hard_limit=100, restarts=0, script="catchup_worker.py", initial_workers=3)
     finally:
         stop.set()
@@ -106,6 +116,7 @@ def test_source_killed_mid_transfer_joiner_finishes_from_the_others(tmp_path: An
     assert cu["failed_sources"] != [] and len(cu["failed_sources"]) == 1, why
     alive = [m for m in cu["by_source"] if m not in cu["failed_sources"]]
     assert len(alive) == 2 and all(cu["by_source"][m] > 0 for m in alive), why
+    assert (cu["slots"] >= 1) == bool(pace), why   # paced: the stripes of the lost source came in slots too
 
 
 @pytest.mark.timeout(120)
