@@ -53,11 +53,11 @@ class Outcome:
         return [best[k] for k in sorted(best)]
 
 
-def _forked_main(argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: what ``python ARGV`` does, with ``env``, stdout and stderr to ``log``, in a new
-    session (``start_new_session``); exits with the exit code the interpreter would give."""
+def _forked_main(argv: list[str], env: dict[str, str], log: str, append: bool) -> None:
+    """In the forked child: what ``python ARGV`` does, with ``env``, stdout and stderr to ``log`` (appended
+    to or truncated), in a new session (``start_new_session``); exits with the interpreter's exit code."""
     os.setsid()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -94,13 +94,20 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str) -> None:
 
 class Forked:
     """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``) on ``python ARGV`` forked from the
-    fork server; its ``pid`` leads its own process group, as with ``start_new_session=True``."""
+    fork server; its ``pid`` leads its own process group, as with ``start_new_session=True``.
 
-    def __init__(self, argv: list[str], env: dict[str, str], log: str) -> None:
+    Example (what ``subprocess.Popen([sys.executable, "worker.py", "--out", d], env=env, stdout=log_file,
+    stderr=subprocess.STDOUT, start_new_session=True)`` does, without the interpreter's start-up)::
+
+        p = Forked(["worker.py", "--out", d], env, os.path.join(d, "log.txt"))
+        assert p.wait(timeout=60) == 0
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: str, append: bool = False) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "shoal"])
         self.args = argv
-        self._p = ctx.Process(target=_forked_main, args=(argv, env, log), daemon=False)
+        self._p = ctx.Process(target=_forked_main, args=(argv, env, log, append), daemon=False)
         self._p.start()
         self.pid = int(self._p.pid or 0)
         # Its session must exist before anyone signals the group: the child calls setsid() first thing.
@@ -115,6 +122,17 @@ class Forked:
 
     def poll(self) -> int | None:
         return self._p.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._p.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         self._p.join(timeout)
