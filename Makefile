@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml
 # The whole suite; tests/cuda skips itself without CUDA (collected here so that it always imports)
 # and runs on a GPU machine. `make test-cuda` runs only that part. Two pytest processes by default,
 # each taking whole files (most tests wait on their own worker processes): 12 min 17 s for 699 tests on
-# the 2-core box on 2026-11-26, against ~11 min for 427 in one process before. The race that made
+# the 2-core box on 2026-11-26, against ~11 min for 427 in one process before; 12 min 15 s for 849 on a
+# fresh clone on 2026-11-27. Most of the CPU is start-ups of processes that import torch: the elastic
+# fault tests' harness forks its workers and launcher from a fork server instead (tests/faults/harness.py):
+# their 11 files took 754 s of CPU before, 495 s after. On 2026-11-27, on the box shared with two other
+# jobs (load 7-15), the whole suite took 22 min 26 s before that and 18 min 34 s after it (1221 s of
+# CPU); not yet timed on an idle box. The race that made
 # two processes flaky (a member leaving right after an unvoted collective aborted a slower one) is
 # fixed by the orderly leave (docs/elastic.md, Leaving). TEST_JOBS=0 runs one process.
 TEST_JOBS ?= 2

@@ -7,7 +7,9 @@ port, same token, empty store) learns the members from their
 re-announcements (shoal.membership.reclaim / recovery); a fourth worker that
 starts after the restart is admitted and healed. At the end every worker
 exited 0 in its first life, all hold one state, and each said once that the
-coordinator was lost.
+coordinator was lost. The coordinator and the workers are forked from the
+fork server (harness.Forked): the same command lines, without a fresh
+interpreter's torch import each.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -28,16 +29,18 @@ import torch
 from shoal.cli.supervise import _free_port
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import harness  # noqa: E402
 ROOT = HERE.parents[1]
 TOKEN = "coordinator-restart-token"
 
 
-def _coordinator(port: int, log: Path) -> subprocess.Popen[bytes]:
+def _coordinator(port: int, log: Path) -> harness.Forked:
+    """`shoal coordinator` (forked from the fork server: torch already imported), appending to ``log``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SHOAL_TOKEN": TOKEN}
     env.pop("SHOAL_ELASTIC_TRACE", None)
-    with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, "-m", "shoal", "coordinator", "--port", str(port),
-                                 "--initial-workers", "3"], env=env, stdout=f, stderr=subprocess.STDOUT)
+    return harness.Forked(["-m", "shoal", "coordinator", "--port", str(port), "--initial-workers", "3"], env,
+                          str(log), append=True)
 
 
 def _votes(trace: Path) -> list[dict[str, object]]:
@@ -51,7 +54,7 @@ def _votes(trace: Path) -> list[dict[str, object]]:
     return out
 
 
-def _wait(cond, limit: float, what: str, alive: Sequence[subprocess.Popen[bytes]] = ()) -> None:  # type: ignore[no-untyped-def]
+def _wait(cond, limit: float, what: str, alive: Sequence[harness.Forked] = ()) -> None:  # type: ignore[no-untyped-def]
     """Poll ``cond`` until it holds; fail at once if a process of ``alive`` exits (waiting longer cannot
     help then), else after ``limit`` s."""
     deadline = time.monotonic() + limit
@@ -84,7 +87,7 @@ class _Run:
                     "SHOAL_ELASTIC_TRACE": str(self.trace),
                     "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
         self.args = ["--out", str(tmp_path), *args]
-        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.workers: dict[int, harness.Forked] = {}
 
     def __enter__(self) -> "_Run":
         return self
@@ -96,10 +99,8 @@ class _Run:
                 p.wait()
 
     def start(self, rank: int) -> None:
-        with open(self.out / f"log-{rank}.txt", "wb") as f:
-            self.workers[rank] = subprocess.Popen([sys.executable, str(HERE / "elastic_worker.py"), *self.args],
-                                                  env={**self.env, "RANK": str(rank)}, stdout=f,
-                                                  stderr=subprocess.STDOUT)
+        self.workers[rank] = harness.Forked([str(HERE / "elastic_worker.py"), *self.args],
+                                            {**self.env, "RANK": str(rank)}, str(self.out / f"log-{rank}.txt"))
 
     def committed_after(self, t: float) -> set[int]:
         """The workers (pids) that committed a step after time ``t`` (``time.time()``)."""
