@@ -94,7 +94,7 @@ def test_an_averaging_joiner_downloads_only_after_its_admitting_step_committed(a
         raise RuntimeError("no source in this test")
     c._sources = sources   # type: ignore[method-assign]
     store = SimpleNamespace(set=lambda k, v: None)
-    t = threading.Thread(target=c._fetch, args=(4, [1, 2], store, c._generation))
+    t = threading.Thread(target=c._fetch, args=(4, [1, 2], store, c._generation, None))   # unpaced
     t.start()
     if after_commit:
         time.sleep(0.3)
@@ -102,3 +102,4 @@ def test_an_averaging_joiner_downloads_only_after_its_admitting_step_committed(a
         group.step = 6              # it commits
     t.join(timeout=20)
     assert asked == ([6] if after_commit else [5]) and c._done.is_set()
+    assert c._result[1] is not None and "no source in this test" in c._result[1], c._result   # it ran to the end
