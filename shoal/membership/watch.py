@@ -10,8 +10,10 @@ run again over the survivors, so a kill costs two rounds. With the watch on
 the group's :class:`PeerWatcher`), a background thread reads the quorum's
 heartbeat counters every ``Timeouts.probe`` seconds (one store read per
 window, none on the training thread). A member whose counter did not move
-over a whole window is suspected, by the same rule as the commit vote's own
-probe (:mod:`shoal.membership.vote`): the watch raises the quorum's abort
+over two whole windows in a row is suspected (the commit vote's own probe,
+:mod:`shoal.membership.vote`, judges one window, but it runs only while a
+vote waits; the watch runs all the time, and a heartbeat thread starved for
+one window on a loaded machine must not dissolve a quorum): the watch raises the quorum's abort
 flag, so that no step of that quorum can commit any more, and asks the
 coordinator for a new quorum, which it forms after its own probe (it alone
 decides who is gone). Before its next round the strategy calls
@@ -47,11 +49,16 @@ class PeerWatch:
     Args:
         client: this member's connection to the coordinator (the store address, its abort watch).
         quorum: returns the quorum this member is in now (None: none yet).
-        window: seconds between two reads; a counter equal in two reads is a lost member.
+        window: seconds between two reads; a counter unchanged over ``windows`` consecutive
+            windows is a lost member.
+        windows: how many windows in a row (2: a heartbeat thread starved for one window on a
+            loaded machine, or a GC pause, is not taken for a death; a kill is seen after 2-3
+            windows, still seconds before the coordinator's ``heartbeat_timeout``).
     """
 
-    def __init__(self, client: MemberClient, quorum: Callable[[], Quorum | None], window: float) -> None:
-        self.client, self.quorum, self.window = client, quorum, window
+    def __init__(self, client: MemberClient, quorum: Callable[[], Quorum | None], window: float,
+                 windows: int = 2) -> None:
+        self.client, self.quorum, self.window, self.windows = client, quorum, window, windows
         self.suspected = 0            # quorums this watch dissolved (read by tests and the bench)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -70,28 +77,33 @@ class PeerWatch:
     def _run(self) -> None:
         st: Any = None          # its own store client: the training and heartbeat threads use theirs
         last: tuple[str, list[bytes]] | None = None   # (quorum prefix, its members' counters) a window ago
+        still: dict[int, int] = {}                      # member -> windows in a row its counter did not move
         while not self._stop.wait(self.window):
             q, c = self.quorum(), self.client
             if q is None or len(q.members) < 2 or c.down.is_set() or c.abort.raised(q.prefix):
-                last = None
+                last, still = None, {}
                 continue
             try:
                 if st is None:
                     st = connect(c.address, self.window)
                 beats = list(st.multi_get([c.key(f"hb/{m}") for m in q.members]))
                 if last is not None and last[0] == q.prefix:
-                    silent = [m for m, a, b in zip(q.members, last[1], beats) if a == b and m != c.member_id]
+                    still = {m: still.get(m, 0) + 1 for m, a, b in zip(q.members, last[1], beats)
+                             if a == b and m != c.member_id}
+                    silent = [m for m, n in still.items() if n >= self.windows]
                     if silent:
                         self._dissolve(st, q, silent)
+                else:
+                    still = {}
                 last = (q.prefix, beats)
             except Exception as e:  # noqa: BLE001 - the store is unreachable: the heartbeat thread handles outages
                 log.debug("peer watch: reading the heartbeats failed (%s)", e)
-                st, last = None, None
+                st, last, still = None, None, {}
 
     def _dissolve(self, st: Any, q: Quorum, silent: list[int]) -> None:
         """Forbid ``q`` any further commit and ask the coordinator for the next quorum."""
         log.info("member(s) %s of quorum %d silent for %.1f s: asking the coordinator for a new quorum",
-                 silent, q.qid, self.window)
+                 silent, q.qid, self.windows * self.window)
         st.set(q.prefix + "abort", f"member(s) {silent} stopped heartbeating")
         st.set(self.client.key(f"req/{q.qid}"), str(self.client.member_id))
         self.client.abort.saw(q.prefix)

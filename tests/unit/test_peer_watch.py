@@ -58,6 +58,38 @@ def test_a_member_whose_heartbeat_stops_dissolves_the_quorum_and_asks_for_a_new_
     assert master.get("run/req/3").decode() == "1"   # the coordinator probes and publishes the next quorum
 
 
+@pytest.mark.timeout(30)
+def test_a_member_slower_than_one_window_but_alive_is_not_suspected() -> None:
+    """Member 3's heartbeat advances every 1.5 windows (a starved heartbeat thread): a third of the windows see its
+    counter unchanged, never two in a row. The watch must not dissolve the quorum (it did when one
+    window sufficed); a real death (the test above) still does."""
+    master = connect("127.0.0.1:0", 10.0, is_master=True)
+    q = Quorum(5, (1, 2, 3), "run/q5/")
+    client = SimpleNamespace(address=f"127.0.0.1:{master.port}", member_id=1, down=threading.Event(),
+                             abort=AbortWatch(), key=lambda k: f"run/{k}")
+    client.abort.watch(q.prefix)
+    stop, window = threading.Event(), 1.0
+
+    def beat() -> None:
+        n, t0 = 1, time.monotonic()
+        while not stop.wait(0.01):
+            n += 1
+            master.set("run/hb/1", str(n))
+            master.set("run/hb/2", str(n))
+            master.set("run/hb/3", str(int((time.monotonic() - t0) / (1.5 * window))))
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    time.sleep(0.1)
+    watch = PeerWatch(client, lambda: q, window=window).start()   # type: ignore[arg-type]
+    try:
+        time.sleep(8 * window)
+    finally:
+        watch.stop()
+        stop.set()
+        beater.join()
+    assert not client.abort.raised(q.prefix) and watch.suspected == 0
+
+
 def _watcher(raised: bool) -> PeerWatcher:
     q = Quorum(4, (1, 2), "run/q4/")
     client = SimpleNamespace(abort=AbortWatch())
