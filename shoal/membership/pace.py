@@ -16,8 +16,11 @@ commits it has seen, the first measured from its admission), and then
 waits for the next commit. The slot starts at the commit, when the next
 step's forward pass leaves the link idlest. So:
 
-* a survivor's step loses at most ``fraction`` of a step to the download
-  (less where the slot falls in the link's idle time), whatever the link's speed;
+* the download gets ``fraction`` of each step's time on the link, so it
+  lengthens a survivor's step by about that much, not by the whole transfer
+  (aimed at, not a bound: on 4 hosts x 20 mbit at ``fraction=0.3``, slots of
+  ~3 s spilled from the forward pass into the all-reduce and steps grew by
+  +2.3 s median, +4.1 s max; docs/BENCHMARKS.md);
 * the slots of every joiner open at the same commits, so a source's upload
   is busy for about one slot a step however many joiners it serves (they
   share it), and each of ``k`` sources sends ~1/k of a joiner's bytes (the
