@@ -95,18 +95,30 @@ def test_the_pace_is_read_from_the_environment_and_a_bad_one_says_what_is_wrong(
         StepPace(0.0)
 
 
+class _Paced:
+    """Two sources on loopback serving one state, and a download of it paced on a made-up clock (``now[0]``)."""
+
+    def __init__(self, chunk: int | None = None) -> None:
+        self.tree = _tree()
+        (self.a, self.sa), (self.b, self.sb) = _serve(self.tree), _serve(self.tree)
+        sources = [Source(1, self.sa.address, self.sa.size, self.sa.sha),
+                   Source(2, self.sb.address, self.sb.size, self.sb.sha)]
+        self.now = [0.0]
+        self.pace = StepPace(0.5, clock=lambda: self.now[0])
+        self.pace.admitted(now=0.0)
+        self.dl = Download(3, sources, TOKEN, RUN, member=9, chunk=chunk or (self.sa.size + 1) // 2)
+        self.dl.pace = self.pace
+
+    def close(self) -> None:
+        self.a.close(), self.b.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_paced_striped_download_asks_nothing_between_slots_and_each_source_sends_its_share() -> None:
     # Two sources on loopback, a pace on a made-up clock: chunks are asked for only inside a slot; once the
     # clock passes the slot's end, at most one request per source (already past its wait) is still asked.
-    tree = _tree()
-    (a, sa), (b, sb) = _serve(tree), _serve(tree)
-    sources = [Source(1, sa.address, sa.size, sa.sha), Source(2, sb.address, sb.size, sb.sha)]
-    now = [0.0]
-    pace = StepPace(0.5, clock=lambda: now[0])
-    pace.admitted(now=0.0)
-    dl = Download(3, sources, TOKEN, RUN, member=9, chunk=512)
-    dl.pace = pace
+    run = _Paced(chunk=512)
+    tree, sa, now, pace, dl = run.tree, run.sa, run.now, run.pace, run.dl
     asked: list[tuple[int, int]] = []   # (slot, source) per request
     both = threading.Barrier(2, timeout=10)
 
@@ -134,21 +146,15 @@ def test_a_paced_striped_download_asks_nothing_between_slots_and_each_source_sen
     assert dl.by_source[1] > 0 and dl.by_source[2] > 0 and sum(dl.by_source.values()) == sa.size
     got = from_bytes(torch.frombuffer(bytearray(dl.blob), dtype=torch.uint8))
     assert torch.equal(got["model"]["w"], tree["model"]["w"])
-    a.close(), b.close()
+    run.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_source_waiting_for_a_slot_stops_once_the_others_fetched_the_last_range() -> None:
     # Two ranges: the second is asked for in the slot, which then closes; the other source, done with the first
     # range and waiting for a slot, must not hold the download until the next commit (there may be none).
-    tree = _tree()
-    (a, sa), (b, sb) = _serve(tree), _serve(tree)
-    sources = [Source(1, sa.address, sa.size, sa.sha), Source(2, sb.address, sb.size, sb.sha)]
-    now = [0.0]
-    pace = StepPace(0.5, clock=lambda: now[0])
-    pace.admitted(now=0.0)
-    dl = Download(3, sources, TOKEN, RUN, member=9, chunk=(sa.size + 1) // 2)
-    dl.pace = pace
+    run = _Paced()     # two ranges
+    sa, now, pace, dl = run.sa, run.now, run.pace, run.dl
     calls = []
 
     def before_chunk(source: int, received: int) -> None:
@@ -164,4 +170,4 @@ def test_a_source_waiting_for_a_slot_stops_once_the_others_fetched_the_last_rang
     dl.start()
     dl.join(20)
     assert not dl.is_alive() and dl.error is None and dl.received == sa.size and pace.slots == 1
-    a.close(), b.close()
+    run.close()
