@@ -309,13 +309,18 @@ class CatchUp:
         self._done.clear()
         self._generation += 1
         self._unpace()   # an earlier download given up on goes on unpaced (nobody waits for it)
-        if self.pace_fraction is not None and not any(getattr(r, "after_commit", False) for r in self.replayers):
+        if self.pace_fraction is not None and not self._after_commit():
             self.pace = StepPace(self.pace_fraction)   # step-synchronous only: DiLoCo downloads in its idle inner steps
             self.pace.admitted(time.monotonic())
         store = g.client.store.clone()
         threading.Thread(target=self._fetch, args=(hid, sources, store, self._generation, self.pace),
                          name="shoal-heal-fetch", daemon=True).start()
         log.info("admitted at step %d as a non-contributor; fetching heal %d from members %s", top, hid, sources)
+
+    def _after_commit(self) -> bool:
+        """An averaging strategy's joiner (DiLoCo): it downloads once its admitting step committed, in the
+        idle inner steps, unpaced; a step-synchronous one downloads while training, paced if asked."""
+        return any(getattr(r, "after_commit", False) for r in self.replayers)
 
     def _unpace(self) -> None:
         if self.pace is not None:
@@ -326,7 +331,7 @@ class CatchUp:
         g = self.group
         result: tuple[bytes | None, str | None]
         try:
-            if any(getattr(r, "after_commit", False) for r in self.replayers):
+            if self._after_commit():
                 self._await_commit(generation)
             sources = self._sources(hid, members, store)
             dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,   # finer stripes;
