@@ -292,7 +292,7 @@ class ElasticGroup(ElasticCollectives):
         deadline = time.monotonic() + limit
         while True:
             q = self.client.wait_quorum(self._after, max(deadline - time.monotonic(), 0.0))
-            self.trace("quorum", qid=q.qid, size=len(q.members))
+            self.trace("quorum", qid=q.qid, members=list(q.members), me=self.client.member_id)
             try:
                 if self._enter(q, deadline):
                     return
@@ -323,7 +323,7 @@ class ElasticGroup(ElasticCollectives):
         except Exception as e:  # noqa: BLE001 - a peer did not connect: next quorum
             self._record(PeerLostError(f"building the group of quorum {q.qid} failed: {e}"))
         self.stats.quorums += 1
-        self.trace("built", qid=q.qid, ok=self.error is None)
+        self.trace("built", qid=q.qid, ok=self.error is None, error=self.error and str(self.error)[:200])
         if self.error is None:
             self._heal(q)
             self.trace("healed", qid=q.qid, ok=self.error is None)

@@ -106,7 +106,7 @@ def main() -> None:
         f.write(str(os.getpid()))
     if rank == a.joiner:
         _wait_file(os.path.join(a.out, "go"))
-    timeouts = Timeouts(op=5.0, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0, quorum=15.0, join=60.0)
+    timeouts = Timeouts(op=5.0, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0, quorum=30.0, join=60.0)
     group = ElasticGroup(timeouts=timeouts, min_workers=2)
     group.heal_chunk = 2048   # a small model still takes many ranges
     if rank == a.joiner:

@@ -100,7 +100,7 @@ def main() -> None:
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
     host = f"h{rank // PER_HOST}"
     timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
-                        quorum=a.op + 10, join=a.op + 40)
+                        quorum=a.op + 25, join=a.op + 40)
     group = ElasticGroup(timeouts=timeouts, min_workers=2, host_id=host)
     full = {"n": 0}     # steps in a row with 4 members: healed into newcomers, so all stop together
     group.register_state("test/full", lambda: dict(full), full.update)

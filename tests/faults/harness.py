@@ -18,6 +18,7 @@ cost on 2 cores). The launcher's own workers stay fresh interpreters: that is
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing as mp
 import os
 import runpy
@@ -159,7 +160,10 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
     base = {**os.environ, "SHOAL_TOKEN": token, **(env or {}), "SHOAL_COORDINATOR": coord.address,
             "SHOAL_RUN_ID": run_id or uuid.uuid4().hex[:8], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    trace = base.setdefault("SHOAL_ELASTIC_TRACE", os.path.join(out_dir, "trace"))   # read on a failure
+    os.makedirs(trace, exist_ok=True)
     procs: dict[int, tuple[Forked, int]] = {}
+    lives: dict[int, str] = {}   # pid -> "rank-life", to name the trace files
     outcome = Outcome()
     log_paths: list[str] = []
 
@@ -169,6 +173,7 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
         p = Forked([os.path.join(HERE, script), "--out", out_dir, *args],
                    {**base, "RANK": str(rank), "SHOAL_RESTART": str(life)}, path)
         procs[rank] = (p, life)
+        lives[p.pid] = f"{rank}-{life}"
 
     t0 = time.monotonic()
     try:
@@ -198,13 +203,36 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
                 p.wait()
         if coordinator is None:
             coord.stop()
-        outcome.logs = (f"=== coordinator error: {coord.error!r}\n" if coord.error else "") + "\n".join(f"=== {os.path.basename(lp)}\n{open(lp, errors='replace').read()[-3000:]}"
-                                 for lp in log_paths)
+        outcome.logs = ((f"=== coordinator error: {coord.error!r}\n" if coord.error else "")
+                        + "\n".join(f"=== {os.path.basename(lp)}\n{open(lp, errors='replace').read()[-3000:]}"
+                                    for lp in log_paths)
+                        + _trace_tails(trace, lives, t0))
     for name in os.listdir(out_dir):
         if name.endswith(".pt"):
             rank, life = (int(v) for v in name[:-3].split("-"))
             outcome.results[(rank, life)] = torch.load(os.path.join(out_dir, name), weights_only=False)
     return outcome
+
+
+def _trace_tails(folder: str, lives: dict[int, str], t0: float, lines: int = 40) -> str:
+    """The last ``lines`` elastic trace events (shoal.membership.coordinator.Trace) of each worker the harness
+    started, times in seconds since the run began: where a failed run's group formation or heal stopped."""
+    start = time.time() - (time.monotonic() - t0)
+    out = []
+    for pid, life in sorted(lives.items(), key=lambda kv: kv[1]):
+        path = os.path.join(folder, f"{pid}.jsonl")
+        if not os.path.exists(path):
+            continue
+        events = []
+        for line in open(path, errors="replace").read().splitlines()[-lines:]:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            t = ev.pop("t", start)
+            events.append(f"{t - start:7.2f} {ev.pop('ev', '?')} {ev}")
+        out.append(f"=== trace {life} (pid {pid})\n" + "\n".join(events))
+    return ("\n" + "\n".join(out)) if out else ""
 
 
 def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[str], *,
