@@ -324,10 +324,11 @@ class CatchUp:
 
     def _abandon(self) -> None:
         """Stop and forget the download given up on (fetch.py): its pace is not lifted, nothing it fetched
-        is used (the result lives on the forgotten Fetch); its thread is joined for up to ``Timeouts.op``."""
+        is used (the result lives on the forgotten Fetch). Its thread ends within a poll (50 ms) and one
+        store write; it is joined for up to 2 s (or ``Timeouts.op`` if shorter), else left to end alone."""
         fetch, self.fetch, self.pace = self.fetch, None, None
         if fetch is not None and not fetch.done.is_set():
-            fetch.stop(wait=self.group.timeouts.op)
+            fetch.stop(wait=min(2.0, self.group.timeouts.op))
 
     def _downloaded(self, fetch: Fetch) -> tuple[bytes | None, str | None]:
         """The result of this joiner's finished download, its statistics noted."""
