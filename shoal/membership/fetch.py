@@ -56,6 +56,7 @@ class Fetch:
         self.result: tuple[bytes | None, str | None] = (None, None)
         self.download: Download | None = None
         self._lock = threading.Lock()
+        self.store: Any = None
         self.thread = threading.Thread(target=self._run, name="shoal-heal-fetch", daemon=True)
 
     def start(self) -> None:

@@ -88,6 +88,7 @@ def test_a_paced_download_given_up_on_asks_for_nothing_more_and_its_thread_ends(
     c._admit(HID, [1, 2], top=5)
     time.sleep(0.3)   # it found its sources and waits for a slot: no step committed since its admission
     assert asked == [] and c.pace is not None
+    old = getattr(c, "fetch", None)
     if how == "admitted again":
         c._admit(HID + 1, [1, 2], top=6)   # a new snapshot (nobody serves it here: it waits for its sources)
     else:
@@ -98,6 +99,9 @@ def test_a_paced_download_given_up_on_asks_for_nothing_more_and_its_thread_ends(
     assert sum(s.served for s in servers) == 0
     fetches = set(_fetch_threads()) - before
     assert len(fetches) == (1 if how == "admitted again" else 0), fetches   # the old one was joined
+    assert old is not None and old.done.is_set() and old.result[0] is None and "given up" in str(old.result[1])
+    assert old.download is None or (old.download.stopped.is_set() and old.download.received == 0)   # None:
+    # stopped before it found its sources (a loaded machine: the 0.3 s above did not suffice)
     if how == "admitted again":
         assert c.fetch is not None and c.fetch.hid == HID + 1 and not c.fetch.done.is_set()
         c._abandon()
