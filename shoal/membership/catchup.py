@@ -37,6 +37,8 @@ reads it before ``begin_step(t+1)`` (no one passes step ``t`` without that
 vote). A source that dies mid-transfer loses its ranges to the other
 sources; if all of them fail, the joiner fails that step and asks for a
 new quorum, where it is needy again (a new snapshot, from whoever is there).
+A download the joiner gives up on (that quorum heals it blocking, or admits
+it again) is stopped, not left running (:mod:`shoal.membership.fetch`).
 
 Example::
 
