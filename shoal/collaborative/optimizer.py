@@ -348,12 +348,19 @@ class CollaborativeOptimizer(StateMixin):
         t0 = time.monotonic()
         deadline = t0 + timeout
         excluded: set[int] = set()
-        attempt = 0
+        attempt = skips = 0
         while time.monotonic() < deadline:
             q = self.group.matchmake(epoch, attempt, weight > 0, excluded, deadline)
             attempt += 1
-            if q is None and self.group.skipped:
-                continue        # a banned peer closed this attempt alone: the next one, with the others
+            if q is None and self.group.skipped:   # a banned peer closed it alone: the next, with the others,
+                skips += 1                          # after a wait that grows (rounds.py, skip_backoff)
+                wait = self.group.skip_backoff(skips)
+                if wait is None:
+                    log.warning("epoch %d: %d attempts closed without a peer this one trusts (banned peers %s); "
+                                "stepping with local gradients", epoch, skips, sorted(self.group.banned))
+                    break
+                time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+                continue
             if q is None and not self.group.gave_up:
                 log.debug("epoch %d: the round closed without this peer", epoch)
                 self._fresh = self._left_out = True

@@ -57,6 +57,7 @@ from shoal.errors import ConfigError, ShoalError
 log = logging.getLogger("shoal.collaborative")
 
 _POLL_S = 0.002
+MAX_SKIPPED = 16   # attempts of one epoch closed without a trusted peer before this peer steps alone
 _QID = 1 << 60     # above any coordinator quorum id: ElasticGroup gives up a rendezvous when a newer one exists
 
 
@@ -295,6 +296,25 @@ class RoundGroup:
                 self.skipped = True
             return None
         return Quorum(_QID + epoch * 1000 + attempt, members, str(record["prefix"]))
+
+    def skip_backoff(self, skips: int) -> float | None:
+        """Seconds to wait before the next attempt of an epoch whose last ``skips`` attempts were closed
+        without a peer this one trusts (:attr:`skipped`), or None: stop trying, step with local gradients.
+
+        A banned peer can close any number of an epoch's attempts alone, ahead of the others (one
+        compare-and-set each): tried back to back, each costs an honest peer a few store requests and
+        nothing else, until ``averaging_timeout``. So the waits double from the poll interval up to half
+        the matchmaking window (the honest peers skip the same attempts, so they stay in step), and after
+        :data:`MAX_SKIPPED` of them the epoch ends in a local step, as a round that timed out does.
+
+        Example::
+
+            group.skip_backoff(1)              # 0.004: the first skip is tried again at once
+            group.skip_backoff(MAX_SKIPPED)    # None: give up on averaging this epoch
+        """
+        if skips >= MAX_SKIPPED:
+            return None
+        return min(self.matchmaking_time / 2, _POLL_S * 2.0 ** skips)
 
     def _last_members(self) -> set[int]:
         last = self.key("mm/last")

@@ -37,6 +37,8 @@ reads it before ``begin_step(t+1)`` (no one passes step ``t`` without that
 vote). A source that dies mid-transfer loses its ranges to the other
 sources; if all of them fail, the joiner fails that step and asks for a
 new quorum, where it is needy again (a new snapshot, from whoever is there).
+A download the joiner gives up on (that quorum heals it blocking, or admits
+it again) is stopped, not left running (:mod:`shoal.membership.fetch`).
 
 Example::
 
@@ -52,9 +54,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -62,11 +62,12 @@ import torch
 
 from shoal.comm.objects import from_bytes, to_bytes
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
+from shoal.membership.fetch import Fetch
 from shoal.membership.heal import HealPlan, broadcast_object, load_blob
-from shoal.membership.pace import PACED_CHUNK, StepPace, heal_pace, heal_rate
+from shoal.membership.pace import StepPace, heal_pace, heal_rate
 from shoal.membership.received import check_received
 from shoal.membership.replay import OptimizerReplay, Replayer
-from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, local_address
+from shoal.membership.stateserve import SnapshotServer, clone_tree, local_address
 
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
@@ -114,7 +115,7 @@ class CatchUp:
         self.pace: StepPace | None = None       # joiner: this download's slots (pace.py)
         self.replayers: list[Replayer] = []
         self.refusals: list[tuple[str, Callable[[], bool] | None]] = []   # why (and when) it cannot
-        self._generation = 0                    # a download given up on never reports into a later one
+        self.fetch: Fetch | None = None         # joiner: this admission's download (fetch.py); None when none
         self.pending: dict[int, Pending] = {}   # member id -> joiner still catching up, this quorum
         self.server: SnapshotServer | None = None
         self.stats = CatchUpStats()
@@ -123,8 +124,6 @@ class CatchUp:
         self.records: list[list[Any]] = []
         self.loaded = False
         self._covered_keys: set[str] = set()
-        self._done = threading.Event()
-        self._result: tuple[bytes | None, str | None] = (None, None)
         group.on_commit(self._record)
 
     # --- what every member sees -------------------------------------------------------
@@ -178,8 +177,8 @@ class CatchUp:
         g, me = self.group, self.group.client.member_id
         if self.hid >= 0 and g.rank in plan.needy and not plan.background:
             log.warning("giving up the background heal %d: this quorum heals blocking", self.hid)
-            self.hid, self._generation = -1, self._generation + 1
-            self._unpace()
+            self.hid = -1
+            self._abandon()
         if not (plan.background and plan.needy):
             return False
         if not self._send_admission(plan):
@@ -306,15 +305,13 @@ class CatchUp:
         self.hid, self.records, self.loaded = hid, [], False
         self.stats.admitted_step, self.stats.admitted_at = top, time.time()
         self.stats.admissions += 1
-        self._done.clear()
-        self._generation += 1
-        self._unpace()   # an earlier download given up on goes on unpaced (nobody waits for it)
-        if self.pace_fraction is not None and not self._after_commit():
+        self._abandon()   # an earlier download given up on (admitted again): stopped, never used
+        after = self._after_commit()
+        if self.pace_fraction is not None and not after:
             self.pace = StepPace(self.pace_fraction)   # step-synchronous only: DiLoCo downloads in its idle inner steps
             self.pace.admitted(time.monotonic())
-        store = g.client.store.clone()
-        threading.Thread(target=self._fetch, args=(hid, sources, store, self._generation, self.pace),
-                         name="shoal-heal-fetch", daemon=True).start()
+        self.fetch = Fetch(g, hid, sources, top, after, self.pace, self.before_chunk)
+        self.fetch.start()
         log.info("admitted at step %d as a non-contributor; fetching heal %d from members %s", top, hid, sources)
 
     def _after_commit(self) -> bool:
@@ -327,65 +324,21 @@ class CatchUp:
             self.pace.release()
         self.pace = None
 
-    def _fetch(self, hid: int, members: list[int], store: Any, generation: int, pace: StepPace | None) -> None:
-        g = self.group
-        result: tuple[bytes | None, str | None]
-        try:
-            if self._after_commit():
-                self._await_commit(generation)
-            sources = self._sources(hid, members, store)
-            dl = Download(hid, sources, g.client.token, g.client.run_id, g.client.member_id,   # finer stripes;
-                          chunk=min(g.heal_chunk, PACED_CHUNK if pace else 1 << 20), timeout=g.timeouts.op)
-            dl.before_chunk, dl.pace = self.before_chunk, pace   # paced: a slot overshoots by a chunk a source
-            dl.run()    # in this thread
-            result = (dl.blob, dl.error)
-        except Exception as e:  # noqa: BLE001 - reported to the training thread, which fails the step
-            dl, result = None, (None, f"{type(e).__name__}: {e}")
-        try:   # the sources stop waiting for this joiner when they leave (see finish)
-            store.set(self._key(hid, f"fetched/{g.client.member_id}"), "1")
-        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody waits any more
-            pass
-        if generation != self._generation:
-            return    # given up on (the quorum healed this worker blocking, or admitted it again)
+    def _abandon(self) -> None:
+        """Stop and forget the download given up on (fetch.py): its pace is not lifted, nothing it fetched
+        is used (the result lives on the forgotten Fetch). Its thread ends within a poll (50 ms) and one
+        store write; it is joined for up to 2 s (or ``Timeouts.op`` if shorter), else left to end alone."""
+        fetch, self.fetch, self.pace = self.fetch, None, None
+        if fetch is not None and not fetch.done.is_set():
+            fetch.stop(wait=min(2.0, self.group.timeouts.op))
+
+    def _downloaded(self, fetch: Fetch) -> tuple[bytes | None, str | None]:
+        """The result of this joiner's finished download, its statistics noted."""
+        dl = fetch.download
         if dl is not None:
             self.stats.download_bytes, self.stats.download_s = dl.received, dl.seconds
             self.stats.by_source, self.stats.failed_sources = dict(dl.by_source), sorted(dl.failed)
-        self._result = result
-        self._done.set()
-
-    def _await_commit(self, generation: int) -> None:
-        """Wait until the step that admitted this joiner committed (a replayer's ``after_commit``: DiLoCo).
-
-        An averaging strategy may admit a joiner in its outer round (a quorum
-        re-formed right before it); its collectives then use the link that a
-        download would share. Inner steps need none: the download starts
-        after the round, when the link is idle. Bounded by ``Timeouts.join``.
-        """
-        g, top = self.group, self.stats.admitted_step
-        deadline = time.monotonic() + g.timeouts.join
-        while g.step <= top and generation == self._generation and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def _sources(self, hid: int, members: list[int], store: Any) -> list[Source]:
-        """The sources' published (address, size, sha256), waiting until all or, 2 s after the first, some."""
-        g = self.group
-        deadline, first = time.monotonic() + g.timeouts.join, None
-        found: dict[int, Source] = {}
-        while time.monotonic() < deadline:
-            for m in members:
-                k = self._key(hid, f"src/{m}")
-                if m not in found and store.check([k]):
-                    rec = g.client.book.open(store.get(k), writer=m, kind="heal source")
-                    if rec is not None:
-                        found[m] = Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"]))
-                        first = first or time.monotonic()
-            if len(found) == len(members) or (first is not None and time.monotonic() - first > 2.0):
-                break
-            time.sleep(0.01)
-        if not found:
-            raise ShoalError(f"no source of heal {hid} published its snapshot within {g.timeouts.join} s")
-        sha = Counter(s.sha for s in found.values()).most_common(1)[0][0]
-        return [s for s in found.values() if s.sha == sha]
+        return fetch.result
 
     def finish(self) -> None:
         """At ``leave()``: a joiner still downloading waits for it and catches up its model and optimizer
@@ -394,8 +347,10 @@ class CatchUp:
         g = self.group
         deadline = time.monotonic() + g.timeouts.quorum
         self._unpace()   # nobody commits steps any more: the rest of the download goes flat out
+        fetch = self.fetch
         if self.hid >= 0 and not self.loaded:
-            blob, error = self._result if self._done.wait(g.timeouts.quorum) else (None, "it did not finish")
+            done = fetch is not None and fetch.done.wait(g.timeouts.quorum)
+            blob, error = self._downloaded(fetch) if fetch is not None and done else (None, "it did not finish")
             if blob is not None and error is None:
                 self._replay(blob)
                 self.loaded = True
@@ -446,14 +401,15 @@ class CatchUp:
     def _joiner_begin(self, t: int) -> None:
         p = self.pending[self.group.client.member_id]
         if not self.loaded:
-            if self._done.is_set():
-                self._catch_up(p, t)
+            if self.fetch is not None and self.fetch.done.is_set():
+                self._catch_up(p, t, self.fetch)
         elif p.ready is not None and p.ready <= t and self.hid >= 0:
             self._top_up(p, t)
 
-    def _catch_up(self, p: Pending, t: int) -> None:
+    def _catch_up(self, p: Pending, t: int, fetch: Fetch) -> None:
         g = self.group
-        blob, error = self._result
+        blob, error = self._downloaded(fetch)
+        self.fetch, self.pace = None, None   # it ended: nothing to stop
         if blob is None or error is not None:
             log.warning("background heal %d failed (%s); asking for a new quorum to heal again", self.hid, error)
             g._record(PeerLostError(f"this joiner's download of the run's state failed: {error}"))

@@ -21,7 +21,8 @@ many bytes a second, all joiners together (:class:`Pacer`): the download
 takes longer and the joiner replays more steps, but the survivors' steps
 lose only that share of the link. ``SHOAL_HEAL_PACE`` paces from the
 joiner's side instead, by the run's committed steps (``Download.pace``,
-:mod:`shoal.membership.pace`).
+:mod:`shoal.membership.pace`). A download the joiner gives up on is
+stopped (``Download.stop``), never released to full speed.
 
 Security: a joiner proves it holds the run token before anything is served
 (``HMAC-SHA256(token, "<run>/heal/<member>", nonce)`` for a fresh nonce of
@@ -337,7 +338,8 @@ class Download(threading.Thread):
     if every source failed (or the bytes do not match), :attr:`error` says why.
     ``before_chunk(source, received_so_far)``, if set, runs before every request
     (tests park a download there). ``pace`` (a :class:`~shoal.membership.pace.StepPace`), if set,
-    holds every request until one of its slots is open.
+    holds every request until one of its slots is open. :meth:`stop` abandons the download: no
+    request goes out after it, the connections are closed, and it ends without a :attr:`blob`.
     """
 
     def __init__(self, hid: int, sources: list[Source], token: str, run_id: str, member: int,
@@ -354,6 +356,24 @@ class Download(threading.Thread):
         self.pace: Any = None
         self.t0 = time.monotonic()
         self.seconds = 0.0
+        self.stopped = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+
+    def stop(self) -> None:
+        """Abandon the download (a joiner that gave it up): whatever arrives from now on is dropped.
+
+        A request waiting for a pace slot stops waiting, and a range in flight is cut off (its
+        connection is shut down), so the threads end within a poll (50 ms), not when the transfer
+        would have. Never released to full speed: nobody uses what it would fetch.
+        """
+        self.stopped.set()
+        with self._conns_lock:
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass   # already closed by its thread
 
     def run(self) -> None:
         size, sha = self.sources[0].size, self.sources[0].sha
@@ -370,7 +390,9 @@ class Download(threading.Thread):
         for t in threads:
             t.join()
         self.seconds = time.monotonic() - self.t0
-        if left[0] > 0:
+        if self.stopped.is_set():
+            self.error = f"the download of heal {self.hid} was stopped (given up on); nothing of it is used"
+        elif left[0] > 0:
             self.error = (f"every source of heal {self.hid} failed "
                           f"({'; '.join(f'member {m}: {why}' for m, why in sorted(self.failed.items()))})")
         elif hashlib.sha256(buf).hexdigest() != sha:
@@ -379,12 +401,13 @@ class Download(threading.Thread):
             self.blob = bytes(buf)
 
     def _paced(self, left: list[int], lock: threading.Lock) -> bool:
-        """Wait for a slot of the run's step (``pace``); False once the other sources fetched every range."""
+        """Wait for a slot of the run's step (``pace``); False once the other sources fetched every range,
+        or the download was stopped."""
         while not self.pace.wait(timeout=0.05):
             with lock:
-                if left[0] == 0:
+                if left[0] == 0 or self.stopped.is_set():
                     return False
-        return True
+        return not self.stopped.is_set()
 
     def _pull(self, src: Source, buf: bytearray, todo: queue.Queue[tuple[int, int]], left: list[int],
               lock: threading.Lock) -> None:
@@ -392,13 +415,17 @@ class Download(threading.Thread):
         try:
             host, port = src.address.rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=self.timeout) as conn:
+                with self._conns_lock:
+                    self._conns.add(conn)
+                if self.stopped.is_set():   # stopped while connecting: stop() did not see this connection
+                    return
                 _no_delay(conn)
                 nonce = _recv(conn, 2 * auth.NONCE_BYTES).decode()
                 proof = auth.answer(self.token, f"{self.run_id}/heal/{self.member}", nonce)
                 conn.sendall(_HELLO.pack(self.member) + proof.encode())
                 if _recv(conn, 1) != b"K":
                     raise ConnectionError("refused our proof of the run token")
-                while True:
+                while not self.stopped.is_set():
                     with lock:
                         if left[0] == 0:
                             break
@@ -410,6 +437,8 @@ class Download(threading.Thread):
                         continue   # another source holds the last ranges; it may still fail and give them back
                     if self.before_chunk is not None:
                         self.before_chunk(src.member, self.received)
+                    if self.stopped.is_set():
+                        break
                     start, n = job
                     conn.sendall(_REQ.pack(b"G", self.hid, start, n))
                     if _LEN.unpack(_recv(conn, _LEN.size))[0] != n:
@@ -425,6 +454,8 @@ class Download(threading.Thread):
                 except OSError:
                     pass
         except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
+            if self.stopped.is_set():
+                return    # cut off by stop(): not the source's failure
             self.failed[src.member] = f"{type(e).__name__}: {e}"
             log.warning("heal %d: source member %d failed (%s); its ranges go to the others", self.hid,
                         src.member, e)

@@ -12,28 +12,24 @@ instead of being fresh interpreters: each runs the same script or ``shoal``
 command line in its own session with its own environment, arguments and log,
 but skips torch's import (about 1.5 s of CPU each, most of an elastic test's
 cost on 2 cores). The launcher's own workers stay fresh interpreters: that is
-``shoal run``'s code under test.
+``shoal run``'s code under test (:mod:`forked`: the handle, and why no
+forked process outlives the test process or loses its last log lines).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
-import multiprocessing as mp
 import os
-import runpy
 import signal
 import subprocess
-import sys
-import threading
 import time
-import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from forked import Forked, _killpg
 from shoal.elastic import Coordinator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,94 +48,6 @@ class Outcome:
         for (rank, life), r in sorted(self.results.items()):
             best[rank] = r
         return [best[k] for k in sorted(best)]
-
-
-def _forked_main(argv: list[str], env: dict[str, str], log: str, append: bool) -> None:
-    """In the forked child: what ``python ARGV`` does, with ``env``, stdout and stderr to ``log`` (appended
-    to or truncated), in a new session (``start_new_session``); exits with the interpreter's exit code."""
-    os.setsid()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    torch.set_num_threads(1)   # OMP_NUM_THREADS=1 is read when torch is imported: here, the fork server did that
-    code = 0
-    try:
-        if argv[:2] == ["-m", "shoal"]:
-            from shoal.cli.main import main
-            sys.argv = ["shoal", *argv[2:]]
-            code = int(main(argv[2:]) or 0)
-        else:
-            sys.argv = list(argv)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))   # as `python script.py` does
-            runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:
-        if isinstance(e.code, int) or e.code is None:
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback on stderr, exit code 1
-        traceback.print_exc()
-        code = 1
-    # The interpreter's own ending: non-daemon threads joined, then the atexit handlers (registered in the
-    # fork server too, e.g. shoal.comm.lifetime's), then the streams flushed.
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-class Forked:
-    """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``) on ``python ARGV`` forked from the
-    fork server; its ``pid`` leads its own process group, as with ``start_new_session=True``.
-
-    Example (what ``subprocess.Popen([sys.executable, "worker.py", "--out", d], env=env, stdout=log_file,
-    stderr=subprocess.STDOUT, start_new_session=True)`` does, without the interpreter's start-up)::
-
-        p = Forked(["worker.py", "--out", d], env, os.path.join(d, "log.txt"))
-        assert p.wait(timeout=60) == 0
-    """
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: str, append: bool = False) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "shoal"])
-        self.args = argv
-        self._p = ctx.Process(target=_forked_main, args=(argv, env, log, append), daemon=False)
-        self._p.start()
-        self.pid = int(self._p.pid or 0)
-        # Its session must exist before anyone signals the group: the child calls setsid() first thing.
-        deadline = time.monotonic() + 10.0
-        while self._p.exitcode is None and time.monotonic() < deadline:
-            try:
-                if os.getpgid(self.pid) == self.pid:
-                    break
-            except ProcessLookupError:
-                break
-            time.sleep(0.001)
-
-    def poll(self) -> int | None:
-        return self._p.exitcode
-
-    @property
-    def returncode(self) -> int | None:
-        return self._p.exitcode
-
-    def send_signal(self, sig: int) -> None:
-        if self._p.exitcode is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._p.join(timeout)
-        if self._p.exitcode is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        return self._p.exitcode
 
 
 def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None = None,
@@ -193,13 +101,13 @@ def run(out_dir: str, world: int, args: list[str], *, env: dict[str, str] | None
             if time.monotonic() - t0 > hard_limit:
                 raise TimeoutError(f"elastic run still going after {hard_limit} s")
             if kill is not None and time.monotonic() - t0 >= kill[1]:
-                os.killpg(procs[kill[0]][0].pid, signal.SIGKILL)
+                _killpg(procs[kill[0]][0].pid, signal.SIGKILL)
                 kill = None
             time.sleep(0.05)
     finally:
         for p, _ in procs.values():
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                _killpg(p.pid, signal.SIGKILL)
                 p.wait()
         if coordinator is None:
             coord.stop()
@@ -248,14 +156,11 @@ def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[
     try:
         code = p.wait(timeout=hard_limit)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGTERM)   # the launcher stops its workers, then we make sure
+        _killpg(p.pid, signal.SIGTERM)   # the launcher stops its workers, then we make sure
         try:
             p.wait(timeout=8)
         finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:  # the launcher and its workers are already gone
-                pass
+            _killpg(p.pid, signal.SIGKILL)   # the launcher and its workers may be gone already
         code = -1
     outcome = Outcome(logs=open(log, errors="replace").read()[-6000:])
     for name in os.listdir(out_dir):

@@ -1,4 +1,5 @@
-"""Matchmaking expects peers the coordinator has admitted but not listed yet (one process, threads)."""
+"""Matchmaking expects peers the coordinator has admitted but not listed yet, and bounds the attempts a banned
+peer closes alone (one process, threads)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import uuid
 from typing import Any
 
 import pytest
+import torch
 
 import shoal
-from shoal.collaborative.rounds import RoundGroup
-from shoal.membership.coordinator import Coordinator
+from shoal.collaborative.optimizer import CollaborativeOptimizer
+from shoal.collaborative.rounds import MAX_SKIPPED, RoundGroup, RoundReport
+from shoal.membership.coordinator import Coordinator, Quorum
 
 TOKEN = "matchmaking-token"
 
@@ -134,3 +137,50 @@ def test_a_round_closed_by_banned_or_no_members_does_not_leave_a_peer_behind() -
         for g in (a, b):
             g.client.leave()
         coord.stop()
+
+
+class _Skipping:
+    """A RoundGroup whose first ``closed`` attempts of every epoch a banned peer closed alone (``skipped``);
+    the next one forms a round with the honest peers. Only matchmaking is stood in for."""
+
+    def __init__(self, closed: int, matchmaking_time: float) -> None:
+        self.group = RoundGroup.__new__(RoundGroup)
+        self.group.matchmaking_time, self.group.banned = matchmaking_time, {7}
+        self.group.matchmake = self.matchmake   # type: ignore[method-assign]
+        self.group.enter = lambda q, deadline: True   # type: ignore[method-assign]
+        self.closed, self.calls = closed, []   # type: list[float]
+
+    def matchmake(self, epoch: int, attempt: int, contributing: bool, excluded: set[int], deadline: float) -> Any:
+        self.calls.append(time.monotonic())
+        self.group.gave_up = False
+        self.group.skipped = attempt < self.closed
+        return None if self.group.skipped else Quorum(1 << 60, (1, 2), "mm/g/")
+
+
+def _optimizer(group: RoundGroup) -> Any:
+    opt = CollaborativeOptimizer.__new__(CollaborativeOptimizer)
+    opt.group = group
+    opt._attempt = lambda epoch, *a: (RoundReport(epoch, "averaged", 2, 4), None)   # type: ignore[method-assign]
+    return opt
+
+
+@pytest.mark.timeout(60)
+def test_attempts_a_banned_peer_closed_ahead_are_skipped_with_growing_waits_then_given_up() -> None:
+    """A banned peer can close every attempt of an epoch alone, ahead of the others: tried back to back,
+    an honest peer would register in thousands of them (a few store requests each) until averaging_timeout.
+    Skips wait longer and longer, and the epoch ends in a local step after MAX_SKIPPED of them."""
+    mm = _Skipping(closed=10**9, matchmaking_time=0.2)
+    t0 = time.monotonic()
+    report, averaged = _optimizer(mm.group)._round(3, 3, torch.zeros(4), 4, True, timeout=8.0)
+    assert report.outcome == "local" and averaged is None and report.epoch == 3
+    assert len(mm.calls) == MAX_SKIPPED, f"{len(mm.calls)} attempts in {time.monotonic() - t0:.1f} s"
+    gaps = [b - a for a, b in zip(mm.calls, mm.calls[1:])]
+    assert all(g >= 0.09 for g in gaps[6:]), gaps   # from the 7th skip on: half the 0.2 s window each
+    assert time.monotonic() - t0 < 8.0              # not the whole averaging_timeout
+
+
+@pytest.mark.timeout(60)
+def test_a_few_attempts_closed_by_a_banned_peer_still_end_in_the_honest_peers_round() -> None:
+    mm = _Skipping(closed=5, matchmaking_time=0.2)
+    report, _ = _optimizer(mm.group)._round(3, 3, torch.zeros(4), 4, True, timeout=8.0)
+    assert report.outcome == "averaged" and len(mm.calls) == 6

@@ -171,3 +171,30 @@ def test_a_source_waiting_for_a_slot_stops_once_the_others_fetched_the_last_rang
     dl.join(20)
     assert not dl.is_alive() and dl.error is None and dl.received == sa.size and pace.slots == 1
     run.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_download_asks_for_no_range_after_the_stop_and_ends_without_a_blob() -> None:
+    # Stopped inside a slot, with both sources about to ask for a range (parked in before_chunk): neither
+    # range goes out, the threads end although the slot is still open, and nothing counts as downloaded.
+    run = _Paced(chunk=512)
+    dl, pace = run.dl, run.pace
+    parked, release = threading.Barrier(3, timeout=10), threading.Event()
+
+    def before_chunk(source: int, received: int) -> None:
+        if received == 0 and len(parked_at) < 2:
+            parked_at.append(source)
+            parked.wait()
+            release.wait(10)
+
+    parked_at: list[int] = []
+    dl.before_chunk = before_chunk
+    pace.committed(now=10.0)      # a slot from 10 to 15; the clock reads 0.0: open until stopped
+    dl.start()
+    parked.wait()                 # both sources hold a range, about to ask for it
+    dl.stop()
+    release.set()
+    dl.join(10)
+    assert not dl.is_alive() and dl.blob is None and dl.error is not None and "stopped" in dl.error
+    assert dl.received == 0 and run.a.served + run.b.served == 0 and dl.failed == {}
+    run.close()

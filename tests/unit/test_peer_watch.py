@@ -112,26 +112,24 @@ def test_a_dissolved_quorum_is_due_to_be_left_once_and_only_outside_a_step() -> 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("after_commit", [True, False])
 def test_an_averaging_joiner_downloads_only_after_its_admitting_step_committed(after_commit: bool) -> None:
-    from shoal.membership.catchup import CatchUp
+    from shoal.membership.fetch import Fetch
 
-    group = SimpleNamespace(step=5, timeouts=SimpleNamespace(join=30.0, op=5.0), on_commit=lambda fn: None,
-                            client=SimpleNamespace(key=lambda k: f"run/{k}"))
-    c = CatchUp(group)
-    c.replayers.append(SimpleNamespace(after_commit=after_commit))
-    c.stats.admitted_step = 5
+    group = SimpleNamespace(step=5, timeouts=SimpleNamespace(join=30.0, op=5.0),
+                            client=SimpleNamespace(key=lambda k: f"run/{k}", member_id=3,
+                                                   store=SimpleNamespace(clone=lambda: store)))
+    store = SimpleNamespace(set=lambda k, v: None)
+    fetch = Fetch(group, 4, [1, 2], top=5, after_commit=after_commit, pace=None)   # unpaced
     asked: list[int] = []
 
-    def sources(hid: int, members: list[int], store: Any) -> list[Any]:
+    def sources() -> list[Any]:
         asked.append(group.step)
         raise RuntimeError("no source in this test")
-    c._sources = sources   # type: ignore[method-assign]
-    store = SimpleNamespace(set=lambda k, v: None)
-    t = threading.Thread(target=c._fetch, args=(4, [1, 2], store, c._generation, None))   # unpaced
-    t.start()
+    fetch._sources = sources   # type: ignore[method-assign]
+    fetch.start()
     if after_commit:
         time.sleep(0.3)
         assert asked == []          # the admitting step (5) has not committed: no byte asked for yet
         group.step = 6              # it commits
-    t.join(timeout=20)
-    assert asked == ([6] if after_commit else [5]) and c._done.is_set()
-    assert c._result[1] is not None and "no source in this test" in c._result[1], c._result   # it ran to the end
+    fetch.thread.join(timeout=20)
+    assert asked == ([6] if after_commit else [5]) and fetch.done.is_set()
+    assert fetch.result[1] is not None and "no source in this test" in fetch.result[1], fetch.result   # it ran to the end

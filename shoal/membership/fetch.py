@@ -1,0 +1,137 @@
+"""A joiner's download of one background-heal admission, on its own thread, and how it is abandoned.
+
+:class:`~shoal.membership.catchup.CatchUp` starts one :class:`Fetch` per
+admission: it waits (an averaging strategy's joiner) until the admitting step
+committed, reads the sources' signed records (address, size, sha256), and
+runs a striped :class:`~shoal.membership.stateserve.Download`, paced by the
+run's commits if asked (:mod:`shoal.membership.pace`). Its result lives on
+the object, so a download given up on can never report into a later one.
+
+Abandoning one (the quorum heals blocking, the joiner is admitted again, the
+catch-up fails) is :meth:`Fetch.stop`: no request goes out after it, the
+connections are cut, a wait for a pace slot or for the sources ends, and the
+thread is joined (bounded); its pace is *not* released, since nobody uses
+what it would fetch. Only ``leave()`` lifts the pace of a download it still
+wants (:meth:`CatchUp.finish`).
+
+Example (what ``CatchUp`` does)::
+
+    fetch = Fetch(group, hid=7, members=[0, 2], top=40, after_commit=False, pace=StepPace(0.2))
+    fetch.start()
+    ...
+    fetch.stop(wait=group.timeouts.op)     # the quorum heals blocking: given up, nothing of it is used
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from shoal.errors import ShoalError
+from shoal.membership.pace import PACED_CHUNK, StepPace
+from shoal.membership.stateserve import Download, Source
+
+log = logging.getLogger("shoal.elastic")
+__all__ = ["Fetch"]
+
+
+class Fetch:
+    """The download of heal ``hid`` from ``members`` by this joiner, admitted at step ``top``.
+
+    ``result`` is ``(blob, None)`` or ``(None, why)`` once ``done`` is set;
+    ``download`` is the :class:`Download` once the sources are known (for
+    its statistics). ``before_chunk`` is handed to the download (tests park
+    it there).
+    """
+
+    def __init__(self, group: Any, hid: int, members: list[int], top: int, after_commit: bool,
+                 pace: StepPace | None, before_chunk: Callable[[int, int], None] | None = None) -> None:
+        self.group, self.hid, self.members, self.top = group, hid, members, top
+        self.after_commit, self.pace, self.before_chunk = after_commit, pace, before_chunk
+        self.stopped = threading.Event()
+        self.done = threading.Event()
+        self.result: tuple[bytes | None, str | None] = (None, None)
+        self.download: Download | None = None
+        self._lock = threading.Lock()
+        self.store: Any = None
+        self.thread = threading.Thread(target=self._run, name="shoal-heal-fetch", daemon=True)
+
+    def start(self) -> None:
+        self.store = self.group.client.store.clone()   # its own store connection: off the training thread's
+        self.thread.start()
+
+    def stop(self, wait: float) -> bool:
+        """Abandon the download (see the module docstring); True if its thread ended within ``wait`` s."""
+        with self._lock:
+            self.stopped.set()
+            dl = self.download
+        if dl is not None:
+            dl.stop()
+        self.thread.join(wait)
+        if self.thread.is_alive():
+            log.warning("the download of heal %d given up on did not stop within %.1f s; it is left to end "
+                        "by itself (nothing it fetches is used)", self.hid, wait)
+        return not self.thread.is_alive()
+
+    def _run(self) -> None:
+        g = self.group
+        try:
+            if self.after_commit:
+                self._await_commit()
+            sources = self._sources()
+            dl = Download(self.hid, sources, g.client.token, g.client.run_id, g.client.member_id,   # finer
+                          chunk=min(g.heal_chunk, PACED_CHUNK if self.pace else 1 << 20),   # stripes paced:
+                          timeout=g.timeouts.op)   # a slot overshoots by a chunk a source
+            dl.before_chunk, dl.pace = self.before_chunk, self.pace
+            with self._lock:   # stop() sees this download, or this thread sees stop()
+                self.download = dl
+                if self.stopped.is_set():
+                    dl.stop()
+            dl.run()    # in this thread
+            self.result = (dl.blob, dl.error)
+        except Exception as e:  # noqa: BLE001 - reported to the training thread, which fails the step
+            self.result = (None, f"{type(e).__name__}: {e}")
+        try:   # the sources stop waiting for this joiner when they leave (CatchUp.finish)
+            self.store.set(str(g.client.key(f"heal/{self.hid}/fetched/{g.client.member_id}")), "1")
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody waits any more
+            pass
+        self.done.set()
+
+    def _await_commit(self) -> None:
+        """Wait until the step that admitted this joiner committed (a replayer's ``after_commit``: DiLoCo).
+
+        An averaging strategy may admit a joiner in its outer round (a quorum
+        re-formed right before it); its collectives then use the link that a
+        download would share. Inner steps need none: the download starts
+        after the round, when the link is idle. Bounded by ``Timeouts.join``.
+        """
+        g = self.group
+        deadline = time.monotonic() + g.timeouts.join
+        while g.step <= self.top and not self.stopped.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _sources(self) -> list[Source]:
+        """The sources' published (address, size, sha256), waiting until all or, 2 s after the first, some."""
+        g, store = self.group, self.store
+        deadline, first = time.monotonic() + g.timeouts.join, None
+        found: dict[int, Source] = {}
+        while time.monotonic() < deadline and not self.stopped.is_set():
+            for m in self.members:
+                k = str(g.client.key(f"heal/{self.hid}/src/{m}"))
+                if m not in found and store.check([k]):
+                    rec = g.client.book.open(store.get(k), writer=m, kind="heal source")
+                    if rec is not None:
+                        found[m] = Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"]))
+                        first = first or time.monotonic()
+            if len(found) == len(self.members) or (first is not None and time.monotonic() - first > 2.0):
+                break
+            time.sleep(0.01)
+        if self.stopped.is_set():
+            raise ShoalError(f"the download of heal {self.hid} was given up on")
+        if not found:
+            raise ShoalError(f"no source of heal {self.hid} published its snapshot within {g.timeouts.join} s")
+        sha = Counter(s.sha for s in found.values()).most_common(1)[0][0]
+        return [s for s in found.values() if s.sha == sha]
