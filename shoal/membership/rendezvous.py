@@ -168,6 +168,8 @@ class Rendezvous:
 
     def _dissolve(self, why: str) -> None:
         """Forbid the quorum any step (its abort flag) and ask the coordinator for the next one."""
+        log.warning("member %d gave up forming the group of quorum %d: %s; asking the coordinator for the "
+                    "next quorum", self.client.member_id, self.q.qid, why)
         try:
             self.client.store.set(self.q.prefix + "abort", f"rendezvous: {why}")
         except Exception:  # noqa: BLE001 - the coordinator's store is down: the quorum is gone anyway
