@@ -46,6 +46,7 @@ from shoal.membership.catchup import CatchUp, Replayer
 from shoal.membership.heal import (CONTROL_TAG, HEAL_CHUNK, HEAL_TAG, healed_barrier, load_blob, plan_heal, restore,
                                      send_state, snapshot, state_blob)
 from shoal.membership.leaving import PastCount, mark_life, run_counter
+from shoal.membership.rendezvous import Rendezvous
 from shoal.membership.transport import (BackendFactory, BackendSpec, ElasticCollectives, ElasticStats, Link, Seat,
                                         gloo_backend)
 from shoal.membership.views import ElasticHostGroups, ElasticSubgroup
@@ -306,21 +307,20 @@ class ElasticGroup(ElasticCollectives):
     def _enter(self, q: Quorum, deadline: float) -> bool:
         """Rendezvous, build the group, heal; False if superseded or failed (then try the next)."""
         self._abandon()
-        st = self.client.store
-        st.add(q.prefix + "arrive", 1)
-        # A store-level barrier first: unlike the gloo constructor it gives up once a newer quorum supersedes this one.
-        while st.add(q.prefix + "arrive", 0) < len(q.members):
-            if self.client.latest() > q.qid or time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
-        self.trace("barrier", qid=q.qid)
+        # Both waits give up once the group cannot form, e.g. a member lost there (shoal.membership.rendezvous).
+        rv = Rendezvous(self.client, self.link, q, deadline, self.timeouts.probe)
         self.client.abort.watch(q.prefix)
+        why = rv.meet()
+        if why is not None:
+            self.trace("unmet", qid=q.qid, why=why)
+            return False
+        self.trace("barrier", qid=q.qid)
         self.quorum, self.seat = q, Seat(q.rank_of(self.client.member_id), len(q.members))
         self.error = None
         try:
             if self.size > 1:
-                self.seat = replace(self.seat, pg=self.link.build(q.prefix + "pg/", self.rank, self.size))
-        except Exception as e:  # noqa: BLE001 - a peer did not connect: next quorum
+                self.seat = replace(self.seat, pg=rv.build(self.rank))
+        except Exception as e:  # noqa: BLE001 - a peer did not connect, or was lost meanwhile: next quorum
             self._record(PeerLostError(f"building the group of quorum {q.qid} failed: {e}"))
         self.stats.quorums += 1
         self.trace("built", qid=q.qid, ok=self.error is None, error=self.error and str(self.error)[:200])

@@ -1,0 +1,178 @@
+"""Forming one quorum's group: the store barrier and the gloo group, given up as soon as they cannot form.
+
+The members of a new quorum meet at a store counter (``<prefix>arrive``),
+then build the quorum's gloo group on its own store prefix. Either wait can
+outlive a member. A joiner admitted in a new quorum arrives at its barrier
+while the others finish their step, and may be killed there: the others
+then pass the barrier (its arrival was counted), and the gloo constructor
+waits for its address until ``Timeouts.op``. (Run F of docs/BENCHMARKS.md:
+one DDP step hung 64 s so; the coordinator had published a quorum without
+the dead joiner 7 s into the wait, and nobody looked.) So a
+:class:`Rendezvous` watches, while it waits, for three signs that the group
+can no longer form, and gives up at the first:
+
+- a newer quorum is published (the coordinator dropped or admitted someone);
+- the quorum's abort flag is raised (a member gave up on it, or the
+  coordinator dropped one of its members);
+- a member's heartbeat counter did not move over two whole ``Timeouts.probe``
+  windows in a row (the peer watch's rule, :mod:`shoal.membership.watch`: a
+  heartbeat thread starved for one window on a loaded machine is no death).
+  The member is judged lost here, seconds before the coordinator's
+  ``heartbeat_timeout``; the coordinator's own probe, which the request for
+  a new quorum starts, still decides who is gone.
+
+Giving up on a lost member, or on anything once the barrier is passed,
+dissolves the quorum: its abort flag is raised (a member whose gloo group
+did form must not wait in a collective for one that left) and the
+coordinator is asked for the next quorum. The gloo constructor cannot be
+interrupted: it runs in a helper thread, which is left behind when the
+member gives up; it ends by itself within ``Timeouts.op``, and drops
+whatever it built there, never in the training thread.
+
+Example (what :meth:`~shoal.membership.elastic.ElasticGroup.begin_step` does for each quorum)::
+
+    rv = Rendezvous(client, link, q, deadline, timeouts.probe)
+    if rv.meet() is None:                       # every member arrived
+        pg = rv.build(q.rank_of(client.member_id))   # or PeerLostError: the quorum is dissolved
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from shoal.membership.client import MemberClient
+from shoal.membership.coordinator import Quorum, log
+from shoal.membership.transport import Link
+from shoal.errors import PeerLostError
+
+SUPERSEDED = "superseded"   # meet(): a newer quorum exists, or the deadline passed; nothing to dissolve
+
+
+class Heartbeats:
+    """The other members of a quorum whose heartbeat stopped, judged by this member's own reads.
+
+    Reads every member's counter once per ``window`` (one store call each: a
+    joiner's counter may not exist yet, and ``add(key, 0)`` never waits for
+    a key); a member whose counter did not move over ``windows`` reads in a
+    row, or that left (-1), is silent.
+
+    Example::
+
+        beats = Heartbeats(client, q.members, timeouts.probe)
+        lost = beats.silent()     # [] until a member's counter stood still for 2 windows
+    """
+
+    def __init__(self, client: MemberClient, members: tuple[int, ...], window: float, windows: int = 2) -> None:
+        self.client, self.window, self.windows = client, window, windows
+        self.keys = {m: client.key(f"hb/{m}") for m in members if m != client.member_id}
+        self._last: dict[int, int] | None = None
+        self._still: dict[int, int] = {}
+        self._next = time.monotonic()
+
+    def silent(self) -> list[int]:
+        """The members judged lost so far (at most one store read per member and window)."""
+        now = time.monotonic()
+        if now < self._next:
+            return sorted(m for m, n in self._still.items() if n >= self.windows)
+        self._next = now + self.window
+        beats = {m: int(self.client.store.add(k, 0)) for m, k in self.keys.items()}
+        if self._last is not None:
+            self._still = {m: self.windows if b < 0 else self._still.get(m, 0) + 1
+                           for m, b in beats.items() if b < 0 or b == self._last[m]}
+        self._last = beats
+        return sorted(m for m, n in self._still.items() if n >= self.windows)
+
+
+class Rendezvous:
+    """The meeting of one quorum's members and the building of its gloo group (see the module docstring).
+
+    Args:
+        client: this member's connection to the coordinator.
+        link: builds the quorum's process group (:meth:`shoal.membership.transport.Link.build`).
+        q: the quorum.
+        deadline: ``time.monotonic()`` past which this member stops waiting.
+        window: ``Timeouts.probe``, the heartbeat judge's window.
+    """
+
+    def __init__(self, client: MemberClient, link: Link, q: Quorum, deadline: float, window: float) -> None:
+        self.client, self.link, self.q, self.deadline = client, link, q, deadline
+        self.beats = Heartbeats(client, q.members, window)
+
+    def meet(self) -> str | None:
+        """The store barrier: None once every member arrived, else why this member stopped waiting.
+
+        :data:`SUPERSEDED`: a newer quorum exists or the deadline passed. Any
+        other answer names a lost member or a raised abort flag; the quorum
+        is dissolved then.
+        """
+        st, q = self.client.store, self.q
+        st.add(q.prefix + "arrive", 1)
+        while st.add(q.prefix + "arrive", 0) < len(q.members):
+            why = self._doomed()
+            if why is not None:
+                if why != SUPERSEDED:
+                    self._dissolve(why)
+                return why
+            time.sleep(0.002)
+        return None
+
+    def build(self, rank: int) -> Any:
+        """The quorum's process group; raises PeerLostError (the quorum dissolved) if it cannot form."""
+        box: dict[str, Any] = {}
+        lock, done = threading.Lock(), threading.Event()
+
+        def construct() -> None:
+            try:
+                pg = self.link.build(self.q.prefix + "pg/", rank, len(self.q.members))
+            except Exception as e:  # noqa: BLE001 - handed to the training thread
+                pg, box["error"] = None, e
+            with lock:
+                if not box.get("left"):
+                    box["pg"] = pg   # else it is dropped here, in this thread, with its last reference
+                    done.set()
+
+        threading.Thread(target=construct, name=f"shoal-build-q{self.q.qid}", daemon=True).start()
+        while not done.wait(0.005):
+            try:
+                why = self._doomed()
+            except Exception as e:  # noqa: BLE001 - the coordinator's store is unreachable: gloo's own
+                log.debug("rendezvous of quorum %d: %s", self.q.qid, e)   # timeout still ends the wait
+                continue
+            if why is None:
+                continue
+            with lock:
+                if not done.is_set():   # else it has just finished: take what it built
+                    box["left"] = True
+                    why = "a newer quorum was published, or the deadline passed" if why == SUPERSEDED else why
+                    self._dissolve(why)
+                    raise PeerLostError(f"gave up waiting for its members to connect: {why}")
+        if box["pg"] is None:
+            self._dissolve(str(box["error"]))
+            raise PeerLostError(str(box["error"]))
+        return box["pg"]
+
+    def _doomed(self) -> str | None:
+        """Why the group can no longer form, or None."""
+        c, q = self.client, self.q
+        if c.latest() > q.qid or time.monotonic() > self.deadline:
+            return SUPERSEDED
+        if c.abort.raised(q.prefix):
+            return "its abort flag is raised (a member gave up on it, or the coordinator dropped one)"
+        lost = self.beats.silent()
+        if lost:
+            return (f"member(s) {lost} stopped heartbeating for {self.beats.windows} x {self.beats.window} s "
+                    "(Timeouts.probe)")
+        return None
+
+    def _dissolve(self, why: str) -> None:
+        """Forbid the quorum any step (its abort flag) and ask the coordinator for the next one."""
+        log.warning("member %d gave up forming the group of quorum %d: %s; asking the coordinator for the "
+                    "next quorum", self.client.member_id, self.q.qid, why)
+        try:
+            self.client.store.set(self.q.prefix + "abort", f"rendezvous: {why}")
+        except Exception:  # noqa: BLE001 - the coordinator's store is down: the quorum is gone anyway
+            pass
+        self.client.abort.saw(self.q.prefix)
+        self.client.request_quorum(self.q.qid)
