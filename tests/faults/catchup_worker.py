@@ -42,6 +42,16 @@ def _wait_file(path: str, limit: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+def _wait_newer_quorum(group: ElasticGroup, limit: float = 60.0) -> None:
+    """Outside a step: until the coordinator published a quorum newer than the group's (the joiner's join).
+    Without it, survivors on a loaded machine could run to --max-steps before the slow joiner got in."""
+    qid, deadline = group.quorum.qid if group.quorum is not None else 0, time.monotonic() + limit
+    while group.client.latest() <= qid:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no quorum after {qid} within {limit} s: the joiner never joined")
+        time.sleep(0.01)
+
+
 PACED: list[int] = []   # the joiner: per chunk request, the pace's slots opened so far
 
 
@@ -154,6 +164,7 @@ def main() -> None:
             if rank == 0:
                 open(os.path.join(a.out, "go"), "w").close()
             _wait_file(os.path.join(a.out, "joining"))   # outside any step: nobody's collective waits
+            _wait_newer_quorum(group)
     result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(), "stats": vars(group.stats),
               "catchup": asdict(group.catchup.stats), "grads": grads, "cursor": data.cursor, "rank": rank, "life": life,
               "paced": PACED}
