@@ -38,4 +38,4 @@ def shoal_forked(args: list[str], env: dict[str, str], log: Path, timeout: float
             except ProcessLookupError:
                 pass
             p.wait(timeout=10)
-    return code, log.read_text(errors="replace")
+    return code, log.read_text(errors="replace") if log.exists() else ""   # none if it was killed before it ran

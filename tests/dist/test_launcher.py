@@ -170,11 +170,13 @@ def test_sigterm_to_launcher_stops_workers(tmp_path: Path) -> None:
 def _read_ready_pids(proc: Forked, log: Path, n: int) -> list[int]:
     """Wait until ``n`` workers said READY in ``log`` (the caller's pytest timeout bounds this)."""
     while True:
-        pids = [int(p) for p in re.findall(r"READY pid=(\d+)", log.read_text(errors="replace"))]
+        text = log.read_text(errors="replace") if log.exists() else ""   # the child creates it when it runs
+        pids = [int(p) for p in re.findall(r"READY pid=(\d+)", text)]
         if len(pids) >= n:
             return pids
         if proc.poll() is not None:
-            raise AssertionError(f"launcher ended before {n} workers were ready: {log.read_text(errors='replace')}")
+            raise AssertionError(f"launcher ended before {n} workers were ready: "
+                                 f"{log.read_text(errors='replace') if log.exists() else '(no log)'}")
         time.sleep(0.02)
 
 

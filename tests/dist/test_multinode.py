@@ -46,7 +46,8 @@ def _shoal(args: list[str], env: dict[str, str], log: Path) -> harness.Forked:
 def _finish(procs: list[Any], logs: list[Path], timeout: float) -> list[tuple[int, str]]:
     """Each process's exit code and log, waiting at most ``timeout`` s for each; any left running is killed."""
     try:
-        return [(p.wait(timeout=timeout), log.read_text(errors="replace")) for p, log in zip(procs, logs)]
+        return [(p.wait(timeout=timeout), log.read_text(errors="replace") if log.exists() else "")
+                for p, log in zip(procs, logs)]
     finally:
         for p in procs:
             if p.poll() is None:
