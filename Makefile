@@ -16,15 +16,23 @@ $(STAMP): pyproject.toml
 
 # The whole suite; tests/cuda skips itself without CUDA (collected here so that it always imports)
 # and runs on a GPU machine. `make test-cuda` runs only that part. Two pytest processes by default,
-# each taking whole files (most tests wait on their own worker processes): 12 min 17 s for 699 tests on
-# the 2-core box on 2026-11-26, against ~11 min for 427 in one process before; 12 min 15 s for 849 on a
-# fresh clone on 2026-11-27. Most of the CPU is start-ups of processes that import torch: the elastic
-# fault tests' harness forks its workers and launcher from a fork server instead (tests/faults/harness.py):
-# their 11 files took 754 s of CPU before, 495 s after. On 2026-11-27, on the box shared with two other
-# jobs (load 7-15), the whole suite took 22 min 26 s before that and 18 min 34 s after it (1221 s of
-# CPU); not yet timed on an idle box. The race that made
-# two processes flaky (a member leaving right after an unvoted collective aborted a slower one) is
-# fixed by the orderly leave (docs/elastic.md, Leaving). TEST_JOBS=0 runs one process.
+# each taking whole files (most tests wait on their own worker processes). Most of the CPU is start-ups
+# of processes that import torch (~1.2 s of CPU each) and, at their first optimizer step, torch._dynamo
+# (~1.1 s more). run_workers and the fault harness fork their workers, and the CLI tests their `shoal run`
+# launchers (tests/cli_forked.py), from a fork server that imported both once (FORKSERVER_PRELOAD in
+# shoal/testing/procs.py); fresh interpreters remain where they are the code under test: the workers
+# of `shoal run`, torchrun, `shoal bench`, the emulated hosts. Per-test CPU (test process and all its
+# children): scripts/pytest_cpu.py. On the 2-core box shared with two other engineers, 2026-11-27:
+#   09:48 (main at 27e9b70), load 9-14: 873 passed, 39 skipped, 1 flaky; 1118 s of CPU, 23 min 28 s;
+#   10:43 (main at 883868a, then forked launchers and the torch._dynamo preload), load 10-20 (median
+#     12): 884 passed, 39 skipped, 1 failure since fixed (a forked launcher's log read before it
+#     existed); 924 s of CPU, 20 min 11 s. The same 912 tests: 1118 -> 923 s of CPU (main's 8 commits
+#     between the runs included); a process's CPU grows with load, so the cut is if anything understated.
+# Not timed on an idle box after these changes; before them, ~11.5-12 min idle (the developers' goal
+# is under 10). Earlier: 12 min 17 s for 699 tests (2026-11-26), 12 min 15 s for 849 on a fresh clone;
+# forking the fault harness's workers took the loaded suite from 22 min 26 s to 18 min 34 s (load 7-15).
+# The race that made two processes flaky (a member leaving right after an unvoted collective aborted
+# a slower one) is fixed by the orderly leave (docs/elastic.md, Leaving). TEST_JOBS=0 runs one process.
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile

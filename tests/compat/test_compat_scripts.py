@@ -19,12 +19,14 @@ from typing import Any
 
 import pytest
 
+from cli_forked import shoal_forked
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 BIN = Path(sys.executable).parent
 LAUNCHERS = {
     "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
-    "shoal run": [sys.executable, "-m", "shoal", "run", "-n", "2"],
+    "shoal run": [sys.executable, "-m", "shoal", "run", "-n", "2"],   # its launcher forked: _launch
 }
 
 
@@ -32,9 +34,14 @@ def _launch(launcher: str, tmp: Path) -> list[dict[str, Any]]:
     out = tmp / f"{launcher.replace(' ', '_')}.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*LAUNCHERS[launcher], str(HERE / "gpt_trainer.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if launcher == "shoal run":   # forked from the fork server (no torch import of its own); same command line
+        code, log = shoal_forked([*LAUNCHERS[launcher][3:], str(HERE / "gpt_trainer.py"), str(out)], env,
+                                 tmp / "shoal_run.log", 500)
+        assert code == 0, log[-6000:]
+    else:
+        proc = subprocess.run([*LAUNCHERS[launcher], str(HERE / "gpt_trainer.py"), str(out)], env=env,
+                              capture_output=True, text=True, timeout=500)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from shoal.cli.launcher import launch
 
+from cli_forked import Forked, shoal_forked
 from cli_inprocess import shoal_cli
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -122,12 +123,13 @@ def test_invalid_arguments_raise_config_error() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_cli_gloo_all_reduce_two_workers() -> None:
-    proc = subprocess.run([PY, "-m", "shoal", "run", "-n", "2", str(SCRIPTS / "allreduce_worker.py")],
-                          capture_output=True, text=True, timeout=80, env=_cli_env())
-    assert proc.returncode == 0, proc.stderr
+def test_cli_gloo_all_reduce_two_workers(tmp_path: Path) -> None:
+    # The launcher forked from the fork server (no torch import of its own); its workers are fresh interpreters.
+    code, out = shoal_forked(["run", "-n", "2", str(SCRIPTS / "allreduce_worker.py")], _cli_env(),
+                             tmp_path / "launcher.log", 80)
+    assert code == 0, out
     for r in range(2):
-        assert re.search(rf"^\[{r}\] SUM 3 3 HOST ", proc.stdout, re.M), proc.stdout
+        assert re.search(rf"^\[{r}\] SUM 3 3 HOST ", out, re.M), out
 
 
 @pytest.mark.timeout(60)
@@ -148,11 +150,12 @@ def test_cli_rejects_bad_kill_spec(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_to_launcher_stops_workers() -> None:
-    proc = subprocess.Popen([PY, "-m", "shoal", "run", "-n", "2", str(SCRIPTS / "sleep_worker.py")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
+def test_sigterm_to_launcher_stops_workers(tmp_path: Path) -> None:
+    # The launcher forked from the fork server (no torch import of its own), in its own session.
+    log = tmp_path / "launcher.log"
+    proc = Forked(["-m", "shoal", "run", "-n", "2", str(SCRIPTS / "sleep_worker.py")], _cli_env(), str(log))
     try:
-        pids = _read_ready_pids(proc, 2)
+        pids = _read_ready_pids(proc, log, 2)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM
@@ -160,22 +163,21 @@ def test_sigterm_to_launcher_stops_workers() -> None:
         assert not any(_pid_alive(p) for p in pids)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
-def _read_ready_pids(proc: subprocess.Popen[str], n: int) -> list[int]:
-    """Block until ``n`` workers said READY (the caller's pytest timeout bounds this)."""
-    assert proc.stdout is not None
-    pids: list[int] = []
-    while len(pids) < n:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"launcher ended before {n} workers were ready: {proc.stderr.read() if proc.stderr else ''}")
-        m = re.search(r"READY pid=(\d+)", line)
-        if m:
-            pids.append(int(m.group(1)))
-    return pids
+def _read_ready_pids(proc: Forked, log: Path, n: int) -> list[int]:
+    """Wait until ``n`` workers said READY in ``log`` (the caller's pytest timeout bounds this)."""
+    while True:
+        text = log.read_text(errors="replace") if log.exists() else ""   # the child creates it when it runs
+        pids = [int(p) for p in re.findall(r"READY pid=(\d+)", text)]
+        if len(pids) >= n:
+            return pids
+        if proc.poll() is not None:
+            raise AssertionError(f"launcher ended before {n} workers were ready: "
+                                 f"{log.read_text(errors='replace') if log.exists() else '(no log)'}")
+        time.sleep(0.02)
 
 
 @pytest.mark.timeout(60)

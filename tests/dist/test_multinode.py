@@ -1,6 +1,10 @@
 """One `shoal run` per machine (--nnodes/--node-rank/--master-addr), here as several launchers on loopback.
 
 The emulated cluster, where each launcher runs in its own host's namespace, is tests/e2e/test_multinode_cluster.py.
+
+Each launcher (``python -m shoal run ...``) is forked from the fork server of the fault tests' harness
+(``harness.Forked``): the same command line in its own process and session, without a fresh interpreter's
+torch import; the workers it starts are its own fresh interpreters, as under test.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,26 +29,46 @@ from cli_inprocess import shoal_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "scripts" / "node_worker.py"
+sys.path.insert(0, str(ROOT / "tests" / "faults"))
+import harness  # noqa: E402
+
+
+def _env(**more: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "PYTHONWARNINGS": "ignore", **more}
+
+
+def _shoal(args: list[str], env: dict[str, str], log: Path) -> harness.Forked:
+    """``python -m shoal ARGS`` forked from the fork server, stdout and stderr to ``log``."""
+    return harness.Forked(["-m", "shoal", *args], env, str(log))
+
+
+def _finish(procs: list[Any], logs: list[Path], timeout: float) -> list[tuple[int, str]]:
+    """Each process's exit code and log, waiting at most ``timeout`` s for each; any left running is killed."""
+    try:
+        return [(p.wait(timeout=timeout), log.read_text(errors="replace") if log.exists() else "")
+                for p, log in zip(procs, logs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)   # its workers too: each leads its own session
+                except ProcessLookupError:
+                    pass
 
 
 def _launchers(tmp: Path, nodes: list[dict[str, str]], extra_env: dict[str, str] | None = None,
                timeout: float = 90) -> list[tuple[int, str]]:
     """Start one `shoal run` per entry of ``nodes`` (its own options), each as its own process; (code, log)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONWARNINGS": "ignore", **(extra_env or {})}
-    procs = []
-    for opts in nodes:
-        argv = [sys.executable, "-m", "shoal", "run"]
+    env = _env(**(extra_env or {}))
+    procs, logs = [], []
+    for i, opts in enumerate(nodes):
+        argv = ["run"]
         for k, v in opts.items():
             argv += [f"--{k}", v]
-        procs.append(subprocess.Popen(argv + [str(WORKER), str(tmp)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        return [(p.wait(timeout=timeout), p.stdout.read() if p.stdout else "") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        logs.append(tmp / f"launcher-{i}.log")
+        procs.append(_shoal(argv + [str(WORKER), str(tmp)], env, logs[-1]))
+    return _finish(procs, logs, timeout)
 
 
 def _node(rank: int, nnodes: int, port: int, n: int, **more: str) -> dict[str, str]:
@@ -97,24 +122,20 @@ def test_a_failed_worker_on_node_0_gives_every_machine_its_exit_code(tmp_path: P
 @pytest.mark.timeout(120)
 def test_ctrl_c_on_one_machine_stops_every_machine(tmp_path: Path) -> None:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONWARNINGS": "ignore", "SLEEP_AFTER": "60"}
-    procs = [subprocess.Popen([sys.executable, "-m", "shoal", "run", *sum(([f"--{k}", v] for k, v in
-                                                                             _node(r, 2, port, 1).items()), []),
-                               str(WORKER), str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    env = _env(SLEEP_AFTER="60")
+    files = [tmp_path / f"launcher-{r}.log" for r in (0, 1)]
+    procs = [_shoal(["run", *sum(([f"--{k}", v] for k, v in _node(r, 2, port, 1).items()), []),
+                     str(WORKER), str(tmp_path)], env, files[r]) for r in (0, 1)]
     try:
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("*.json"))) < 2:  # both workers trained their step and now sleep
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.1)
         procs[1].send_signal(signal.SIGINT)
-        logs = [p.communicate(timeout=45)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [130, 130], logs
+        res = _finish(procs, files, 45)
+    logs = [log for _, log in res]
+    assert [c for c, _ in res] == [130, 130], logs
     assert "node 1's launcher got signal 2; stopping this machine's workers" in logs[0], logs[0]
 
 
@@ -194,25 +215,22 @@ def test_a_worker_started_by_torchrun_joins_an_elastic_run_of_shoal_run(tmp_path
     coord = Coordinator(port=0, initial_workers=2, token=token).start()
     worker = [str(ROOT / "tests" / "faults" / "elastic_worker.py"), "--out", str(tmp_path), "--steps", "6",
               "--op", "20", "--min-workers", "2"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONWARNINGS": "ignore", "SHOAL_TOKEN": token}
+    env = _env(SHOAL_TOKEN=token)
+    # torchrun stays a fresh interpreter (its own launcher, not shoal's code); the shoal launcher is forked.
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "shoal", "run", "--elastic", "--coordinator", coord.address,
-                          "--nnodes", "2", "--node-rank", "1", "--run-id", run, "-n", "1", *worker], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-        subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "1", *worker],
-                         env={**env, "SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": run},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-    ]
+    files = [tmp_path / "shoal-run.log", tmp_path / "torchrun.log"]
     try:
-        logs = [p.communicate(timeout=90)[0] for p in procs]
+        procs: list[Any] = [_shoal(["run", "--elastic", "--coordinator", coord.address, "--nnodes", "2",
+                                    "--node-rank", "1", "--run-id", run, "-n", "1", *worker], env, files[0])]
+        with open(files[1], "w") as tr_log:
+            procs.append(subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "1", *worker],
+                                          env={**env, "SHOAL_COORDINATOR": coord.address, "SHOAL_RUN_ID": run},
+                                          stdout=tr_log, stderr=subprocess.STDOUT, start_new_session=True))
+        res = _finish(procs, files, 90)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         coord.stop()
-    assert [p.returncode for p in procs] == [0, 0], logs
+    logs = [log for _, log in res]
+    assert [c for c, _ in res] == [0, 0], logs
     a, b = (torch.load(tmp_path / f"{r}-0.pt", weights_only=False) for r in (0, 1))
     assert a["log"][-1]["size"] == b["log"][-1]["size"] == 2, logs
     for k, v in a["model"].items():

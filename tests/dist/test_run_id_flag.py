@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from cli_forked import shoal_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "run-id-flag-token"
@@ -18,9 +18,8 @@ def _run(tmp: Path, opts: list[str]) -> tuple[int, str]:
     script.write_text("import os\nprint('RUN_ID=' + os.environ['SHOAL_RUN_ID'])\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONWARNINGS": "ignore", "SHOAL_RUN_ID": "exported-id", "SHOAL_TOKEN": TOKEN}
-    p = subprocess.run([sys.executable, "-m", "shoal", "run", "--elastic", *opts, "-n", "1", str(script)],
-                       env=env, capture_output=True, text=True, timeout=60)
-    return p.returncode, p.stdout + p.stderr
+    # The launcher forked from the fork server (its whole cost here was a fresh interpreter's torch import).
+    return shoal_forked(["run", "--elastic", *opts, "-n", "1", str(script)], env, tmp / "launcher.log", 60)
 
 
 @pytest.mark.timeout(90)

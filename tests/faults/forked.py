@@ -30,7 +30,10 @@ import time
 import traceback
 from typing import Any
 
-PRELOAD = ("torch", "torch.distributed", "shoal")
+# What the fork server imports once. The same list as shoal.testing.procs.FORKSERVER_PRELOAD (a process has one
+# fork server; whoever starts it first sets its list), written out here because this module imports no torch.
+# torch._dynamo: what a process's first optimizer step imports (about 1.1 s of CPU; see FORKSERVER_PRELOAD).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shoal")
 
 
 def _forked_main(argv: list[str], env: dict[str, str], log: str, append: bool, owner: int) -> None:

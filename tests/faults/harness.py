@@ -7,11 +7,12 @@ returning, whatever happens: each run has a hard time limit.
 
 The processes this harness starts itself (the workers of :func:`run`, the
 launcher of :func:`run_launcher`) are forked from the fork server that
-``shoal.testing.run_workers`` uses, which has imported torch and shoal once,
-instead of being fresh interpreters: each runs the same script or ``shoal``
-command line in its own session with its own environment, arguments and log,
-but skips torch's import (about 1.5 s of CPU each, most of an elastic test's
-cost on 2 cores). The launcher's own workers stay fresh interpreters: that is
+``shoal.testing.run_workers`` uses, which has imported torch, torch._dynamo
+(what a process's first optimizer step imports) and shoal once, instead of
+being fresh interpreters: each runs the same script or ``shoal`` command line
+in its own session with its own environment, arguments and log, but skips
+those imports (about 2.3 s of CPU each, most of an elastic test's cost on 2
+cores). The launcher's own workers stay fresh interpreters: that is
 ``shoal run``'s code under test (:mod:`forked`: the handle, and why no
 forked process outlives the test process or loses its last log lines).
 """

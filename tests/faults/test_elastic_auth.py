@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
+from cli_forked import shoal_forked  # noqa: E402
 from cli_inprocess import shoal_cli  # noqa: E402
 
 from shoal.membership import auth  # noqa: E402
@@ -262,10 +262,10 @@ def _shoal_run(tmp_path: Any, launcher: list[str], env_token: str | None) -> tup
     env["PYTHONPATH"] = harness.ROOT
     if env_token is not None:
         env["SHOAL_TOKEN"] = env_token
-    p = subprocess.run([sys.executable, "-m", "shoal", "run", *launcher, str(script), str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=100)
+    # The launcher forked from the fork server (no torch import of its own); its workers are fresh interpreters.
+    code, out = shoal_forked(["run", *launcher, str(script), str(tmp_path)], env, tmp_path / "launcher.log", 100)
     found = sorted(f.read_text() for f in tmp_path.iterdir() if f.name in ("0", "1"))
-    return p.returncode, p.stdout + p.stderr, found
+    return code, out, found
 
 
 @pytest.mark.timeout(120)
