@@ -39,7 +39,6 @@ from torch import nn
 import shoal
 from shoal.elastic import ElasticGroup, ElasticOptimizer, Timeouts
 from shoal.membership.coordinator import connect
-from harness import save_and_leave
 
 # A hang shows up as hitting a long timeout: op (the gloo constructor's wait) and heartbeat_timeout (the
 # coordinator's own verdict) are far above probe, by which a lost member must be judged.
@@ -109,9 +108,15 @@ def main() -> None:
                 time.sleep(0.01)
             released = time.time()
         opt.step()
+    # Leave first: a joiner admitted with the background heal may still be downloading after the last step (on
+    # a loaded machine); its parameters are the run's only once leave() has caught it up (docs/elastic.md).
+    group.leave()
     result = {"rank": rank, "life": 0, "released": released, "commits": commits, "stats": vars(group.stats),
-              "model": net.state_dict(), "opt": inner.state_dict(), "cursor": 0}
-    save_and_leave(a.out, rank, 0, result, group)
+              "model": net.state_dict(), "opt": inner.state_dict(), "cursor": 0,
+              "caught_up": group.catchup.caught_up}
+    path = os.path.join(a.out, f"{rank}-0.pt")
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -56,4 +56,5 @@ def test_kill_while_a_quorum_forms_costs_the_survivors_only_its_detection(victim
     assert gap < bound, (f"the second step after the kill committed {gap:.1f} s after it (bound {bound} s; "
                          f"Timeouts.op {TIMEOUTS.op} s): a wait on the dead member\n{why}")
     assert after[1][2] == 2, why   # over the two workers left
+    assert all(r["caught_up"] for r in final), why   # a background joiner, too, once its leave() caught it up
     harness.assert_equal_state(final, cursor=False)
