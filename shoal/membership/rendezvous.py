@@ -47,7 +47,7 @@ from shoal.membership.coordinator import Quorum, log
 from shoal.membership.transport import Link
 from shoal.errors import PeerLostError
 
-SUPERSEDED = "superseded"   # meet(): a newer quorum exists, or the deadline passed; nothing to dissolve
+SUPERSEDED = "superseded"   # meet(): a newer quorum exists; nothing to dissolve
 
 
 class Heartbeats:
@@ -103,9 +103,10 @@ class Rendezvous:
     def meet(self) -> str | None:
         """The store barrier: None once every member arrived, else why this member stopped waiting.
 
-        :data:`SUPERSEDED`: a newer quorum exists or the deadline passed. Any
-        other answer names a lost member or a raised abort flag; the quorum
-        is dissolved then.
+        :data:`SUPERSEDED`: a newer quorum exists. Any other answer (a lost
+        member, a raised abort flag, this member's deadline) dissolves the
+        quorum: this member's arrival is counted, so the others would pass
+        the barrier and wait in the gloo constructor for it.
         """
         st, q = self.client.store, self.q
         st.add(q.prefix + "arrive", 1)
@@ -145,7 +146,7 @@ class Rendezvous:
             with lock:
                 if not done.is_set():   # else it has just finished: take what it built
                     box["left"] = True
-                    why = "a newer quorum was published, or the deadline passed" if why == SUPERSEDED else why
+                    why = "a newer quorum was published" if why == SUPERSEDED else why
                     self._dissolve(why)
                     raise PeerLostError(f"gave up waiting for its members to connect: {why}")
         if box["pg"] is None:
@@ -156,8 +157,10 @@ class Rendezvous:
     def _doomed(self) -> str | None:
         """Why the group can no longer form, or None."""
         c, q = self.client, self.q
-        if c.latest() > q.qid or time.monotonic() > self.deadline:
+        if c.latest() > q.qid:
             return SUPERSEDED
+        if time.monotonic() > self.deadline:
+            return "this member's deadline to form a group passed (Timeouts.quorum, or Timeouts.join when fresh)"
         if c.abort.raised(q.prefix):
             return "its abort flag is raised (a member gave up on it, or the coordinator dropped one)"
         lost = self.beats.silent()
