@@ -57,6 +57,10 @@ class BackendSpec:
     """What a backend factory gets to build one quorum's process group.
 
     ``step`` returns the group's committed step when called (fault plans use it).
+    The factory is called on a helper thread (:mod:`shoal.membership.rendezvous`:
+    a member lost meanwhile must not hold the training thread in the
+    constructor), so it must not rely on thread-local state such as the current
+    CUDA device: a factory building an NCCL group names its device explicitly.
     """
 
     store: dist.Store
