@@ -24,7 +24,8 @@ Forked = harness.Forked
 def shoal_forked(args: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[int, str]:
     """Run ``python -m shoal ARGS`` with ``env`` (stdout and stderr to ``log``); its exit code and output.
 
-    Past ``timeout`` seconds the launcher and everything in its session are killed and the code is -9.
+    Past ``timeout`` seconds the launcher is sent SIGTERM (it stops its workers, which run in sessions of
+    their own), then SIGKILL with its process group, and the code is -9.
     """
     p = Forked(["-m", "shoal", *args], env, str(log))
     try:
@@ -32,6 +33,12 @@ def shoal_forked(args: list[str], env: dict[str, str], log: Path, timeout: float
     except subprocess.TimeoutExpired:
         code = -signal.SIGKILL
     finally:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=8)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGKILL)

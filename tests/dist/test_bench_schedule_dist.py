@@ -81,9 +81,10 @@ def _match(seen: list[tuple[int, list[float]]], expected: list[float],
     of any later step than the last one matched (collaborative training under load: its swarm
     step, in a background thread, was seen landing with the lr of two steps after the batch the
     worker last took), and two updates may use one step's lr (a background step landing after the
-    worker set that step's lr, then the step the worker's own call makes, both under it); the
-    caller then counts distinct steps, so an unscheduled optimizer still fails: its constant lr
-    fits at most two steps of the schedule.
+    worker set that step's lr, then the step the worker's own call makes, both under it), in any
+    order (a peer that loads a peer's state takes that peer's later lr with it, then its own
+    schedule sets its own step's earlier one); the caller then counts distinct steps, so an
+    unscheduled optimizer still fails: its constant lr fits at most two steps of the schedule.
     """
     steps: list[int] = []
     last: tuple[int, list[float]] | None = None
@@ -92,11 +93,11 @@ def _match(seen: list[tuple[int, list[float]]], expected: list[float],
             continue
         last = (current, lrs)
         near = range(len(expected)) if anywhere else (current - 1, current, current + 1)
-        fits = [t for t in near if 0 <= t < len(expected) and (not steps or t > steps[-1] or (anywhere and t == steps[-1]))
+        fits = [t for t in near if 0 <= t < len(expected) and (anywhere or not steps or t > steps[-1])
                 and lrs == pytest.approx([expected[t]] * len(lrs), rel=1e-9)]
         if not fits:
             return steps, f"in step {current} lr {lrs}, schedule {[round(expected[t], 8) for t in (current - 1, current, current + 1) if 0 <= t < len(expected)]}"
-        steps.append(min(fits, key=lambda t: (bool(steps) and t == steps[-1], t)))   # a new step before a repeat
+        steps.append(min(fits, key=lambda t: (t in steps, t)))   # a new step before a repeat
     return steps, None
 
 

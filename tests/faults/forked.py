@@ -11,6 +11,10 @@ child holds the write end of its "alive" pipe). Its stdout and stderr are
 made anew on its log, as the interpreter makes them (unbuffered with
 ``PYTHONUNBUFFERED``), so what a worker printed before it was SIGKILLed is
 in its log. No torch import here: a test of this module starts cheaply.
+A process group is not a launcher's workers: ``shoal run`` starts each in a
+session of its own, so a launcher killed so leaves them to end by
+themselves; the harness's launcher paths send the launcher SIGTERM first
+(it stops its workers), then SIGKILL.
 """
 
 from __future__ import annotations
