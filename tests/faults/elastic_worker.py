@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--park-at", type=int, default=0,
                     help="rank 1's first incarnation stops at this committed step, writes <out>/parked-1 "
                          "(its pid) and waits to be killed: a kill at a known step, whatever the machine's speed")
+    ap.add_argument("--hold-at", type=int, default=0,
+                    help="every worker, at this committed step (outside any step: no collective or vote in "
+                         "flight), writes <out>/held-<rank> and waits while <out>/hold exists")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -89,6 +92,10 @@ def main() -> None:
             os.replace(os.path.join(a.out, "parked-1.tmp"), os.path.join(a.out, "parked-1"))
             while True:
                 time.sleep(1)
+        if a.hold_at and group.step == a.hold_at and not os.path.exists(os.path.join(a.out, f"held-{rank}")):
+            open(os.path.join(a.out, f"held-{rank}"), "w").close()
+            while os.path.exists(os.path.join(a.out, "hold")):
+                time.sleep(0.01)
         idx = data.next_batch()
         opt.zero_grad()
         loss = F.mse_loss(model(x[idx]), y[idx])
