@@ -74,14 +74,13 @@ class Heartbeats:
     def silent(self) -> list[int]:
         """The members judged lost so far (at most one store read per member and window)."""
         now = time.monotonic()
-        if now < self._next:
-            return sorted(m for m, n in self._still.items() if n >= self.windows)
-        self._next = now + self.window
-        beats = {m: int(self.client.store.add(k, 0)) for m, k in self.keys.items()}
-        if self._last is not None:
-            self._still = {m: self.windows if b < 0 else self._still.get(m, 0) + 1
-                           for m, b in beats.items() if b < 0 or b == self._last[m]}
-        self._last = beats
+        if now >= self._next:   # a new window: read every counter once
+            self._next = now + self.window
+            beats = {m: int(self.client.store.add(k, 0)) for m, k in self.keys.items()}
+            if self._last is not None:
+                self._still = {m: self.windows if b < 0 else self._still.get(m, 0) + 1
+                               for m, b in beats.items() if b < 0 or b == self._last[m]}
+            self._last = beats
         return sorted(m for m, n in self._still.items() if n >= self.windows)
 
 
