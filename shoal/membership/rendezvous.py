@@ -29,17 +29,26 @@ interrupted: it runs in a helper thread, which is left behind when the
 member gives up; it ends by itself within ``Timeouts.op``, and drops
 whatever it built there, never in the training thread.
 
+A subgroup of the quorum (:mod:`shoal.membership.views`: a host's
+members, the hosts' leaders) forms the same way, on its own store prefix and
+over its own members: a member late to a subgroup's gloo constructor, after
+its peers gave up on it, would otherwise retry connecting to their closed
+sockets for gloo's whole connect limit (five times ``Timeouts.op``).
+
 Example (what :meth:`~shoal.membership.elastic.ElasticGroup.begin_step` does for each quorum)::
 
     rv = Rendezvous(client, link, q, deadline, timeouts.probe)
     if rv.meet() is None:                       # every member arrived
         pg = rv.build(q.rank_of(client.member_id))   # or PeerLostError: the quorum is dissolved
+
+    sub = Rendezvous(client, link, q, deadline, timeouts.probe, Circle(prefix, members=(3, 7)))
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.membership.client import MemberClient
@@ -84,6 +93,19 @@ class Heartbeats:
         return sorted(m for m, n in self._still.items() if n >= self.windows)
 
 
+@dataclass(frozen=True)
+class Circle:
+    """Who meets, and where: a subgroup's store prefix and member ids (in subgroup rank order).
+
+    ``subgroup``: also give up once this member's step has failed (a subgroup forms inside a step,
+    whose failure the quorum's vote discards anyway).
+    """
+
+    prefix: str
+    members: tuple[int, ...]
+    subgroup: bool = True
+
+
 class Rendezvous:
     """The meeting of one quorum's members and the building of its gloo group (see the module docstring).
 
@@ -93,11 +115,15 @@ class Rendezvous:
         q: the quorum.
         deadline: ``time.monotonic()`` past which this member stops waiting.
         window: ``Timeouts.probe``, the heartbeat judge's window.
+        circle: a subgroup of ``q`` instead of the whole quorum (its own prefix and members); giving up on
+            it dissolves ``q`` all the same (the step needs every subgroup).
     """
 
-    def __init__(self, client: MemberClient, link: Link, q: Quorum, deadline: float, window: float) -> None:
+    def __init__(self, client: MemberClient, link: Link, q: Quorum, deadline: float, window: float,
+                 circle: Circle | None = None) -> None:
         self.client, self.link, self.q, self.deadline = client, link, q, deadline
-        self.beats = Heartbeats(client, q.members, window)
+        self.circle = circle or Circle(q.prefix, q.members, subgroup=False)
+        self.beats = Heartbeats(client, self.circle.members, window)
 
     def meet(self) -> str | None:
         """The store barrier: None once every member arrived, else why this member stopped waiting.
@@ -107,9 +133,9 @@ class Rendezvous:
         quorum: this member's arrival is counted, so the others would pass
         the barrier and wait in the gloo constructor for it.
         """
-        st, q = self.client.store, self.q
-        st.add(q.prefix + "arrive", 1)
-        while st.add(q.prefix + "arrive", 0) < len(q.members):
+        st, c = self.client.store, self.circle
+        st.add(c.prefix + "arrive", 1)
+        while st.add(c.prefix + "arrive", 0) < len(c.members):
             why = self._doomed()
             if why is not None:
                 if why != SUPERSEDED:
@@ -119,13 +145,14 @@ class Rendezvous:
         return None
 
     def build(self, rank: int) -> Any:
-        """The quorum's process group; raises PeerLostError (the quorum dissolved) if it cannot form."""
+        """The circle's process group (``rank`` in it); raises PeerLostError (the quorum dissolved) if it
+        cannot form."""
         box: dict[str, Any] = {}
         lock, done = threading.Lock(), threading.Event()
 
         def construct() -> None:
             try:
-                pg = self.link.build(self.q.prefix + "pg/", rank, len(self.q.members))
+                pg = self.link.build(self.circle.prefix + "pg/", rank, len(self.circle.members))
             except Exception as e:  # noqa: BLE001 - handed to the training thread
                 pg, box["error"] = None, e
             with lock:
@@ -159,9 +186,12 @@ class Rendezvous:
         if c.latest() > q.qid:
             return SUPERSEDED
         if time.monotonic() > self.deadline:
-            return "this member's deadline to form a group passed (Timeouts.quorum, or Timeouts.join when fresh)"
+            return ("this member's deadline to form a group passed (Timeouts.quorum, or Timeouts.join when fresh)"
+                    if not self.circle.subgroup else "the subgroup did not form within Timeouts.op")
         if c.abort.raised(q.prefix):
             return "its abort flag is raised (a member gave up on it, or the coordinator dropped one)"
+        if self.circle.subgroup and self.link.failures.error is not None:
+            return f"this member's step already failed ({self.link.failures.error})"
         lost = self.beats.silent()
         if lost:
             return (f"member(s) {lost} stopped heartbeating for {self.beats.windows} x {self.beats.window} s "

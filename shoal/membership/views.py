@@ -11,9 +11,12 @@ keeps working), while under it:
   (each member publishes its host identity and launch ``RANK`` when it
   joins), with no collective: every member computes the same partition;
 - its own gloo group is built under ``<quorum prefix>sub/<name>/<index>/``
-  at its first collective in that quorum (a store barrier first, which gives
-  up on the parent's abort flag, then the backend factory of the parent, so
-  fault plans apply to it too);
+  at its first collective in that quorum, through a
+  :class:`~shoal.membership.rendezvous.Rendezvous` over its members (a store
+  barrier, then the parent's backend factory on a helper thread, so fault
+  plans apply to it too; both give up at the parent's abort flag, a newer
+  quorum, a subgroup member's stopped heartbeat, this step's failure or
+  ``Timeouts.op``);
 - failures are the parent's: a collective of the subgroup that fails records
   the error on the parent and raises its abort flag, so the whole step fails
   on every member of the quorum, and the parent's vote discards it; the
@@ -48,10 +51,11 @@ from shoal.membership.transport import ElasticCollectives, ElasticStats, Link
 from shoal.comm.group import Group
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, Timeouts
+from shoal.membership.rendezvous import Circle, Rendezvous
 from shoal.comm.meter import Meter
 from shoal.comm.rules import MemberInfo, Partition, by_host, by_slot, host_leaders, whole_quorum
 from shoal.comm.topology import HostGroups, Topology
-from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
+from shoal.errors import ConfigError, PeerLostError, ShoalError
 
 __all__ = ["ElasticSubgroup", "ElasticHostGroups", "member_infos", "MemberInfo", "Partition", "by_host",
            "host_leaders", "whole_quorum", "by_slot"]
@@ -292,31 +296,23 @@ class ElasticSubgroup(ElasticCollectives):
             if self._dropped == q.qid:
                 return      # abandoned after a failure: the step is lost, the next quorum rebuilds it
             prefix = f"{q.prefix}sub/{self.name}/{self._index}/"
-            if not self._arrive(prefix, q):
+            members = tuple(q.members[r] for r in self._ranks)
+            trace = self.link.failures.trace
+            trace("sub", name=self.name, qid=q.qid, phase="arrive", members=list(members))
+            rv = Rendezvous(self.client, self.link, q, time.monotonic() + self.timeouts.op, self.timeouts.probe,
+                            Circle(prefix, members))
+            why = rv.meet()
+            if why is not None:
+                self._record(PeerLostError(f"subgroup {self.name!r} of quorum {q.qid}: not every member arrived "
+                                           f"({why})"))
                 return
+            trace("sub", name=self.name, qid=q.qid, phase="build")
             try:
-                self.pg = self.link.build(prefix + "pg/", self._ranks.index(self.parent.rank), len(self._ranks))
+                self.pg = rv.build(self._ranks.index(self.parent.rank))
                 self._pg_qid = q.qid
+                trace("sub", name=self.name, qid=q.qid, phase="built")
             except Exception as e:  # noqa: BLE001 - a peer did not connect: the step fails
                 self._record(PeerLostError(f"building subgroup {self.name!r} of quorum {q.qid} failed: {e}"))
-
-    def _arrive(self, prefix: str, q: Quorum) -> bool:
-        """A store barrier of the subgroup's members (``Timeouts.op``); False on a failure (recorded)."""
-        st = self.link.client.store
-        st.add(prefix + "arrive", 1)
-        deadline = time.monotonic() + self.link.timeouts.op
-        while st.add(prefix + "arrive", 0) < len(self._ranks):
-            if self.error is not None:
-                return False
-            if self.link.failures.aborted:
-                self._record(PeerLostError(f"subgroup {self.name!r} abandoned: another member reported a failure"))
-                return False
-            if time.monotonic() > deadline:
-                self._record(CommTimeoutError(f"subgroup {self.name!r} of quorum {q.qid}: not every member "
-                                              f"arrived within {self.link.timeouts.op} s (Timeouts.op)"))
-                return False
-            time.sleep(0.002)
-        return True
 
     def __repr__(self) -> str:
         return (f"ElasticSubgroup({self.name!r}, parent_ranks={self._ranks}, member={self._member}, "

@@ -62,6 +62,7 @@ class Failures:
         self.client = client
         self._prefix = prefix
         self._trace = trace
+        self.trace = trace      # shared with the subgroups, which log their formation to it
         self._lock = threading.Lock()
         self._abort_store = client.store.clone()  # type: ignore[attr-defined]
         self._abort_of = client.store   # the store it was cloned from (a restarted coordinator: a new one)

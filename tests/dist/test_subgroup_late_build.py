@@ -1,0 +1,85 @@
+"""A member late to its subgroup's gloo constructor, after its peer gave up on it, gives up too (quickly).
+
+Two members of one elastic group (threads of this process, one host), a
+subgroup over both (:func:`by_host`). In the first quorum, member B's backend
+factory for the subgroup starts ``op`` + 1 s late (a stalled process). A
+waits for B's address for ``op``, fails the step and raises the quorum's
+abort flag. B then starts its constructor with A's address already closed:
+gloo retries that connect for five times ``op``, in the training thread,
+before the subgroup went through :class:`~shoal.membership.rendezvous.Rendezvous`
+(seen in CI: 25 s instead of 5). Now B's training thread watches the abort
+flag and its own limit (``op``) while its helper thread constructs, fails
+its step within about ``op``, and both train on in the next quorum with equal results.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.elastic import Coordinator, Timeouts
+from shoal.membership.elastic import ElasticGroup
+from shoal.membership.transport import BackendSpec, gloo_backend
+from shoal.membership.views import by_host
+
+OP = 2.0
+TOKEN = "late-subgroup-token"
+
+
+def _late_second_build(delay: float) -> Any:
+    """A factory whose second group (the first subgroup) starts ``delay`` s late; every other one at once."""
+    calls = {"n": 0}
+
+    def factory(spec: BackendSpec) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            time.sleep(delay)
+        return gloo_backend(spec)
+    return factory
+
+
+def _member(name: str, coord: Any, factory: Any, out: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    group = ElasticGroup("late-sub", coordinator=coord.address, min_workers=2, token=TOKEN, host_id="h0",
+                         timeouts=Timeouts(op=OP, probe=0.5, heartbeat_interval=0.1, heartbeat_timeout=3.0,
+                                           quorum=20.0, join=30.0),
+                         backend_factory=factory)
+    sub = group.subgroup(by_host, "host")
+    log = []
+    try:
+        while len([c for _, c, _ in log if c]) < 2 and len(log) < 6:
+            t0 = time.monotonic()
+            group.begin_step()
+            x = torch.full((4,), float(group.rank + 1))
+            sub.all_reduce(x, op="avg", tag="x").wait()
+            committed = group.commit()
+            log.append((time.monotonic() - t0, committed, x.clone()))
+    finally:
+        out[name] = log
+        group.leave()
+
+
+@pytest.mark.timeout(90)
+def test_a_member_late_to_a_subgroup_build_fails_its_step_at_the_abort_not_at_gloos_connect_limit() -> None:
+    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
+    out: dict[str, Any] = {}
+    try:
+        threads = [threading.Thread(target=_member, args=("a", coord, gloo_backend, out)),
+                   threading.Thread(target=_member, args=("b", coord, _late_second_build(OP + 1.0), out))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(80)
+    finally:
+        coord.stop()
+    a, b = out["a"], out["b"]
+    assert not a[0][1] and not b[0][1], (a, b)                 # the first step failed on both
+    assert b[0][0] < 2 * OP + 2.0, b[0][0]                     # B gave up at A's abort flag (not 5 x op)
+    assert [c for _, c, _ in a] == [c for _, c, _ in b], (a, b)   # one verdict everywhere
+    assert sum(c for _, c, _ in a) == 2, a                     # then the run went on
+    for (_, ca, xa), (_, _, xb) in zip(a, b):
+        assert not ca or torch.equal(xa, xb), (xa, xb)          # a committed mean is everyone's
