@@ -54,6 +54,7 @@ from typing import Any
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, log
 from shoal.membership.transport import Link
+from shoal.membership.watch import Stillness, dissolve
 from shoal.errors import PeerLostError
 
 SUPERSEDED = "superseded"   # meet(): a newer quorum exists; nothing to dissolve
@@ -76,8 +77,8 @@ class Heartbeats:
     def __init__(self, client: MemberClient, members: tuple[int, ...], window: float, windows: int = 2) -> None:
         self.client, self.window, self.windows = client, window, windows
         self.keys = {m: client.key(f"hb/{m}") for m in members if m != client.member_id}
-        self._last: dict[int, int] | None = None
-        self._still: dict[int, int] = {}
+        self.judge = Stillness(windows)
+        self._silent: list[int] = []
         self._next = time.monotonic()
 
     def silent(self) -> list[int]:
@@ -85,12 +86,8 @@ class Heartbeats:
         now = time.monotonic()
         if now >= self._next:   # a new window: read every counter once
             self._next = now + self.window
-            beats = {m: int(self.client.store.add(k, 0)) for m, k in self.keys.items()}
-            if self._last is not None:
-                self._still = {m: self.windows if b < 0 else self._still.get(m, 0) + 1
-                               for m, b in beats.items() if b < 0 or b == self._last[m]}
-            self._last = beats
-        return sorted(m for m, n in self._still.items() if n >= self.windows)
+            self._silent = self.judge.update({m: int(self.client.store.add(k, 0)) for m, k in self.keys.items()})
+        return self._silent
 
 
 @dataclass(frozen=True)
@@ -203,8 +200,6 @@ class Rendezvous:
         log.warning("member %d gave up forming the group of quorum %d: %s; asking the coordinator for the "
                     "next quorum", self.client.member_id, self.q.qid, why)
         try:
-            self.client.store.set(self.q.prefix + "abort", f"rendezvous: {why}")
+            dissolve(self.client.store, self.client, self.q, f"rendezvous: {why}")
         except Exception:  # noqa: BLE001 - the coordinator's store is down: the quorum is gone anyway
-            pass
-        self.client.abort.saw(self.q.prefix)
-        self.client.request_quorum(self.q.qid)
+            self.client.abort.saw(self.q.prefix)

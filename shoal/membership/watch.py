@@ -43,6 +43,52 @@ from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, connect, log
 
 
+class Stillness:
+    """The rule that judges a member lost: its heartbeat counter did not move over ``windows`` reads in a row.
+
+    Shared by the peer watch (between rounds) and the quorum rendezvous
+    (:mod:`shoal.membership.rendezvous`, while a group forms). Feed it one read
+    of the counters per window; a counter read as negative (the member left)
+    counts as ``windows`` at once.
+
+    Example::
+
+        judge = Stillness(windows=2)
+        judge.update({2: 5, 3: 9}); judge.update({2: 6, 3: 9}); judge.update({2: 7, 3: 9})   # -> [3]
+    """
+
+    def __init__(self, windows: int = 2) -> None:
+        self.windows = windows
+        self._last: dict[int, Any] | None = None
+        self._still: dict[int, int] = {}
+
+    def update(self, beats: dict[int, Any]) -> list[int]:
+        """The members judged lost after this read (sorted)."""
+        if self._last is not None:
+            self._still = {m: self.windows if _left(b) else self._still.get(m, 0) + 1
+                           for m, b in beats.items() if _left(b) or b == self._last.get(m)}
+        self._last = dict(beats)
+        return sorted(m for m, n in self._still.items() if n >= self.windows)
+
+    def reset(self) -> None:
+        self._last, self._still = None, {}
+
+
+def _left(beat: Any) -> bool:
+    return isinstance(beat, int) and beat < 0
+
+
+def dissolve(store: Any, client: MemberClient, q: Quorum, why: str) -> None:
+    """Forbid ``q`` any further commit (its abort flag) and ask the coordinator for the next quorum.
+
+    ``store``: the caller's own store client (a background thread must not share the training thread's).
+    Raises what the store raises (the caller decides whether an unreachable coordinator matters).
+    """
+    store.set(q.prefix + "abort", why)
+    store.set(client.key(f"req/{q.qid}"), str(client.member_id))
+    client.abort.saw(q.prefix)
+
+
 class PeerWatch:
     """A daemon thread that suspects a quorum member whose heartbeat stopped (see the module docstring).
 
@@ -76,38 +122,30 @@ class PeerWatch:
 
     def _run(self) -> None:
         st: Any = None          # its own store client: the training and heartbeat threads use theirs
-        last: tuple[str, list[bytes]] | None = None   # (quorum prefix, its members' counters) a window ago
-        still: dict[int, int] = {}                      # member -> windows in a row its counter did not move
+        judge, judged = Stillness(self.windows), ""     # judged: the prefix of the quorum being judged
         while not self._stop.wait(self.window):
             q, c = self.quorum(), self.client
             if q is None or len(q.members) < 2 or c.down.is_set() or c.abort.raised(q.prefix):
-                last, still = None, {}
+                judge.reset()
                 continue
             try:
                 if st is None:
                     st = connect(c.address, self.window)
-                beats = list(st.multi_get([c.key(f"hb/{m}") for m in q.members]))
-                if last is not None and last[0] == q.prefix:
-                    still = {m: still.get(m, 0) + 1 for m, a, b in zip(q.members, last[1], beats)
-                             if a == b and m != c.member_id}
-                    silent = [m for m, n in still.items() if n >= self.windows]
-                    if silent:
-                        self._dissolve(st, q, silent)
-                else:
-                    still = {}
-                last = (q.prefix, beats)
+                others = [m for m in q.members if m != c.member_id]
+                beats = list(st.multi_get([c.key(f"hb/{m}") for m in others]))
+                if judged != q.prefix:
+                    judge.reset()
+                    judged = q.prefix
+                silent = judge.update(dict(zip(others, beats)))
+                if silent:
+                    log.info("member(s) %s of quorum %d silent for %.1f s: asking the coordinator for a new "
+                             "quorum", silent, q.qid, self.windows * self.window)
+                    dissolve(st, c, q, f"member(s) {silent} stopped heartbeating")
+                    self.suspected += 1
             except Exception as e:  # noqa: BLE001 - the store is unreachable: the heartbeat thread handles outages
                 log.debug("peer watch: reading the heartbeats failed (%s)", e)
-                st, last, still = None, None, {}
-
-    def _dissolve(self, st: Any, q: Quorum, silent: list[int]) -> None:
-        """Forbid ``q`` any further commit and ask the coordinator for the next quorum."""
-        log.info("member(s) %s of quorum %d silent for %.1f s: asking the coordinator for a new quorum",
-                 silent, q.qid, self.windows * self.window)
-        st.set(q.prefix + "abort", f"member(s) {silent} stopped heartbeating")
-        st.set(self.client.key(f"req/{q.qid}"), str(self.client.member_id))
-        self.client.abort.saw(q.prefix)
-        self.suspected += 1
+                st = None
+                judge.reset()
 
 
 class PeerWatcher:

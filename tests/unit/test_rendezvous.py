@@ -46,16 +46,13 @@ class _Abort:
 class _Client:
     def __init__(self, member_id: int) -> None:
         self.member_id, self.store, self.abort = member_id, _Store(), _Abort()
-        self.newest, self.requests = 1, []
+        self.newest = 1
 
     def key(self, k: str) -> str:
         return f"run/{k}"
 
     def latest(self) -> int:
         return self.newest
-
-    def request_quorum(self, qid: int) -> None:
-        self.requests.append(qid)
 
 
 Q = Quorum(qid=1, members=(1, 2), prefix="run/q1/")
@@ -70,7 +67,7 @@ def test_a_member_whose_deadline_passes_at_the_barrier_dissolves_the_quorum() ->
     assert why is not None and "deadline" in why, why
     assert client.store.kv[Q.prefix + "arrive"] == 1                 # counted
     assert str(client.store.kv.get(Q.prefix + "abort", "")).startswith("rendezvous:"), client.store.kv
-    assert client.abort.raised(Q.prefix) and client.requests == [1]
+    assert client.abort.raised(Q.prefix) and client.store.kv.get("run/req/1") == "1"   # the next quorum asked for
 
 
 def test_a_newer_quorum_needs_no_dissolving() -> None:
@@ -79,11 +76,24 @@ def test_a_newer_quorum_needs_no_dissolving() -> None:
     client.newest = 2
     why = Rendezvous(client, None, Q, time.monotonic() + 5.0, window=0.01).meet()  # type: ignore[arg-type]
     assert why == SUPERSEDED
-    assert Q.prefix + "abort" not in client.store.kv and client.requests == []
+    assert Q.prefix + "abort" not in client.store.kv and "run/req/1" not in client.store.kv
 
 
 def test_every_member_arrived_passes() -> None:
     client = _Client(1)
     client.store.kv[Q.prefix + "arrive"] = 1   # member 2 is already there
     assert Rendezvous(client, None, Q, time.monotonic() + 5.0, window=0.01).meet() is None  # type: ignore[arg-type]
-    assert client.requests == []
+    assert "run/req/1" not in client.store.kv
+
+
+def test_the_stillness_rule_forgives_one_still_window_and_judges_two_or_a_departure() -> None:
+    # One rule for the peer watch and the rendezvous (shoal.membership.watch.Stillness).
+    from shoal.membership.watch import Stillness
+
+    judge = Stillness(windows=2)
+    assert judge.update({2: 5, 3: 9, 4: 1}) == []          # first read: nothing to compare with
+    assert judge.update({2: 6, 3: 9, 4: 1}) == []          # 3 and 4 still for one window: starved, not dead
+    assert judge.update({2: 7, 3: 9, 4: 2}) == [3]          # 3 still for two windows in a row; 4 moved again
+    assert judge.update({2: -1, 3: 10, 4: 3}) == [2]        # 2 left (-1): at once; 3 moved: forgiven
+    judge.reset()
+    assert judge.update({2: -1, 3: 10, 4: 3}) == []         # a new quorum is judged from scratch
