@@ -118,7 +118,14 @@ def main() -> None:
     pick = torch.Generator().manual_seed(1000 * rank)
     discarded: list[int] = []
     detected: int | None = None
-    while not (step_of(strategy) >= a.steps and synced(strategy)):
+    def done() -> bool:
+        if not (step_of(strategy) >= a.steps and synced(strategy)):
+            return False
+        # --rejoin: also until the joiner contributes (caught up; the same answer on every member after a
+        # round), so that a download slower than the last rounds is not cut short (bounded at 4x the steps)
+        return not a.rejoin or group.contribution()[1] == group.size or step_of(strategy) >= 4 * a.steps
+
+    while not done():
         idx = torch.randint(0, 256, (16,), generator=pick)
         loss = F.mse_loss(model(x[idx]), y[idx])
         loss.backward()

@@ -97,7 +97,8 @@ def test_a_restart_admitted_in_the_renewed_round_ends_equal(strategy: str, tmp_p
         assert joiner["stats"]["heals_received"] == 1, why
     ref = survivors[0]
     for r in final[1:]:
-        assert r["step"] == ref["step"] == {"diloco": 24, "streaming-overlap": 24, "localsgd": 25}[strategy], why
+        # at least the run's length: the survivors go on (in whole periods) until the joiner has caught up
+        assert r["step"] == ref["step"] >= {"diloco": 24, "streaming-overlap": 24, "localsgd": 25}[strategy], why
         assert len(r["synced"]) == len(ref["synced"]) > 0, why
         for i, (x, y) in enumerate(zip(ref["synced"], r["synced"])):
             assert torch.equal(x, y), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
