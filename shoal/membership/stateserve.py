@@ -376,6 +376,9 @@ class Download(threading.Thread):
                     pass   # already closed by its thread
 
     def run(self) -> None:
+        if self.stopped.is_set():   # given up before it started: no buffer, no connection, no request
+            self.error = f"the download of heal {self.hid} was stopped (given up on); nothing of it is used"
+            return
         size, sha = self.sources[0].size, self.sources[0].sha
         buf = bytearray(size)
         todo: queue.Queue[tuple[int, int]] = queue.Queue()

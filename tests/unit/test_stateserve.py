@@ -188,3 +188,20 @@ def test_both_ends_of_a_download_send_small_writes_at_once(monkeypatch: Any) -> 
     dl.run()
     server.close()
     assert dl.error is None and len(seen) == 2 and all(seen), f"TCP_NODELAY on the two ends: {seen}"
+
+
+def test_a_download_stopped_before_it_started_does_not_connect() -> None:
+    # CatchUp gives up on an admission whose download thread may not have started yet: that download must
+    # not then connect to its sources (nor allocate the state's size) for nothing.
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.3)
+    src = Source(0, "127.0.0.1:%d" % listener.getsockname()[1], 1 << 20, "0" * 64)
+    dl = Download(3, [src], TOKEN, RUN, member=9, chunk=4096)
+    dl.stop()
+    dl.run()
+    assert dl.blob is None and dl.error is not None and "stopped" in dl.error
+    with pytest.raises(socket.timeout):
+        listener.accept()      # nobody connected
+    listener.close()
