@@ -259,7 +259,7 @@ def download_costs(logs: Logs, kills: list[dict[str, Any]], median: float) -> li
                 if best is None or (sum(ex), len(ex)) > (sum(best), len(best)):
                     best = ex
             if best is not None:
-                row.update(download_cost_s=round(sum(best), 3), download_steps=len(best),
+                row.update(download_cost_s=round(sum(best, 0.0), 3), download_steps=len(best),
                            download_step_max_s=round(max(best, default=0.0), 3))
         out.append(row)
     return out
