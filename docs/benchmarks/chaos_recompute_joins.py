@@ -6,7 +6,7 @@ the one kept ``chaos`` folder whose workers' pids hold every pid of the kill log
 figures the run reported (median step, per kill, per join) come out the same from those logs, and
 adds the stall at admission and the download's cost (``shoal.bench.chaos_stats``).
 
-    PYTHONPATH=. python docs/benchmarks/chaos_recompute_joins.py docs/benchmarks out.json
+    PYTHONPATH=. python docs/benchmarks/chaos_recompute_joins.py docs/benchmarks recomputed-chaos-joins.json
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def recompute(ch: dict[str, Any], logs: cs.Logs) -> dict[str, Any]:
     kills, m = ch["kill_log"], cs.median_step(logs)
     same = (abs(m - ch["step_s_median"]) < 1e-9 and cs.join_stalls(logs, kills, m) == ch["per_join"]
             and cs.kill_stalls(logs, kills, m) == ch["per_kill"])
-    rows = [{**a, **c, "window_stall_s": w["stall_s"]} for a, c, w in
-            zip(cs.admission_stalls(logs, kills, m), cs.download_costs(logs, kills, m), cs.join_stalls(logs, kills, m))]
+    window = {(j["rank"], j["life"]): j["stall_s"] for j in cs.join_stalls(logs, kills, m)}
+    rows = [{**a, **c, "window_stall_s": window.get((a["rank"], a["life"]))}   # restarts that logged a step
+            for a, c in zip(cs.admission_stalls(logs, kills, m), cs.download_costs(logs, kills, m))]
     return {"reported_figures_reproduced": same, "median_step_s": round(m, 3), "kills": len(kills),
             "stall_per_kill_s": ch["stall_per_kill_s"],
             "stall_per_join_admission_s": cs.spread([r["admission_stall_s"] for r in rows]),
@@ -50,7 +51,7 @@ def main(folder: str, out: str | None) -> None:
     pids = {d: {e["pid"] for lg in load(d).values() for e in lg if e.get("event") == "joined"} for d in kept}
     res = {}
     for f in sorted(glob.glob(os.path.join(folder, "chaos-*.json"))):
-        ch = json.load(open(f))["chaos"]
+        ch = json.load(open(f)).get("chaos", {})
         if "kill_log" not in ch or "per_join" not in ch:
             continue
         want = {k["pid"] for k in ch["kill_log"]} | {p for k in ch["kill_log"] for p in k["survivors"]}
