@@ -12,8 +12,12 @@ model's size), steps per second; per kill and per join the survivors' stall
 (their longest gap between committed steps across the kill or around the
 newcomer's admission, minus a median step), the newcomer's seconds from
 process start to its first committed step, and the goodput (committed
-samples per second; chaos over fault-free: ``goodput_ratio``); the
-definitions, unit-tested: :mod:`shoal.bench.chaos_stats`. Per join also
+samples per second; chaos over fault-free: ``goodput_ratio``). Per join,
+beside that window figure (``stall_per_join_s``, newcomer ready to its first
+contribution): the survivors' gap that admitted it (issue #20's stall per
+join, ``stall_per_join_admission_s``) and the seconds its background
+download added to the survivors' clean steps (``download_cost_per_join_s``).
+The definitions, unit-tested: :mod:`shoal.bench.chaos_stats`. Per join also
 (``joins``): the joiner's seconds from process start to its first contributing step and the bytes it
 received. ``--heal background`` heals restarted workers in the background (SHOAL_HEAL, docs/elastic.md),
 ``--heal-pace`` paces it by the run's steps (SHOAL_HEAL_PACE).
@@ -55,7 +59,8 @@ import torch
 import torch.nn.functional as F
 
 import shoal
-from shoal.bench.chaos_stats import goodput, join_stalls, joins as join_table, kill_stalls, median_step, spread, trained_s
+from shoal.bench.chaos_stats import (admission_stalls, download_costs, goodput, join_stalls, joins as join_table,
+                                     kill_stalls, median_step, spread, trained_s)
 from shoal.bench.overhead import TinyTransformer
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.rates import parse_rate
@@ -324,6 +329,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
     joins = [e for (_, life), lg in logs.items() if life > 0 for e in lg if e.get("event") == "joined"]
     normal = median_step(logs)
     per_kill, per_join = kill_stalls(logs, kills, normal), join_stalls(logs, kills, normal)
+    at_join, cost = admission_stalls(logs, kills, normal), download_costs(logs, kills, normal)
     return {
         "wall_s": wall, "kills": len(kills), "val_loss": statistics.mean(vals) if vals else math.nan,
         "val_loss_spread": (max(vals) - min(vals)) if vals else math.nan,
@@ -338,7 +344,13 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         "joins": join_table(logs, normal),
         # Per kill and per join (shoal.bench.chaos_stats): the survivors' stall, minus a median step.
         "stall_per_kill_s": spread([k["stall_s"] for k in per_kill]),
-        "stall_per_join_s": spread([j["stall_s"] for j in per_join]),
+        "stall_per_join_s": spread([j["stall_s"] for j in per_join]),   # ready -> first contribution
+        # Issue #20's stall per join (the gap that admitted the joiner), and what its download cost.
+        "stall_per_join_admission_s": spread([j["admission_stall_s"] for j in at_join]),
+        "joins_admitted_in_their_kills_gap": sum(1 for j in at_join if j["in_own_kill_gap"]),
+        "download_cost_per_join_s": spread([j["download_cost_s"] for j in cost]),
+        "download_step_max_s": spread([j["download_step_max_s"] for j in cost]),
+        "per_join_admission": [{**a, **c} for a, c in zip(at_join, cost)],
         "join_to_first_commit_s": spread([j["first_commit_s"] for j in per_join]),
         "per_kill": per_kill, "per_join": per_join,
         # Over the training's wall time: start to the last worker's end of training (not its leave).
@@ -466,8 +478,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validation loss: fault-free {ff:.4f}, chaos {ch:.4f} ({100 * (ch - ff) / ff:+.2f} %)")
         base = res["fault_free"]["goodput_samples_s"]
         res["goodput_ratio"] = round(res["chaos"]["goodput_samples_s"] / base, 3) if base else math.nan
+        c = res["chaos"]
         print(f"goodput (committed samples/s, chaos / fault-free): {res['goodput_ratio']}; survivors' stall per "
-              f"kill {res['chaos']['stall_per_kill_s']}, per join {res['chaos']['stall_per_join_s']} (s)")
+              f"kill {c['stall_per_kill_s']}; per join: at admission {c['stall_per_join_admission_s']} (and "
+              f"{c['joins_admitted_in_their_kills_gap']} admitted in their kill's own gap), over the window "
+              f"to first contribution {c['stall_per_join_s']}, the download's cost "
+              f"{c['download_cost_per_join_s']} (largest step excess {c['download_step_max_s']}) (s)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), **res}, f, indent=1)

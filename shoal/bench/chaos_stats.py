@@ -27,7 +27,15 @@ re-run with the survivors did, its work stands).
   (plus one median step, as the survivors log the same step a little
   apart), and that starts after the kill's gap; minus the median step; the
   largest over the survivors. ``first_commit_s``: the newcomer's process
-  start to its first step.
+  start to its first step. With a background heal that window runs to the
+  newcomer's first *contributing* step, many steps after its admission, and
+  often holds another kill's stall; two figures split it:
+- **stall at admission** (:func:`admission_stalls`, issue #20's "stall per
+  join"): the survivors' gap that committed the round admitting the
+  newcomer (its first logged step, zero weight or not), and no other.
+- **the download's cost** (:func:`download_costs`): the seconds the
+  survivors' clean steps between the admission and the first contribution
+  took beyond a median step, summed.
 Example::
 
     >>> logs = {(0, 0): [{"event": "joined", "t": 0.0, "started": 0.0, "pid": 1},
@@ -49,17 +57,22 @@ from typing import Any
 Logs = dict[tuple[int, int], list[dict[str, Any]]]   # (rank, life) -> that incarnation's log
 
 
-def committed_times(log: list[dict[str, Any]]) -> list[float]:
-    """When the incarnation logged each step that made progress (see the module docstring), in order."""
+def progress_steps(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The incarnation's entries of the steps that made progress (see the module docstring), in order."""
     out, last = [], None
     for e in log:
         if "dt" in e:
             # ``contributes: false``: a joiner still catching up in the background (its steps carry zero
             # weight); its own progress starts with its first contributing step.
             if (last is None or e["step"] > last) and e.get("contributes", True):
-                out.append(e["t"])
+                out.append(e)
             last = e["step"]
     return out
+
+
+def committed_times(log: list[dict[str, Any]]) -> list[float]:
+    """When the incarnation logged each step that made progress (see the module docstring), in order."""
+    return [e["t"] for e in progress_steps(log)]
 
 
 def median_step(logs: Logs) -> float:
@@ -123,6 +136,132 @@ def join_stalls(logs: Logs, kills: list[dict[str, Any]], median: float) -> list[
             gaps += [b - a for a, b in zip(ts, ts[1:]) if a >= kill_gap[1] and ready <= b <= first + median]
         out.append({"rank": k["rank"], "life": k["life"] + 1, "first_commit_s": round(first - joined["started"], 3),
                     "stall_s": round(max(gaps) - median, 3) if gaps else None})
+    return out
+
+
+def _restart(logs: Logs, k: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float | None] | None:
+    """The kill's restart: its ``joined`` entry, its first logged step (it is in the quorum from then,
+    zero weight or not) and its first contributing step's time (None if it never contributed); None if
+    it logged no step."""
+    new = logs.get((k["rank"], k["life"] + 1), [])
+    joined = next((e for e in new if e.get("event") == "joined"), None)
+    first = next((e for e in new if "dt" in e), None)
+    if joined is None or first is None:
+        return None
+    return joined, first, next((e["t"] for e in new if "dt" in e and e.get("contributes", True)), None)
+
+
+def _kill_gaps(log: list[dict[str, Any]], kills: list[dict[str, Any]], pid: int) -> list[tuple[float, float]]:
+    """Every kill's gap (see the module docstring) in the log of ``pid``, for the kills it survived."""
+    return [g for n, k in enumerate(kills)
+            if pid in k["survivors"] and (g := _kill_gap(log, k["t"], _until(kills, n))) is not None]
+
+
+def _admission_gap(log: list[dict[str, Any]], first: dict[str, Any]) -> tuple[float, float] | None:
+    """The survivor's gap (start, end) between steps that made progress that admitted the joiner whose
+    first logged step is ``first``: it ends at the survivor's first such step of that step's round
+    (``round``, the group's committed rounds, equal on every member), or of the next one if that
+    first step was discarded (its round then committed later)."""
+    target, prev = first["round"] + (1 if first["discards"] else 0), None
+    for e in progress_steps(log):
+        if e["round"] >= target:
+            return (prev, e["t"]) if prev is not None else None
+        prev = e["t"]
+    return None
+
+
+def admission_stalls(logs: Logs, kills: list[dict[str, Any]], median: float) -> list[dict[str, Any]]:
+    """Per restart that logged a step: the survivors' stall at its admission (issue #20's stall per join).
+
+    The admission is the restart's first logged step, zero weight or not (it is in the quorum from then).
+    ``admission_stall_s``: for every survivor of the kill, its gap between steps that made progress
+    that spans that admission: from its last such step before the round that admitted the restart to
+    the one that committed that round (for DDP the step it logged with the restart's first step, or,
+    if that step failed, its re-run; for DiLoCo the outer round that admitted the restart, which ends
+    just before the restart's ``joined`` entry). A gap that overlaps the kill's own gap is that kill's
+    stall (per kill), not the join's, and is left out (as in :func:`join_stalls`). The longest such
+    gap over the survivors, minus ``median`` (None if none is left). Unlike :func:`join_stalls`, the
+    gaps while the restart downloads in the background are not in it (see :func:`download_costs`).
+    ``kill_in_gap``: whether that gap holds a kill or overlaps a later kill's gap, i.e. the figure is
+    also a kill's stall; ``in_own_kill_gap``: the figure is None because the restart was admitted in its
+    own kill's gap (e.g. the re-run of the round that the kill broke). Example (the gap 3.0 -> 7.0 of
+    round 3 admits it)::
+
+        >>> steps = lambda pid, ts: [{"event": "joined", "t": 0.0, "started": 0.0, "pid": pid}] + [
+        ...     {"t": t, "dt": 1.0, "step": i, "round": i, "discards": 0} for i, t in enumerate(ts)]
+        >>> logs = {(0, 0): steps(1, [1.0, 2.0, 3.0, 7.0, 8.0]), (1, 0): steps(2, [1.0]),
+        ...         (1, 1): [{"event": "joined", "t": 6.0, "started": 4.0, "pid": 3},
+        ...                  {"t": 7.0, "dt": 1.0, "step": 3, "round": 3, "discards": 0, "contributes": False}]}
+        >>> admission_stalls(logs, [{"t": 1.5, "rank": 1, "life": 0, "survivors": [1]}], median=1.0)
+        [{'rank': 1, 'life': 1, 'admission_stall_s': 3.0, 'kill_in_gap': False, 'in_own_kill_gap': False}]
+    """
+    by_pid, out = _by_pid(logs), []
+    for n, k in enumerate(kills):
+        got = _restart(logs, k)
+        if got is None:
+            continue
+        best: tuple[float, bool] | None = None
+        in_own = False
+        for pid in k["survivors"]:
+            log = by_pid.get(pid, [])
+            gap, own = _admission_gap(log, got[1]), _kill_gap(log, k["t"], _until(kills, n))
+            if gap is None or (own is not None and gap[0] < own[1] and own[0] < gap[1]):
+                in_own = in_own or gap is not None
+                continue
+            a, b = gap
+            if best is None or b - a > best[0]:
+                hit = any(a < kk["t"] < b for kk in kills) or any(
+                    g0 < b and a < g1 for g0, g1 in _kill_gaps(log, kills, pid))
+                best = (b - a, hit)
+        out.append({"rank": k["rank"], "life": k["life"] + 1,
+                    "admission_stall_s": round(best[0] - median, 3) if best else None,
+                    "kill_in_gap": best[1] if best else None, "in_own_kill_gap": best is None and in_own})
+    return out
+
+
+def download_costs(logs: Logs, kills: list[dict[str, Any]], median: float) -> list[dict[str, Any]]:
+    """Per restart that contributed: what its background download cost the survivors, in seconds.
+
+    Counted, for every survivor of the kill: its steps that made progress, ended after the restart's
+    admission (its first logged step, plus half a median step: that step is
+    :func:`admission_stalls`'s) and by its first contributing step (plus half a median step), and are
+    not re-runs of a failed round: ``discards`` 0 and not ending inside any kill's gap of that
+    survivor. Each such step's excess is its ``dt`` minus ``median``, clipped at 0.
+    ``download_cost_s``: the sum of the excesses (the largest sum over the survivors);
+    ``download_step_max_s``: the largest single excess; ``download_steps``: the steps counted (of that
+    survivor). A restart that never contributed has None. Example (steps of 1.5 s and 1.0 s during the
+    download, median 1.0 s: 0.5 s lost)::
+
+        >>> steps = lambda pid, ts: [{"event": "joined", "t": 0.0, "started": 0.0, "pid": pid}] + [
+        ...     {"t": t, "dt": t - p, "step": i, "discards": 0} for i, (p, t) in enumerate(zip([0] + ts, ts))]
+        >>> joiner = [{"event": "joined", "t": 2.5, "started": 2.0, "pid": 3},
+        ...           {"t": 3.0, "dt": 1.0, "step": 3, "discards": 0, "contributes": False},
+        ...           {"t": 4.5, "dt": 1.5, "step": 4, "discards": 0, "contributes": False},
+        ...           {"t": 5.5, "dt": 1.0, "step": 5, "discards": 0}]
+        >>> logs = {(0, 0): steps(1, [1.0, 2.0, 3.0, 4.5, 5.5]), (1, 0): steps(2, [1.0]), (1, 1): joiner}
+        >>> download_costs(logs, [{"t": 1.5, "rank": 1, "life": 0, "survivors": [1]}], median=1.0)
+        [{'rank': 1, 'life': 1, 'download_cost_s': 0.5, 'download_step_max_s': 0.5, 'download_steps': 2}]
+    """
+    by_pid, out = _by_pid(logs), []
+    for k in kills:
+        got = _restart(logs, k)
+        if got is None:
+            continue
+        row: dict[str, Any] = {"rank": k["rank"], "life": k["life"] + 1, "download_cost_s": None,
+                               "download_step_max_s": None, "download_steps": 0}
+        if got[2] is not None:
+            lo, hi, best = got[1]["t"] + median / 2, got[2] + median / 2, None
+            for pid in k["survivors"]:
+                log = by_pid.get(pid, [])
+                gaps = _kill_gaps(log, kills, pid)
+                ex = [max(0.0, e["dt"] - median) for e in progress_steps(log) if lo < e["t"] <= hi
+                      and not e["discards"] and not any(g0 < e["t"] <= g1 for g0, g1 in gaps)]
+                if best is None or (sum(ex), len(ex)) > (sum(best), len(best)):
+                    best = ex
+            if best is not None:
+                row.update(download_cost_s=round(sum(best, 0.0), 3), download_steps=len(best),
+                           download_step_max_s=round(max(best, default=0.0), 3))
+        out.append(row)
     return out
 
 

@@ -107,3 +107,122 @@ def test_a_joiner_that_does_not_contribute_yet_makes_no_progress() -> None:
     (j,) = join_stalls(logs, kills, 0.5)
     assert math.isclose(j["first_commit_s"], 20.01 - 10.3, abs_tol=1e-6), j   # its first contributing step
     assert goodput(logs, 1, 1.0) == 33 + 33 + 20 + 1
+
+
+def _steps(pid: int, ready: float, steps: list[tuple[float, int]], first: int = 1, started: float = 0.0,
+           zero_weight_until: float = -1.0) -> list[dict[str, Any]]:
+    """A DDP-like log whose step durations are the gaps between the given (time, discards) entries.
+
+    Steps logged up to ``zero_weight_until`` carry ``contributes: false`` (a joiner downloading).
+    """
+    out: list[dict[str, Any]] = [{"event": "joined", "t": ready, "started": started, "pid": pid}]
+    step, prev = first - 1, steps[0][0] - 1.0
+    for t, d in steps:
+        step += 0 if d else 1
+        out.append({"t": t, "dt": t - prev, "discards": d, "step": step, "round": step,
+                    "contributes": t > zero_weight_until})
+        prev = t
+    return out
+
+
+def _join_with_a_kill_in_its_download() -> tuple[dict[tuple[int, int], list[dict[str, Any]]], list[dict[str, Any]]]:
+    # Steps of 1 s. Rank 2 dies at 10.2: the step in flight fails (11.5), the retry commits at 13.0.
+    # Its restart is ready at 15.5 and admitted in the survivors' step 16.0 -> 19.0 (3 s: 2 s stall);
+    # it downloads at zero weight while the survivors step 20.5 (1.5 s: 0.5 s lost) and 21.5; rank 3
+    # dies at 21.7 (failed step 22.5, retry 21.5 -> 26.0: that kill's stall, not the download's);
+    # then 27.2 (0.2 s lost) and 28.2, the restart's first contributing step.
+    survivor = ([(float(t), 0) for t in range(1, 11)] + [(11.5, 1), (13.0, 0), (14.0, 0), (15.0, 0), (16.0, 0),
+                (19.0, 0), (20.5, 0), (21.5, 0), (22.5, 1), (26.0, 0), (27.2, 0), (28.2, 0), (29.2, 0)])
+    logs = {(0, 0): _steps(100, 0.0, survivor), (1, 0): _steps(101, 0.0, [(t + 0.01, d) for t, d in survivor]),
+            (2, 0): _steps(102, 0.0, survivor[:10]), (3, 0): _steps(103, 0.0, survivor[:18]),
+            (2, 1): _steps(104, 15.5, [(19.0, 0), (20.5, 0), (21.5, 0), (22.5, 1), (26.0, 0), (27.2, 0),
+                                       (28.2, 0), (29.2, 0)], first=15, started=11.0, zero_weight_until=27.5)}
+    kills = [{"rank": 2, "life": 0, "t": 10.2, "pid": 102, "survivors": [100, 101, 103]},
+             {"rank": 3, "life": 0, "t": 21.7, "pid": 103, "survivors": [100, 101, 104]}]
+    return logs, kills
+
+
+def test_the_stall_at_admission_is_the_survivors_gap_that_admitted_the_joiner_not_a_later_kills() -> None:
+    from shoal.bench.chaos_stats import admission_stalls
+    logs, kills = _join_with_a_kill_in_its_download()
+    assert median_step(logs) == 1.0
+    (a,) = admission_stalls(logs, kills, 1.0)
+    assert (a["rank"], a["life"], a["kill_in_gap"], a["in_own_kill_gap"]) == (2, 1, False, False)
+    assert math.isclose(a["admission_stall_s"], 19.0 - 16.0 - 1.0, abs_tol=1e-6), a
+    # The window figure (ready -> first contribution) holds the second kill's re-run: 4.5 - 1.0 s.
+    (j,) = join_stalls(logs, kills, 1.0)
+    assert math.isclose(j["stall_s"], 26.0 - 21.5 - 1.0, abs_tol=0.02), j
+
+
+def test_the_downloads_cost_sums_the_survivors_clean_steps_excess_and_skips_a_kills_re_run() -> None:
+    from shoal.bench.chaos_stats import download_costs
+    logs, kills = _join_with_a_kill_in_its_download()
+    (d,) = download_costs(logs, kills, 1.0)
+    # 20.5 (+0.5), 21.5 (0), 27.2 (+0.2), 28.2 (0); not the failed 22.5 nor the retry ending at 26.0,
+    # nor the admission step ending at 19.0.
+    assert (d["rank"], d["life"], d["download_steps"]) == (2, 1, 4), d
+    assert math.isclose(d["download_cost_s"], 0.7, abs_tol=1e-6), d
+    assert math.isclose(d["download_step_max_s"], 0.5, abs_tol=1e-6), d
+
+
+def test_a_joiner_that_never_contributed_has_an_admission_stall_but_no_download_cost() -> None:
+    from shoal.bench.chaos_stats import admission_stalls, download_costs
+    logs, kills = _join_with_a_kill_in_its_download()
+    for e in logs[(2, 1)]:
+        e["contributes"] = False
+    assert admission_stalls(logs, kills, 1.0)[0]["admission_stall_s"] is not None
+    assert download_costs(logs, kills, 1.0) == [{"rank": 2, "life": 1, "download_cost_s": None,
+                                                 "download_step_max_s": None, "download_steps": 0}]
+
+
+def test_an_admission_in_a_later_kills_re_run_counts_and_says_so() -> None:
+    from shoal.bench.chaos_stats import admission_stalls
+    logs, kills = _join_with_a_kill_in_its_download()
+    full = logs[(2, 1)]
+    for since in (23.0, 22.0):   # its first step: the retry ending at 26.0, or the failed round at 22.5
+        logs[(2, 1)] = [{**full[0], "t": since - 1.0}] + [e for e in full if e["t"] >= since and "dt" in e]
+        (a,) = admission_stalls(logs, kills, 1.0)
+        assert a["kill_in_gap"] is True and math.isclose(a["admission_stall_s"], 26.0 - 21.5 - 1.0, abs_tol=0.02), a
+
+
+def test_a_diloco_joiner_admitted_in_the_outer_round_before_it_was_ready_counts_that_round() -> None:
+    from shoal.bench.chaos_stats import admission_stalls
+    # Inner steps of 1 s; the outer round that admits the restart (round 1) ends at 12.0 (4 s); the
+    # restart logs ``joined`` at 12.2 (after the round) and its first inner step at 13.2.
+    steps = [(float(t), 0) for t in range(1, 9)] + [(12.0, 0), (13.0, 0), (14.0, 0)]
+    logs = {(0, 0): _log(1, 0.0, 0.0, steps, local=True), (1, 0): _log(2, 0.0, 0.0, steps, local=True),
+            (2, 0): _log(3, 0.0, 0.0, steps[:3], local=True),
+            (2, 1): _log(4, 5.0, 12.2, [(13.2, 0), (14.2, 0)], first=10, local=True)}
+    for lg in logs.values():
+        for e in lg[1:]:
+            e["round"] = 1 if e["t"] >= 12.0 else 0
+    kills = [{"rank": 2, "life": 0, "t": 3.5, "pid": 3, "survivors": [1, 2]}]
+    (a,) = admission_stalls(logs, kills, 1.0)
+    assert math.isclose(a["admission_stall_s"], 12.0 - 8.0 - 1.0, abs_tol=1e-6), a
+    assert join_stalls(logs, kills, 1.0)[0]["stall_s"] == 0.0   # its first step's window: inner steps only
+
+
+def test_a_joiner_admitted_in_its_own_kills_re_run_has_no_admission_stall_of_its_own() -> None:
+    from shoal.bench.chaos_stats import admission_stalls
+    logs, kills = _join_with_a_kill_in_its_download()
+    logs[(2, 1)] = _steps(104, 11.0, [(13.0, 0), (14.0, 0)], first=11, started=10.5)   # in the retry 10.0 -> 13.0
+    assert admission_stalls(logs, kills, 1.0) == [{"rank": 2, "life": 1, "admission_stall_s": None,
+                                                   "kill_in_gap": None, "in_own_kill_gap": True}]
+
+
+def test_the_bench_summary_reports_the_admission_stall_beside_the_window_and_the_downloads_cost(tmp_path) -> None:
+    import json
+
+    from shoal.bench.chaos import _summarise
+    logs, kills = _join_with_a_kill_in_its_download()
+    for (rank, life), lg in logs.items():
+        lg[0].update(heal_s=0.0, heal_bytes=0, params=1)   # what the bench's workers add to ``joined``
+        (tmp_path / f"log-{rank}-{life}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lg))
+    got = _summarise(str(tmp_path), kills, wall=30.0, batch=8, began=0.0)
+    assert got["stall_per_join_admission_s"] == {"n": 1, "median": 2.0, "max": 2.0}, got
+    assert got["stall_per_join_s"] == {"n": 1, "median": 3.5, "max": 3.5}, got   # the window figure, as before
+    assert got["download_cost_per_join_s"] == {"n": 1, "median": 0.7, "max": 0.7}, got
+    assert got["download_step_max_s"] == {"n": 1, "median": 0.5, "max": 0.5}, got
+    assert got["joins_admitted_in_their_kills_gap"] == 0
+    (row,) = got["per_join_admission"]
+    assert (row["rank"], row["life"], row["download_steps"], row["kill_in_gap"]) == (2, 1, 4, False), row
