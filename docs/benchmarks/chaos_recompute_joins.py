@@ -40,6 +40,9 @@ def recompute(ch: dict[str, Any], logs: cs.Logs) -> dict[str, Any]:
     return {"reported_figures_reproduced": same, "median_step_s": round(m, 3), "kills": len(kills),
             "stall_per_kill_s": ch["stall_per_kill_s"],
             "stall_per_join_admission_s": cs.spread([r["admission_stall_s"] for r in rows]),
+            "median_round_step_s": round(cs.median_round_step(logs), 3),
+            "stall_per_join_admission_vs_round_s": cs.spread(
+                [a["admission_stall_s"] for a in cs.admission_stalls(logs, kills, cs.median_round_step(logs))]),
             "joins_admitted_in_their_kills_gap": sum(1 for r in rows if r["in_own_kill_gap"]),
             "stall_per_join_s": ch["stall_per_join_s"],
             "download_cost_per_join_s": cs.spread([r["download_cost_s"] for r in rows]),

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 import shoal
 from shoal.bench.chaos_stats import (admission_stalls, download_costs, goodput, join_stalls, joins as join_table,
-                                     kill_stalls, median_step, spread, trained_s)
+                                     kill_stalls, median_round_step, median_step, spread, trained_s)
 from shoal.bench.overhead import TinyTransformer
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.rates import parse_rate
@@ -330,6 +330,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
     normal = median_step(logs)
     per_kill, per_join = kill_stalls(logs, kills, normal), join_stalls(logs, kills, normal)
     at_join, cost = admission_stalls(logs, kills, normal), download_costs(logs, kills, normal)
+    at_round = admission_stalls(logs, kills, median_round_step(logs))   # DiLoCo: beyond a median round
     return {
         "wall_s": wall, "kills": len(kills), "val_loss": statistics.mean(vals) if vals else math.nan,
         "val_loss_spread": (max(vals) - min(vals)) if vals else math.nan,
@@ -347,6 +348,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         "stall_per_join_s": spread([j["stall_s"] for j in per_join]),   # ready -> first contribution
         # Issue #20's stall per join (the gap that admitted the joiner), and what its download cost.
         "stall_per_join_admission_s": spread([j["admission_stall_s"] for j in at_join]),
+        "stall_per_join_admission_vs_round_s": spread([j["admission_stall_s"] for j in at_round]),
         "joins_admitted_in_their_kills_gap": sum(1 for j in at_join if j["in_own_kill_gap"]),
         "download_cost_per_join_s": spread([j["download_cost_s"] for j in cost]),
         "download_step_max_s": spread([j["download_step_max_s"] for j in cost]),
@@ -480,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         res["goodput_ratio"] = round(res["chaos"]["goodput_samples_s"] / base, 3) if base else math.nan
         c = res["chaos"]
         print(f"goodput (committed samples/s, chaos / fault-free): {res['goodput_ratio']}; survivors' stall per "
-              f"kill {c['stall_per_kill_s']}; per join: at admission {c['stall_per_join_admission_s']} (and "
+              f"kill {c['stall_per_kill_s']}; per join: at admission {c['stall_per_join_admission_s']} "
+              f"(beyond a median round step: {c['stall_per_join_admission_vs_round_s']}; and "
               f"{c['joins_admitted_in_their_kills_gap']} admitted in their kill's own gap), over the window "
               f"to first contribution {c['stall_per_join_s']}, the download's cost "
               f"{c['download_cost_per_join_s']} (largest step excess {c['download_step_max_s']}) (s)")

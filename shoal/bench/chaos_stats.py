@@ -81,6 +81,20 @@ def median_step(logs: Logs) -> float:
     return statistics.median(dts) if dts else 0.0
 
 
+def median_round_step(logs: Logs) -> float:
+    """The median duration of a step that committed a round of the group (its ``round`` advanced) and
+    was not re-run: every DDP step; a DiLoCo worker's inner step that ran an outer round. The
+    baseline of the round that admits a joiner (:func:`admission_stalls`); 0.0 without any."""
+    dts = []
+    for lg in logs.values():
+        last = None
+        for e in progress_steps(lg):
+            if last is not None and e["round"] > last and not e["discards"]:
+                dts.append(e["dt"])
+            last = e["round"]
+    return statistics.median(dts) if dts else 0.0
+
+
 def _by_pid(logs: Logs) -> dict[int, list[dict[str, Any]]]:
     out = {}
     for lg in logs.values():
@@ -184,8 +198,11 @@ def admission_stalls(logs: Logs, kills: list[dict[str, Any]], median: float) -> 
     gaps while the restart downloads in the background are not in it (see :func:`download_costs`).
     ``kill_in_gap``: whether that gap holds a kill or overlaps a later kill's gap, i.e. the figure is
     also a kill's stall; ``in_own_kill_gap``: the figure is None because the restart was admitted in its
-    own kill's gap (e.g. the re-run of the round that the kill broke). Example (the gap 3.0 -> 7.0 of
-    round 3 admits it)::
+    own kill's gap (e.g. the re-run of the round that the kill broke). With ``median`` the median
+    step (:func:`median_step`) this is issue #20's figure as written; with :func:`median_round_step`
+    it is what the admission added to the round that admitted the joiner (the same for DDP, whose
+    every step is a round; for DiLoCo the outer round is then the baseline, not a stall).
+    Example (the gap 3.0 -> 7.0 of round 3 admits it)::
 
         >>> steps = lambda pid, ts: [{"event": "joined", "t": 0.0, "started": 0.0, "pid": pid}] + [
         ...     {"t": t, "dt": 1.0, "step": i, "round": i, "discards": 0} for i, t in enumerate(ts)]

@@ -202,6 +202,31 @@ def test_a_diloco_joiner_admitted_in_the_outer_round_before_it_was_ready_counts_
     assert join_stalls(logs, kills, 1.0)[0]["stall_s"] == 0.0   # its first step's window: inner steps only
 
 
+def test_against_a_median_round_step_an_outer_round_is_the_baseline_not_a_stall() -> None:
+    from shoal.bench.chaos_stats import admission_stalls, median_round_step
+    # Inner steps of 1 s, an outer round every 4th step taking 3 s; the round that admits the restart
+    # (round 3) takes 4 s: 1 s more than a median round step, 3 s more than a median (inner) step.
+    ts, t = [], 0.0
+    for i in range(1, 17):
+        t += 4.0 if i == 12 else 3.0 if i % 4 == 0 else 1.0
+        ts.append(t)
+    logs = {}
+    for pid, (rank, life) in enumerate([(0, 0), (1, 0), (2, 0)], start=1):
+        lg = [{"event": "joined", "t": 0.0, "started": 0.0, "pid": pid}]
+        prev = 0.0
+        for i, t in enumerate(ts if rank < 2 else ts[:2], start=1):
+            lg.append({"t": t, "dt": t - prev, "step": i, "round": i // 4, "discards": 0})
+            prev = t
+        logs[(rank, life)] = lg
+    logs[(2, 1)] = [{"event": "joined", "t": ts[10] + 0.5, "started": ts[10], "pid": 4},
+                    {"t": ts[11], "dt": 1.0, "step": 12, "round": 3, "discards": 0, "contributes": False}]
+    kills = [{"rank": 2, "life": 0, "t": ts[1] + 0.5, "pid": 3, "survivors": [1, 2]}]
+    assert median_round_step(logs) == 3.0 and median_step(logs) == 1.0
+    (a,) = admission_stalls(logs, kills, median_step(logs))
+    (r,) = admission_stalls(logs, kills, median_round_step(logs))
+    assert math.isclose(a["admission_stall_s"], 3.0) and math.isclose(r["admission_stall_s"], 1.0), (a, r)
+
+
 def test_a_joiner_admitted_in_its_own_kills_re_run_has_no_admission_stall_of_its_own() -> None:
     from shoal.bench.chaos_stats import admission_stalls
     logs, kills = _join_with_a_kill_in_its_download()
@@ -220,6 +245,7 @@ def test_the_bench_summary_reports_the_admission_stall_beside_the_window_and_the
         (tmp_path / f"log-{rank}-{life}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lg))
     got = _summarise(str(tmp_path), kills, wall=30.0, batch=8, began=0.0)
     assert got["stall_per_join_admission_s"] == {"n": 1, "median": 2.0, "max": 2.0}, got
+    assert got["stall_per_join_admission_vs_round_s"] == got["stall_per_join_admission_s"], got   # DDP: alike
     assert got["stall_per_join_s"] == {"n": 1, "median": 3.5, "max": 3.5}, got   # the window figure, as before
     assert got["download_cost_per_join_s"] == {"n": 1, "median": 0.7, "max": 0.7}, got
     assert got["download_step_max_s"] == {"n": 1, "median": 0.5, "max": 0.5}, got
