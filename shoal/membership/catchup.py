@@ -394,8 +394,10 @@ class CatchUp:
             # unread (the coordinator did not answer): the next begin_step reads again, or fails its step
         if self.hid >= 0 and not self.loaded:
             self.records.append([r.record() for r in self.replayers])
-            if self.pace is not None:   # the next slot: a share of the step, striped over the live sources
-                self.pace.committed(time.monotonic())
+            if self.pace is not None:   # the next slot: a share of the step, striped over the live sources;
+                # none while the next step forms a new quorum (another joiner's admission: its gloo connect
+                # and its step keep the link to themselves)
+                self.pace.committed(time.monotonic(), open_slot=not self.group.quorum_pending)
                 self.stats.slots = self.pace.slots
 
     def _joiner_begin(self, t: int) -> None:

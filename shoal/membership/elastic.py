@@ -246,10 +246,10 @@ class ElasticGroup(ElasticCollectives):
             if self.stats.commits == 1:   # once per life: the launcher reads it (shoal.cli.elastic_launch)
                 mark_life(self.client, "trained")
             self.discards.reset()
+            if int(verdict.partition(":")[2] or 0) > q.qid:
+                self._after = q.qid   # before the hooks: they see quorum_pending (e.g. the paced heal)
             for fn in hooks.on_commit:
                 fn()
-            if int(verdict.partition(":")[2] or 0) > q.qid:
-                self._after = q.qid
             return True
         self.stats.discards += 1
         restore(hooks.states, self._snapshots)

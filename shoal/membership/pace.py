@@ -26,6 +26,10 @@ step's forward pass leaves the link idlest. So:
   share it), and each of ``k`` sources sends ~1/k of a joiner's bytes (the
   chunks are striped): the bytes a joiner gets per step follow the number of
   sources and joiners by themselves, no source ever sends for longer;
+* no slot opens at a commit after which the group adopts a new quorum
+  (another joiner admitted, or a member dropped): the quorum's gloo connect
+  and the step that admits a joiner have the link to themselves, so a
+  download in progress does not add to another join's admission;
 * the download takes about ``S * j / (fraction * step * link rate * min(k, j))``
   steps (the state's size ``S``): bounded, and on a fast link one or two steps.
 
@@ -129,12 +133,18 @@ class StepPace:
         """The median interval between the commits seen so far (None before the first)."""
         return statistics.median(self._intervals) if self._intervals else None
 
-    def committed(self, now: float) -> float:
-        """A step committed at ``now``: open the next slot; returns its length in seconds."""
+    def committed(self, now: float, open_slot: bool = True) -> float:
+        """A step committed at ``now``: open the next slot; returns its length in seconds.
+
+        ``open_slot=False``: the step is measured but no slot opens (the next step forms a new quorum,
+        whose admission should not share the link with a download); 0.0."""
         with self._cv:
             if self._last is not None and now > self._last:
                 self._intervals.append(now - self._last)
             self._last = now
+            if not open_slot:
+                self._open_until = min(self._open_until, now)
+                return 0.0
             step = self.step()
             slot = self.fraction * step if step is not None else 0.0
             self._open_until = now + slot

@@ -198,3 +198,47 @@ def test_a_stopped_download_asks_for_no_range_after_the_stop_and_ends_without_a_
     assert not dl.is_alive() and dl.blob is None and dl.error is not None and "stopped" in dl.error
     assert dl.received == 0 and run.a.served + run.b.served == 0 and dl.failed == {}
     run.close()
+
+
+def test_a_commit_after_which_a_new_quorum_forms_is_measured_but_opens_no_slot() -> None:
+    # Another joiner's admission (a new quorum) follows this commit: its gloo connect and its step get
+    # the link to themselves; the step is still measured, and the next commit opens a slot again.
+    pace = StepPace(0.2)
+    pace.admitted(now=0.0)
+    assert pace.committed(now=10.0) == pytest.approx(2.0) and pace.slots == 1
+    assert pace.committed(now=20.0, open_slot=False) == 0.0
+    assert pace.slot_left(20.0) == 0.0 and pace.slots == 1
+    assert pace.committed(now=35.0) == pytest.approx(2.0)   # the median of 10, 10, 15: 10 s
+    assert pace.slots == 2
+
+
+@pytest.mark.timeout(60)
+def test_the_commit_hooks_see_the_quorum_that_the_next_step_adopts() -> None:
+    # The paced heal decides at each commit (an on_commit hook) whether to open a slot: it must already
+    # see quorum_pending when the verdict names a newer quorum.
+    import time
+
+    from shoal.elastic import Coordinator, Timeouts
+    from shoal.membership.elastic import ElasticGroup
+
+    token = "pending-hook-token"
+    coord = Coordinator(port=0, initial_workers=1, token=token).start()
+    group = ElasticGroup("pending", coordinator=coord.address, min_workers=1, token=token, host_id="h0",
+                         timeouts=Timeouts(op=5.0, quorum=10.0, join=20.0))
+    seen: list[bool] = []
+    group.on_commit(lambda: seen.append(group.quorum_pending))
+    try:
+        group.begin_step()
+        assert group.commit() and seen == [False]
+        group.begin_step()
+        q = group.quorum
+        assert q is not None
+        group.client.request_quorum(q.qid)    # the coordinator publishes the next quorum during the step
+        deadline = time.monotonic() + 20
+        while group.client.latest() <= q.qid and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert group.client.latest() > q.qid
+        assert group.commit() and seen == [False, True]
+    finally:
+        group.leave()
+        coord.stop()
