@@ -27,7 +27,8 @@ step's forward pass leaves the link idlest. So:
   chunks are striped): the bytes a joiner gets per step follow the number of
   sources and joiners by themselves, no source ever sends for longer;
 * no slot opens at a commit after which the group adopts a new quorum
-  (another joiner admitted, or a member dropped): the quorum's gloo connect
+  (another joiner admitted, or a member outside this step's quorum dropped;
+  a member of it dropped fails the step: no commit): the quorum's gloo connect
   and the step that admits a joiner have the link to themselves, so a
   download in progress does not add to another join's admission;
 * the download takes about ``S * j / (fraction * step * link rate * min(k, j))``

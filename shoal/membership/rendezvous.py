@@ -95,7 +95,8 @@ class Circle:
     """Who meets, and where: a subgroup's store prefix and member ids (in subgroup rank order).
 
     ``subgroup``: also give up once this member's step has failed (a subgroup forms inside a step,
-    whose failure the quorum's vote discards anyway).
+    whose failure the quorum's vote discards anyway), but not at a newer quorum: the step still
+    commits then (its verdict names the newer quorum, adopted at the next step).
     """
 
     prefix: str
@@ -180,8 +181,8 @@ class Rendezvous:
     def _doomed(self) -> str | None:
         """Why the group can no longer form, or None."""
         c, q = self.client, self.q
-        if c.latest() > q.qid:
-            return SUPERSEDED
+        if not self.circle.subgroup and c.latest() > q.qid:   # a subgroup forms inside q's step, which still
+            return SUPERSEDED                                  # commits when a newer quorum is published
         if time.monotonic() > self.deadline:
             return ("this member's deadline to form a group passed (Timeouts.quorum, or Timeouts.join when fresh)"
                     if not self.circle.subgroup else "the subgroup did not form within Timeouts.op")

@@ -14,9 +14,10 @@ keeps working), while under it:
   at its first collective in that quorum, through a
   :class:`~shoal.membership.rendezvous.Rendezvous` over its members (a store
   barrier, then the parent's backend factory on a helper thread, so fault
-  plans apply to it too; both give up at the parent's abort flag, a newer
-  quorum, a subgroup member's stopped heartbeat, this step's failure or
-  ``Timeouts.op``);
+  plans apply to it too; each gives up at the parent's abort flag, a
+  subgroup member's stopped heartbeat, this step's failure or its own
+  ``Timeouts.op``; not at a newer quorum, which the step's verdict names
+  and the next step adopts);
 - failures are the parent's: a collective of the subgroup that fails records
   the error on the parent and raises its abort flag, so the whole step fails
   on every member of the quorum, and the parent's vote discards it; the
@@ -307,6 +308,7 @@ class ElasticSubgroup(ElasticCollectives):
                                            f"({why})"))
                 return
             trace("sub", name=self.name, qid=q.qid, phase="build")
+            rv.deadline = time.monotonic() + self.timeouts.op   # the build has its own op, as the barrier had
             try:
                 self.pg = rv.build(self._ranks.index(self.parent.rank))
                 self._pg_qid = q.qid

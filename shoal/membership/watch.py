@@ -48,8 +48,9 @@ class Stillness:
 
     Shared by the peer watch (between rounds) and the quorum rendezvous
     (:mod:`shoal.membership.rendezvous`, while a group forms). Feed it one read
-    of the counters per window; a counter read as negative (the member left)
-    counts as ``windows`` at once.
+    of the counters per window; a counter read as a negative int (the
+    rendezvous reads ints; the member left) counts as ``windows`` at once (the
+    peer watch reads raw bytes: a left member's ``-1`` then just stands still).
 
     Example::
 
@@ -81,7 +82,8 @@ def _left(beat: Any) -> bool:
 def dissolve(store: Any, client: MemberClient, q: Quorum, why: str) -> None:
     """Forbid ``q`` any further commit (its abort flag) and ask the coordinator for the next quorum.
 
-    ``store``: the caller's own store client (a background thread must not share the training thread's).
+    ``store``: the caller's store client (the peer watch's thread uses its own; the rendezvous uses the
+    member's, whose calls torch serialises).
     Raises what the store raises (the caller decides whether an unreachable coordinator matters).
     """
     store.set(q.prefix + "abort", why)

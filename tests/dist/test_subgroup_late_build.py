@@ -83,3 +83,46 @@ def test_a_member_late_to_a_subgroup_build_fails_its_step_at_the_abort_not_at_gl
     assert sum(c for _, c, _ in a) == 2, a                     # then the run went on
     for (_, ca, xa), (_, _, xb) in zip(a, b):
         assert not ca or torch.equal(xa, xb), (xa, xb)          # a committed mean is everyone's
+
+
+def _superseded_member(name: str, coord: Any, supersede: bool, out: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    group = ElasticGroup("sup-sub", coordinator=coord.address, min_workers=2, token="sup-sub-token", host_id="h0",
+                         timeouts=Timeouts(op=10.0, probe=0.5, heartbeat_interval=0.1, heartbeat_timeout=5.0,
+                                           quorum=20.0, join=30.0))
+    sub = group.subgroup(by_host, "host")
+    try:
+        group.begin_step()
+        q = group.quorum
+        assert q is not None
+        if supersede:   # a newer quorum is published during the step (as a joiner's admission would be)
+            group.client.request_quorum(q.qid)
+            deadline = time.monotonic() + 20
+            while group.client.latest() <= q.qid and time.monotonic() < deadline:
+                time.sleep(0.02)
+        x = torch.full((4,), float(group.rank + 1))
+        sub.all_reduce(x, op="avg", tag="x").wait()    # the subgroup forms only now, after the newer quorum
+        out[name] = (group.commit(), x.clone(), group.client.latest() > q.qid)
+    finally:
+        group.leave()
+
+
+@pytest.mark.timeout(90)
+def test_a_subgroup_formed_after_a_newer_quorum_was_published_still_commits_its_step() -> None:
+    # A newer quorum does not doom a subgroup forming inside the current quorum's step: the step commits
+    # (its verdict names the newer quorum, which the next step adopts), as before subgroups formed through
+    # the rendezvous; giving up there discarded every step that a joiner's admission overlapped.
+    coord = Coordinator(port=0, initial_workers=2, token="sup-sub-token").start()
+    out: dict[str, Any] = {}
+    try:
+        threads = [threading.Thread(target=_superseded_member, args=("a", coord, False, out)),
+                   threading.Thread(target=_superseded_member, args=("b", coord, True, out))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(80)
+    finally:
+        coord.stop()
+    (ca, xa, newer), (cb, xb, _) = out["a"], out["b"]
+    assert newer and ca and cb, out                      # committed, with a newer quorum published
+    assert torch.equal(xa, xb) and torch.equal(xa, torch.full((4,), 1.5)), out

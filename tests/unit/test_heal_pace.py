@@ -210,6 +210,8 @@ def test_a_commit_after_which_a_new_quorum_forms_is_measured_but_opens_no_slot()
     assert pace.slot_left(20.0) == 0.0 and pace.slots == 1
     assert pace.committed(now=35.0) == pytest.approx(2.0)   # the median of 10, 10, 15: 10 s
     assert pace.slots == 2
+    assert pace.committed(now=36.0, open_slot=False) == 0.0   # a quick commit while the slot is still open:
+    assert pace.slot_left(36.0) == 0.0                        # that slot closes there
 
 
 @pytest.mark.timeout(60)
