@@ -46,6 +46,7 @@ def recompute(ch: dict[str, Any], logs: cs.Logs) -> dict[str, Any]:
             "joins_admitted_in_their_kills_gap": sum(1 for r in rows if r["in_own_kill_gap"]),
             "stall_per_join_s": ch["stall_per_join_s"],
             "download_cost_per_join_s": cs.spread([r["download_cost_s"] for r in rows]),
+            "download_cost_lost_joins_s": cs.spread([r["lost_download_cost_s"] for r in rows]),
             "download_step_max_s": cs.spread([r["download_step_max_s"] for r in rows]), "per_join": rows}
 
 

@@ -351,6 +351,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         "stall_per_join_admission_vs_round_s": spread([j["admission_stall_s"] for j in at_round]),
         "joins_admitted_in_their_kills_gap": sum(1 for j in at_join if j["in_own_kill_gap"]),
         "download_cost_per_join_s": spread([j["download_cost_s"] for j in cost]),
+        "download_cost_lost_joins_s": spread([j["lost_download_cost_s"] for j in cost]),   # never contributed
         "download_step_max_s": spread([j["download_step_max_s"] for j in cost]),
         "per_join_admission": [{**a, **c} for a, c in zip(at_join, cost)],
         "join_to_first_commit_s": spread([j["first_commit_s"] for j in per_join]),
@@ -486,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(beyond a median round step: {c['stall_per_join_admission_vs_round_s']}; and "
               f"{c['joins_admitted_in_their_kills_gap']} admitted in their kill's own gap), over the window "
               f"to first contribution {c['stall_per_join_s']}, the download's cost "
-              f"{c['download_cost_per_join_s']} (largest step excess {c['download_step_max_s']}) (s)")
+              f"{c['download_cost_per_join_s']} (largest step excess {c['download_step_max_s']}; joiners that "
+              f"never contributed: {c['download_cost_lost_joins_s']}) (s)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), **res}, f, indent=1)

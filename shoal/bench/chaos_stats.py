@@ -246,8 +246,10 @@ def download_costs(logs: Logs, kills: list[dict[str, Any]], median: float) -> li
     survivor. Each such step's excess is its ``dt`` minus ``median``, clipped at 0.
     ``download_cost_s``: the sum of the excesses (the largest sum over the survivors);
     ``download_step_max_s``: the largest single excess; ``download_steps``: the steps counted (of that
-    survivor). A restart that never contributed has None. Example (steps of 1.5 s and 1.0 s during the
-    download, median 1.0 s: 0.5 s lost)::
+    survivor). A restart that never contributed (killed, or still downloading when the run ended) has
+    None there; what its download cost until then (to its kill, else its last logged step) is
+    ``lost_download_cost_s``, counted alike, so that no download's cost goes unreported. Example
+    (steps of 1.5 s and 1.0 s during the download, median 1.0 s: 0.5 s lost)::
 
         >>> steps = lambda pid, ts: [{"event": "joined", "t": 0.0, "started": 0.0, "pid": pid}] + [
         ...     {"t": t, "dt": t - p, "step": i, "discards": 0} for i, (p, t) in enumerate(zip([0] + ts, ts))]
@@ -257,7 +259,8 @@ def download_costs(logs: Logs, kills: list[dict[str, Any]], median: float) -> li
         ...           {"t": 5.5, "dt": 1.0, "step": 5, "discards": 0}]
         >>> logs = {(0, 0): steps(1, [1.0, 2.0, 3.0, 4.5, 5.5]), (1, 0): steps(2, [1.0]), (1, 1): joiner}
         >>> download_costs(logs, [{"t": 1.5, "rank": 1, "life": 0, "survivors": [1]}], median=1.0)
-        [{'rank': 1, 'life': 1, 'download_cost_s': 0.5, 'download_step_max_s': 0.5, 'download_steps': 2}]
+        [{'rank': 1, 'life': 1, 'download_cost_s': 0.5, 'download_step_max_s': 0.5, 'download_steps': 2, \
+'lost_download_cost_s': None}]
     """
     by_pid, out = _by_pid(logs), []
     for k in kills:
@@ -265,21 +268,36 @@ def download_costs(logs: Logs, kills: list[dict[str, Any]], median: float) -> li
         if got is None:
             continue
         row: dict[str, Any] = {"rank": k["rank"], "life": k["life"] + 1, "download_cost_s": None,
-                               "download_step_max_s": None, "download_steps": 0}
+                               "download_step_max_s": None, "download_steps": 0, "lost_download_cost_s": None}
+        lo = got[1]["t"] + median / 2
         if got[2] is not None:
-            lo, hi, best = got[1]["t"] + median / 2, got[2] + median / 2, None
-            for pid in k["survivors"]:
-                log = by_pid.get(pid, [])
-                gaps = _kill_gaps(log, kills, pid)
-                ex = [max(0.0, e["dt"] - median) for e in progress_steps(log) if lo < e["t"] <= hi
-                      and not e["discards"] and not any(g0 < e["t"] <= g1 for g0, g1 in gaps)]
-                if best is None or (sum(ex), len(ex)) > (sum(best), len(best)):
-                    best = ex
+            best = _excesses(by_pid, kills, k, lo, got[2] + median / 2, median)
             if best is not None:
                 row.update(download_cost_s=round(sum(best, 0.0), 3), download_steps=len(best),
                            download_step_max_s=round(max(best, default=0.0), 3))
+        else:   # never contributed: up to its own kill, else to its last logged step
+            own = [e["t"] for e in logs.get((k["rank"], k["life"] + 1), []) if "dt" in e]
+            died = next((kk["t"] for kk in kills if (kk["rank"], kk["life"]) == (k["rank"], k["life"] + 1)), None)
+            best = _excesses(by_pid, kills, k, lo, died if died is not None else own[-1], median)
+            if best is not None:
+                row["lost_download_cost_s"] = round(sum(best, 0.0), 3)
         out.append(row)
     return out
+
+
+def _excesses(by_pid: dict[int, list[dict[str, Any]]], kills: list[dict[str, Any]], k: dict[str, Any], lo: float,
+              hi: float, median: float) -> list[float] | None:
+    """The clean steps' excesses in (lo, hi] of the survivor of kill ``k`` that lost the most (see
+    :func:`download_costs`); None without survivors."""
+    best: list[float] | None = None
+    for pid in k["survivors"]:
+        log = by_pid.get(pid, [])
+        gaps = _kill_gaps(log, kills, pid)
+        ex = [max(0.0, e["dt"] - median) for e in progress_steps(log) if lo < e["t"] <= hi
+              and not e["discards"] and not any(g0 < e["t"] <= g1 for g0, g1 in gaps)]
+        if best is None or (sum(ex), len(ex)) > (sum(best), len(best)):
+            best = ex
+    return best
 
 
 def goodput(logs: Logs, samples_per_step: int, wall: float, lost: int = 0) -> float:

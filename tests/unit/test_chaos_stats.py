@@ -165,14 +165,21 @@ def test_the_downloads_cost_sums_the_survivors_clean_steps_excess_and_skips_a_ki
     assert math.isclose(d["download_step_max_s"], 0.5, abs_tol=1e-6), d
 
 
-def test_a_joiner_that_never_contributed_has_an_admission_stall_but_no_download_cost() -> None:
+def test_a_joiner_that_never_contributed_has_an_admission_stall_and_its_cost_until_lost_apart() -> None:
     from shoal.bench.chaos_stats import admission_stalls, download_costs
     logs, kills = _join_with_a_kill_in_its_download()
     for e in logs[(2, 1)]:
         e["contributes"] = False
     assert admission_stalls(logs, kills, 1.0)[0]["admission_stall_s"] is not None
+    # Still downloading at the run's end (its last step 29.2): 20.5 (+0.5), 21.5, 27.2 (+0.2), 28.2, 29.2.
     assert download_costs(logs, kills, 1.0) == [{"rank": 2, "life": 1, "download_cost_s": None,
-                                                 "download_step_max_s": None, "download_steps": 0}]
+                                                 "download_step_max_s": None, "download_steps": 0,
+                                                 "lost_download_cost_s": 0.7}]
+    # Killed at 27.0 before contributing: counted up to its kill (20.5 and 21.5; 22.5 failed, 26.0 is the
+    # second kill's re-run), not dropped from the figures.
+    kills.append({"rank": 2, "life": 1, "t": 27.0, "pid": 104, "survivors": [100, 101]})
+    (d,) = download_costs(logs, kills, 1.0)   # (2, 2) never logged: no row
+    assert d["download_cost_s"] is None and math.isclose(d["lost_download_cost_s"], 0.5, abs_tol=1e-6), d
 
 
 def test_an_admission_in_a_later_kills_re_run_counts_and_says_so() -> None:
