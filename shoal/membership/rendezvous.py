@@ -46,6 +46,7 @@ Example (what :meth:`~shoal.membership.elastic.ElasticGroup.begin_step` does for
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from dataclasses import dataclass
@@ -58,6 +59,45 @@ from shoal.membership.watch import Stillness, dissolve
 from shoal.errors import PeerLostError
 
 SUPERSEDED = "superseded"   # meet(): a newer quorum exists; nothing to dissolve
+
+
+class LeftBehind:
+    """The gloo constructors given up on, still running in their helper threads, waited for at exit.
+
+    Gloo cannot be interrupted, and a thread still inside it when the
+    interpreter finalizes aborts the process ("terminate called without an
+    active exception", exit 134), after a run that otherwise went well. So at
+    exit the process waits for each one, up to its own limit (it ends by
+    itself: its store waits time out after ``Timeouts.op``, a connect gloo
+    retries after 5 x ``op``), and says so if it has to wait.
+
+    Example::
+
+        LEFT_BEHIND.add(thread, 6 * timeouts.op)   # on giving up on a build
+        LEFT_BEHIND.wait()                          # at exit (registered with atexit)
+    """
+
+    def __init__(self) -> None:
+        self._threads: list[tuple[threading.Thread, float]] = []
+        self._lock = threading.Lock()
+
+    def add(self, thread: threading.Thread, limit: float) -> None:
+        with self._lock:
+            self._threads = [(t, d) for t, d in self._threads if t.is_alive()] + [(thread, time.monotonic() + limit)]
+
+    def wait(self) -> None:
+        with self._lock:
+            alive = [(t, d) for t, d in self._threads if t.is_alive()]
+        if alive:
+            log.warning("waiting up to %.0f s for %d abandoned gloo group constructor(s) to end before exiting "
+                        "(gloo cannot be interrupted; exiting with one running aborts the process)",
+                        max(d for _, d in alive) - time.monotonic(), len(alive))
+        for t, deadline in alive:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+LEFT_BEHIND = LeftBehind()
+atexit.register(LEFT_BEHIND.wait)
 
 
 class Heartbeats:
@@ -158,7 +198,8 @@ class Rendezvous:
                     box["pg"] = pg   # else it is dropped here, in this thread, with its last reference
                     done.set()
 
-        threading.Thread(target=construct, name=f"shoal-build-q{self.q.qid}", daemon=True).start()
+        builder = threading.Thread(target=construct, name=f"shoal-build-q{self.q.qid}", daemon=True)
+        builder.start()
         while not done.wait(0.005):
             try:
                 why = self._doomed()
@@ -170,6 +211,7 @@ class Rendezvous:
             with lock:
                 if not done.is_set():   # else it has just finished: take what it built
                     box["left"] = True
+                    LEFT_BEHIND.add(builder, 6 * self.link.timeouts.op)   # gloo retries a connect 5 x op
                     why = "a newer quorum was published" if why == SUPERSEDED else why
                     self._dissolve(why)
                     raise PeerLostError(f"gave up waiting for its members to connect: {why}")

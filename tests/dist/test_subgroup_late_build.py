@@ -42,6 +42,21 @@ def _late_second_build(delay: float) -> Any:
     return factory
 
 
+def _two_members(token: str, member: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Run ``member(name, coordinator, arg, out)`` for each of two names in threads; their ``out``."""
+    coord = Coordinator(port=0, initial_workers=2, token=token).start()
+    out: dict[str, Any] = {}
+    try:
+        threads = [threading.Thread(target=member, args=(name, coord, arg, out)) for name, arg in args.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(80)
+    finally:
+        coord.stop()
+    return out
+
+
 def _member(name: str, coord: Any, factory: Any, out: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     group = ElasticGroup("late-sub", coordinator=coord.address, min_workers=2, token=TOKEN, host_id="h0",
@@ -65,17 +80,7 @@ def _member(name: str, coord: Any, factory: Any, out: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_member_late_to_a_subgroup_build_fails_its_step_at_the_abort_not_at_gloos_connect_limit() -> None:
-    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
-    out: dict[str, Any] = {}
-    try:
-        threads = [threading.Thread(target=_member, args=("a", coord, gloo_backend, out)),
-                   threading.Thread(target=_member, args=("b", coord, _late_second_build(OP + 1.0), out))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(80)
-    finally:
-        coord.stop()
+    out = _two_members(TOKEN, _member, {"a": gloo_backend, "b": _late_second_build(OP + 1.0)})
     a, b = out["a"], out["b"]
     assert not a[0][1] and not b[0][1], (a, b)                 # the first step failed on both
     assert b[0][0] < 2 * OP + 2.0, b[0][0]                     # B gave up at A's abort flag (not 5 x op)
@@ -112,17 +117,7 @@ def test_a_subgroup_formed_after_a_newer_quorum_was_published_still_commits_its_
     # A newer quorum does not doom a subgroup forming inside the current quorum's step: the step commits
     # (its verdict names the newer quorum, which the next step adopts), as before subgroups formed through
     # the rendezvous; giving up there discarded every step that a joiner's admission overlapped.
-    coord = Coordinator(port=0, initial_workers=2, token="sup-sub-token").start()
-    out: dict[str, Any] = {}
-    try:
-        threads = [threading.Thread(target=_superseded_member, args=("a", coord, False, out)),
-                   threading.Thread(target=_superseded_member, args=("b", coord, True, out))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(80)
-    finally:
-        coord.stop()
+    out = _two_members("sup-sub-token", _superseded_member, {"a": False, "b": True})
     (ca, xa, newer), (cb, xb, _) = out["a"], out["b"]
     assert newer and ca and cb, out                      # committed, with a newer quorum published
     assert torch.equal(xa, xb) and torch.equal(xa, torch.full((4,), 1.5)), out
