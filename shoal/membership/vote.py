@@ -61,8 +61,7 @@ class Failures:
         self.error: BaseException | None = None
         self.client = client
         self._prefix = prefix
-        self._trace = trace
-        self.trace = trace      # shared with the subgroups, which log their formation to it
+        self.trace = trace      # also the subgroups', which log their formation to it
         self._lock = threading.Lock()
         self._abort_store = client.store.clone()  # type: ignore[attr-defined]
         self._abort_of = client.store   # the store it was cloned from (a restarted coordinator: a new one)
@@ -80,7 +79,7 @@ class Failures:
                 self.error = err
         if not first:
             return
-        self._trace("error", what=str(err)[:200])
+        self.trace("error", what=str(err)[:200])
         prefix = self._prefix()
         if prefix is None:
             return
