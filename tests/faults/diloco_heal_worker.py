@@ -67,7 +67,7 @@ def main() -> None:
     plan = FaultPlan().crash(rank=a.crash_rank, step=a.crash_round, nth=0)
     # op 15 s, not 5: on a loaded 2-core box (the suite under xdist, or several of these runs at once) a
     # subgroup's gloo build or a 48-byte all-gather was seen to take over 5 s on all three members, which
-    # failed a round after the admission (the check below it is about the catch-up costing no retry). A kill
+    # failed a round after the admission (the test checks that the catch-up costs no retry). A kill
     # is seen at once (its sockets reset) or by the peer watch, never by waiting out op.
     timeouts = Timeouts(op=15.0, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0, quorum=30.0, join=60.0)
     group = ElasticGroup(timeouts=timeouts, min_workers=2, backend_factory=plan.backend_factory())
