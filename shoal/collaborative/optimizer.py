@@ -417,7 +417,9 @@ class CollaborativeOptimizer(StateMixin):
         if not g.vote():
             return None
         if self.config.average_state_every and (verdict.epoch + 1) % self.config.average_state_every == 0:
-            self._average_state(bad)
+            # Left out: members caught sending bad data, and members behind (weight 0: they sent zeros, so
+            # nothing about them could be caught, and what they hold is a copy of the source's state or stale).
+            self._average_state(sorted(set(bad) | set(verdict.behind)))
         ex = tuple(sorted({members[r] for r in bad} | excluded))
         took = time.monotonic() - t0
         peers, samples = g.size, sum(verdict.weights)

@@ -121,3 +121,23 @@ def test_progress_records_forged_without_the_token_are_ignored(caplog: Any) -> N
         view = r["progress"]
         assert view.epoch <= r["epoch"] and view.samples_per_second < 1e8, view
     assert "dropping a progress record" in caplog.text and "does not verify" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_nan_peer_behind_in_a_round_brings_no_state_to_its_averaging() -> None:
+    # The NaN peer reaches epoch 1's round only after the honest peers closed it, so it is behind in
+    # epoch 2's round: weight 0, it sends zeros (nothing to catch) and loads the source's state. Its
+    # +1000-shifted parameters must still stay out of that round's state averaging (before: +333).
+    opts = {"average_state_every": 1}
+    specs = [Spec(rank=0, batch=8, epochs=4, max_seconds=30, options=opts),
+             Spec(rank=1, batch=16, epochs=4, max_seconds=30, options=opts),
+             Spec(rank=2, batch=24, epochs=4, max_seconds=30, role="nan", state_shift=1000.0, wait_for_list=1,
+                  options=opts)]
+    out = run_threads(specs, TOKEN, hard_limit=45)
+    honest = finished(out[:2])
+    bad = finished(out[2:])[0]
+    assert_equal_after_each_round(honest)
+    assert any(rec["outcome"] in ("behind", "loaded") for rec in bad["log"]), bad["log"]   # the case is there
+    for r in honest:
+        assert r["epoch"] == 4, r["log"]
+        assert max(float(p.abs().max()) for p in r["params"]) < 50, "the state of a peer behind was averaged in"
