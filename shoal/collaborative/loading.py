@@ -253,7 +253,8 @@ class StateMixin:
     def _average_state(self, skip: Sequence[int] = ()) -> bool:
         """Average parameters, chosen optimizer statistics and extra tensors (equal weights); applied on commit.
 
-        ``skip``: ranks caught sending bad data earlier in the round, whose tensors are left out.
+        ``skip``: ranks whose tensors are left out (caught sending bad data earlier in the round, or
+        loading state in it); they receive the mean too.
         """
         tensors, names = stat_tensors(self.opt_params, self.names, self.extra, self.optimizer,
                                       self.config.average_opt_statistics)

@@ -111,9 +111,10 @@ def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str]
 
     Skipped (False, the same on every member) when the members hold different amounts of
     state (a peer whose optimizer has not created its statistics yet) or the mean is not finite.
-    ``skip``: ranks caught sending bad data earlier in this round. Their tensors must not enter
-    the mean, and a sum cannot be cleaned of what they add, so the members all-gather their
-    tensors and average the other members' rows (``size`` times the bytes, only in such a round).
+    ``skip``: ranks whose tensors must not enter the mean (caught sending bad data earlier in this
+    round, or loading state in it: behind or fresh). A sum cannot be cleaned of what they add, so the
+    members all-gather their tensors and average the other members' rows (``size`` times the bytes,
+    held on the group's device, only in such a round); every member, a skipped one too, takes the mean.
     """
     numel, dev = sum(t.numel() for t in tensors), g.device
     sizes = torch.empty(g.size, dtype=torch.int64, device=dev)
