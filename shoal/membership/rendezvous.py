@@ -182,9 +182,12 @@ class Rendezvous:
             time.sleep(0.002)
         return None
 
-    def build(self, rank: int) -> Any:
+    def build(self, rank: int, deadline: float | None = None) -> Any:
         """The circle's process group (``rank`` in it); raises PeerLostError (the quorum dissolved) if it
-        cannot form."""
+        cannot form. ``deadline``: a new one for the build (a subgroup's build has its own ``Timeouts.op``,
+        as its barrier had); else the rendezvous's."""
+        if deadline is not None:
+            self.deadline = deadline
         box: dict[str, Any] = {}
         lock, done = threading.Lock(), threading.Event()
 

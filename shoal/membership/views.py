@@ -308,9 +308,8 @@ class ElasticSubgroup(ElasticCollectives):
                                            f"({why})"))
                 return
             trace("sub", name=self.name, qid=q.qid, phase="build")
-            rv.deadline = time.monotonic() + self.timeouts.op   # the build has its own op, as the barrier had
             try:
-                self.pg = rv.build(self._ranks.index(self.parent.rank))
+                self.pg = rv.build(self._ranks.index(self.parent.rank), time.monotonic() + self.timeouts.op)
                 self._pg_qid = q.qid
                 trace("sub", name=self.name, qid=q.qid, phase="built")
             except Exception as e:  # noqa: BLE001 - a peer did not connect: the step fails
