@@ -20,6 +20,10 @@ run, and for each DDP length N asked for:
 
     PYTHONPATH=. python docs/benchmarks/lm_default_join.py --quality RUN_DIR [RUN_DIR ...] --speed RUN_DIR \
         --at 1000 2000 --json out.json
+    # the kept runs of docs/benchmarks/lm-default-diloco-loopback-20mbit.json:
+    F=docs/benchmarks/lm-default-diloco-loopback-20mbit.json
+    PYTHONPATH=. python docs/benchmarks/lm_default_join.py --quality "$F#ddp2000" "$F#diloco3000" "$F#local2000" \
+        --speed "$F#speed" --at 1000 2000
 """
 
 from __future__ import annotations
@@ -33,8 +37,17 @@ from shoal.bench import joined
 from shoal.bench.runner import DEFAULT_TOLERANCE, pick_target
 
 
-def strategies(run_dir: str) -> dict[str, dict[str, Any]]:
-    with open(os.path.join(run_dir, "results.json")) as f:
+def strategies(run: str) -> dict[str, dict[str, Any]]:
+    """A run's strategies: from ``RUN_DIR/results.json``, or ``FILE.json#KEY``, a run kept in a figures file
+    (``docs/benchmarks/lm-default-diloco-loopback-20mbit.json#ddp2000``), whose points hold each evaluation's
+    bytes as the mean over ranks (``meter_sent_per_worker``) instead of per rank."""
+    if "#" in run:
+        path, key = run.rsplit("#", 1)
+        with open(path) as f:
+            kept = json.load(f)["runs"][key]["strategies"]
+        return {name: {**r, "points": [{**p, "meter_sent": [p["meter_sent_per_worker"]]} if "meter_sent" not in p
+                                       else p for p in r["points"]]} for name, r in kept.items()}
+    with open(os.path.join(run, "results.json")) as f:
         return dict(json.load(f)["strategies"])
 
 

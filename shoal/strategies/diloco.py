@@ -58,6 +58,11 @@ class DiLoCoConfig:
             before it is merged (0: blocking, plain DiLoCo).
         mixing: weight of the local parameters when a fragment is merged
             (``local <- mixing * local + (1 - mixing) * global``).
+        merge: ``"mix"`` (the rule above) or ``"carry"``: the merged
+            fragment is the new global copy plus the inner progress made
+            since the launch (``local <- global + (local - local at launch)``),
+            so no overlapped inner step is lost or counted twice; needs
+            ``overlap_steps >= 1`` and ``mixing == 0``.
         layout: ``"sequential"`` (contiguous fragments of about equal size) or
             ``"strided"`` (parameter ``i`` in fragment ``i % fragments``).
         offload: keep global parameters and outer state in host memory
@@ -71,6 +76,7 @@ class DiLoCoConfig:
     mixing: float = 0.0
     layout: str = "sequential"
     offload: bool | None = None
+    merge: str = "mix"
 
     def __post_init__(self) -> None:
         for name in ("inner_steps", "fragments", "overlap_steps"):
@@ -91,6 +97,13 @@ class DiLoCoConfig:
             )
         if not 0.0 <= self.mixing < 1.0:
             raise ConfigError(f"mixing must be in [0, 1) (weight of the local parameters), got {self.mixing}")
+        if self.merge not in ("mix", "carry"):
+            raise ConfigError(f"merge must be 'mix' or 'carry', got {self.merge!r}")
+        if self.merge == "carry" and (self.overlap_steps < 1 or self.mixing != 0.0):
+            raise ConfigError(
+                "merge='carry' keeps the inner progress made while a reduction is in flight: it needs "
+                f"overlap_steps >= 1 and mixing == 0, got overlap_steps={self.overlap_steps}, mixing={self.mixing}"
+            )
         if self.layout not in ("sequential", "strided"):
             raise ConfigError(f"layout must be 'sequential' or 'strided', got {self.layout!r}")
         if not callable(self.outer_optimizer):
@@ -145,7 +158,7 @@ class _Fragment:
     """One fragment's global copy, outer optimizer, pseudo-gradient buffer and in-flight reduction."""
 
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], offset: int,
-                 offload: bool, factory: OuterOptimizerFactory) -> None:
+                 offload: bool, factory: OuterOptimizerFactory, carry: bool = False) -> None:
         self.index, self.params, self.names, self.offset = index, params, names, offset
         device = params[0].device
         shapes = [p.shape for p in params]
@@ -167,6 +180,10 @@ class _Fragment:
         self.outer = factory(self.global_views)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise ConfigError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer).__name__}")
+        # merge="carry": the local parameters when the pending reduction started (the inner progress since then
+        # is carried over the merge); on the parameters' device, fp32.
+        self.launched = self.delta.clone() if carry else None
+        self.launched_views = flat_views(self.launched, shapes) if self.launched is not None else []
         self.future: ThreadFuture | None = None
         self.merge_at: int | None = None
         self.redo = False   # a failed landing: the next attempt reduces in the foreground
@@ -255,7 +272,7 @@ class DiLoCo(Strategy):
         layout = split_fragments([p.numel() for p in self.params], cfg.fragments, cfg.layout, modules)
         self.fragments = [
             _Fragment(k, [self.params[i] for i in idx], [self.names[i] for i in idx], cfg.launch_offset(k),
-                      offload, cfg.outer_optimizer)
+                      offload, cfg.outer_optimizer, carry=cfg.merge == "carry")
             for k, idx in enumerate(layout)
         ]
         # Every synchronisation is a round. A newcomer heals the global copies, outer state, inner
@@ -284,6 +301,8 @@ class DiLoCo(Strategy):
             for f in self.fragments:
                 torch.cat([p.detach().reshape(-1).float() for p in f.params], out=f.delta)
                 f.snapshot.copy_(f.delta)
+                if f.launched is not None:
+                    f.launched.copy_(f.delta)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """The module's state that no global copy holds (buffers, frozen parameters)."""
@@ -354,9 +373,13 @@ class DiLoCo(Strategy):
     # --- one fragment's round ----------------------------------------------
     @torch.no_grad()
     def _pseudo_gradient(self, f: _Fragment) -> None:
-        """``global - local`` into ``f.delta``."""
+        """``global - local`` into ``f.delta``; merge="carry": the local parameters into ``f.launched`` too
+        (what the merge carries is the progress from here on)."""
         f.delta.copy_(f.snapshot, non_blocking=True)
-        torch._foreach_sub_(f.delta_views, [p.detach() for p in f.params])
+        local = [p.detach() for p in f.params]
+        torch._foreach_sub_(f.delta_views, local)
+        if f.launched is not None:
+            torch._foreach_copy_(f.launched_views, local)
 
     def _launch(self, f: _Fragment) -> None:
         """Pseudo-gradient into ``f.delta``; start its reduction on the communication thread."""
@@ -402,6 +425,10 @@ class DiLoCo(Strategy):
         if f.snapshot.device != f.delta.device:
             f.delta.copy_(f.snapshot, non_blocking=True)
             target = f.delta_views
+        if f.launched is not None:   # merge="carry": local <- global + (local - local at launch)
+            for p, g, at in zip(f.params, target, f.launched_views):
+                p.add_((g - at).to(p.dtype))
+            return
         alpha = self.config.mixing
         for p, g in zip(f.params, target):
             if alpha == 0.0:
@@ -411,11 +438,14 @@ class DiLoCo(Strategy):
 
     @torch.no_grad()
     def _reset_to_global(self, f: _Fragment) -> None:
+        """Local parameters <- the global copy (merge="carry": the progress a pending merge carries starts here)."""
         target = f.global_views
         if f.snapshot.device != f.delta.device:
             f.delta.copy_(f.snapshot, non_blocking=True)
             target = f.delta_views
         torch._foreach_copy_([p.detach() for p in f.params], target)
+        if f.launched is not None:
+            torch._foreach_copy_(f.launched_views, target)
 
     # --- rounds ----------------------------------------------------------------------
     def _fragment_rounds(self, rounds: Rounds, f: _Fragment) -> tuple[Round, Round]:
@@ -465,6 +495,13 @@ class DiLoCo(Strategy):
         if not bool((table.view(-1, 2) == mine).all()):   # read after the collective
             group.report_error(ShoalError(f"fragment {f.index}'s background reduction did not land alike on "
                                           "every member"))
+
+    def wait_in_flight(self) -> None:
+        """Wait until every reduction in flight has landed, without merging it: each still merges at its own
+        step, so training computes what it would have (a benchmark calls this before it stops its clock). A
+        reduction that failed raises here."""
+        for f in self.fragments:
+            self._land(f)
 
     def close(self) -> None:
         """Merge every reduction still in flight now (a round each) and stop the communication thread."""

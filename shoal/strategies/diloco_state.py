@@ -89,11 +89,14 @@ def load_pending(strategy: Any, state: list[torch.Tensor | None]) -> None:
 
 
 def checkpoint(strategy: Any) -> dict[str, Any]:
-    """``state_dict()``: step, global copies, outer optimizers, codec, finished-but-unmerged reductions."""
+    """``state_dict()``: step, global copies, outer optimizers, codec, finished-but-unmerged reductions (with
+    merge="carry", also the parameters at their launch)."""
     sched, pending = schedule_state(strategy), pending_state(strategy)
     frags = outer_state(strategy)["fragments"]
-    for fr, m, d in zip(frags, sched["merges"], pending):
+    for fr, m, d, f in zip(frags, sched["merges"], pending, strategy.fragments):
         fr["pending"] = None if m is None else {"merge_at": m[0], "delta": d, "redo": m[1]}
+        if m is not None and f.launched is not None:   # merge="carry": the merge carries the progress since then
+            fr["pending"]["launched"] = f.launched.detach().cpu().clone()
     return {"step": strategy.step, "fragments": frags, "codec": strategy.codec.state_dict()}
 
 
@@ -104,4 +107,12 @@ def load_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
     load_schedule(strategy, {"step": state["step"], "merges": [
         None if s["pending"] is None else [s["pending"]["merge_at"], s["pending"].get("redo", False)] for s in frags]})
     load_pending(strategy, [None if s["pending"] is None else s["pending"]["delta"] for s in frags])
+    for f, s in zip(strategy.fragments, frags):
+        if s["pending"] is None or f.launched is None:
+            continue
+        if "launched" not in s["pending"]:
+            raise ConfigError(f"fragment {f.index}'s pending merge was saved without merge='carry' (no parameters "
+                              "at its launch): load it into a strategy with the same merge rule")
+        with torch.no_grad():
+            f.launched.copy_(s["pending"]["launched"])
     strategy.codec.load_state_dict(state["codec"])

@@ -18,12 +18,17 @@ class StreamingDiLoCo(DiLoCo):
     fragment is merged with the result using the paper's mixing factor:
     ``local <- mixing * local + (1 - mixing) * global`` (alpha; 0 discards the
     local progress made during the overlap, 0.5 is the paper's choice).
+    ``merge="carry"`` keeps that progress whole instead: ``local <- global +
+    (local - local at launch)``, so each inner step enters exactly one
+    pseudo-gradient, as without overlap (one fragment, ``overlap_steps=1``:
+    plain DiLoCo with its exchange hidden behind an inner step).
 
     Args:
         inner_steps: H, steps between two syncs of the same fragment.
         fragments: P, number of fragments (``1 <= P <= H``).
         overlap_steps: tau, inner steps a reduction overlaps (``0 <= tau < H``).
-        mixing: alpha in ``[0, 1)``.
+        mixing: alpha in ``[0, 1)`` (default 0.5; with ``merge="carry"``: 0, the only value allowed).
+        merge: ``"mix"`` (default, the paper's rule with ``mixing``) or ``"carry"``.
         outer_optimizer, codec, offload: as :class:`shoal.DiLoCo`.
         layout: ``"strided"`` (parameter ``i`` in fragment ``i % P``, the
             paper's choice; layers of each fragment spread over the depth) or
@@ -36,6 +41,9 @@ class StreamingDiLoCo(DiLoCo):
 
         strategy = shoal.StreamingDiLoCo(inner_steps=100, fragments=4, overlap_steps=5,
                                          codec=shoal.codecs.Cast())
+        # DiLoCo whose outer exchange runs behind the next inner step:
+        hidden = shoal.StreamingDiLoCo(inner_steps=5, fragments=1, overlap_steps=1, merge="carry",
+                                       codec=shoal.codecs.SparseLoCo(0.01, 2))
         model, opt = shoal.wrap(model, torch.optim.AdamW(model.parameters()), strategy)
         ...                                     # train as usual
         strategy.close()
@@ -43,8 +51,10 @@ class StreamingDiLoCo(DiLoCo):
 
     name = "streaming-diloco"
 
-    def __init__(self, inner_steps: int, fragments: int, overlap_steps: int = 1, mixing: float = 0.5,
+    def __init__(self, inner_steps: int, fragments: int, overlap_steps: int = 1, mixing: float | None = None,
                  outer_optimizer: OuterOptimizerFactory = default_outer_optimizer, codec: Codec | None = None,
-                 layout: str = "strided", offload: bool | None = None) -> None:
-        self._init(DiLoCoConfig(inner_steps, outer_optimizer, fragments, overlap_steps, mixing, layout, offload),
-                   codec)
+                 layout: str = "strided", offload: bool | None = None, merge: str = "mix") -> None:
+        if mixing is None:
+            mixing = 0.0 if merge == "carry" else 0.5
+        self._init(DiLoCoConfig(inner_steps, outer_optimizer, fragments, overlap_steps, mixing, layout, offload,
+                                merge), codec)

@@ -82,6 +82,10 @@ RESUME_CASES: dict[str, tuple[Callable[[], shoal.Strategy], int]] = {
     "diloco-sparse": (lambda: shoal.DiLoCo(4, codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 6),
     "streaming-sparse": (lambda: shoal.StreamingDiLoCo(4, fragments=2, overlap_steps=1,
                                                        codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 2),
+    # merge="carry" (one fragment, overlap 1): launched after step 4, in flight at the checkpoint; the resumed
+    # run must carry the progress from the saved launch parameters, not from its own (other seed's) model
+    "streaming-carry": (lambda: shoal.StreamingDiLoCo(4, fragments=1, overlap_steps=1, merge="carry",
+                                                      codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 4),
     # local SGD with Adam moments averaged too (C4), stopped between averagings
     "localsgd": (lambda: shoal.LocalSGD(3, warmup_steps=1, average_optimizer_state=True), 5),
 }
@@ -95,6 +99,44 @@ def _resume(rank: int) -> dict[str, float]:
         out[name] = max_diff(straight, resumed)
         torch.manual_seed(0)
         out[name + "/moved"] = max_diff(straight.module, Net())
+    return out
+
+
+def _carry_vs_reference(rank: int) -> dict[str, float]:
+    """merge="carry" against the same maths written out: launch after steps 4 and 8, merged one step later
+    as ``global' + (local - local at launch)``, outer Nesterov SGD on the exact mean; and against mix."""
+    out: dict[str, float] = {}
+    outer = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)   # noqa: E731
+    for merge in ("carry", "mix"):
+        torch.manual_seed(0)
+        module = Net()
+        ref = copy.deepcopy(module)
+        strategy = shoal.StreamingDiLoCo(4, fragments=1, overlap_steps=1, merge=merge, mixing=None if merge == "carry"
+                                         else 0.0, outer_optimizer=outer)
+        model, opt = shoal.wrap(module, make_optimizer("sgd", module.parameters()), strategy)
+        ref_opt = make_optimizer("sgd", ref.parameters())
+        params = list(ref.parameters())
+        flat = lambda: torch.cat([p.detach().reshape(-1) for p in params])   # noqa: E731
+        g = flat().clone()
+        g_outer = outer([g])
+        pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        for s, (x, y) in enumerate(_batches(rank, 10), start=1):
+            _step(model, opt, x, y)
+            _step(ref, ref_opt, x, y)
+            if s % 4 == 0:
+                mean = g - flat()
+                dist.all_reduce(mean)
+                pending = (s + 1, mean / 2, flat().clone())
+            if pending is not None and pending[0] == s:
+                g.grad = pending[1]
+                g_outer.step()
+                new = g + (flat() - pending[2])
+                with torch.no_grad():
+                    for p, t in zip(params, new.split([p.numel() for p in params])):
+                        p.copy_(t.view_as(p))
+                pending = None
+        strategy.close()
+        out[merge] = max_diff(module, ref)
     return out
 
 
@@ -177,7 +219,7 @@ def _wrap_api(rank: int) -> dict[str, Any]:
 
 def _all(rank: int, world: int) -> dict[str, Any]:
     return {"h1": _h1_equals_averaging(rank), "resume": _resume(rank), "schedule": _schedule(rank),
-            "api": _wrap_api(rank)}
+            "api": _wrap_api(rank), "carry": _carry_vs_reference(rank)}
 
 
 @pytest.mark.timeout(180)
@@ -186,6 +228,9 @@ def test_diloco_world2() -> None:
     for rank, r in enumerate(results):
         # H=1, outer lr 1, no momentum: g - mean(g - local) = mean(local) up to fp32 rounding.
         assert r["h1"] <= 1e-6, f"rank {rank}: DiLoCo(H=1) vs parameter averaging differ by {r['h1']:.3g}"
+        # merge="carry" is the written-out maths; mixing 0 (the overlapped step's progress dropped) is not
+        assert r["carry"]["carry"] <= 1e-6, f"rank {rank}: carry merge vs reference: {r['carry']}"
+        assert r["carry"]["mix"] > 1e-4, f"rank {rank}: the reference cannot tell carry from mix: {r['carry']}"
         for name, d in r["resume"].items():
             if name.endswith("/moved"):
                 assert d > 1e-3, f"{name}: training did not move the parameters"
