@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -134,6 +135,18 @@ class _Run:
         _wait(lambda: _serving(self.coord_log, 2), 120, "the restarted coordinator never served", [self.coord])
         return time.time()
 
+    def wait_for_workers(self, limit: float) -> None:
+        """Every worker exits within ``limit`` s, or the test fails with which did not and every log (a worker
+        that hangs once in many runs must leave what it was doing in the report)."""
+        deadline = time.monotonic() + limit
+        for r, p in self.workers.items():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as e:
+                raise AssertionError(f"worker {r} had not exited {limit} s after the joiner started "
+                                     f"({type(e).__name__}); still running: "
+                                     f"{[k for k, q in self.workers.items() if q.poll() is None]}\n{self.logs()}") from e
+
     def logs(self) -> str:
         return "\n".join(f"=== {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(self.out.glob("*.txt")))
 
@@ -162,8 +175,7 @@ def test_coordinator_killed_and_restarted_the_run_goes_on_and_admits_a_join(tmp_
         restarted = run.restart_coordinator()
         _wait(lambda: "re-announced" in run.coord_log.read_text(), 60, "no worker re-announced itself")
         run.start(3)
-        for p in run.workers.values():
-            p.wait(timeout=120)
+        run.wait_for_workers(120)
     workers, logs = run.workers, run.logs()
     assert alive == [0, 1, 2], logs                      # nobody died while the coordinator was down
     assert len(down) == 3, (down, logs)                  # and all three kept committing steps meanwhile
