@@ -112,23 +112,17 @@ _wrapped("diloco-sparse", lambda: shoal.DiLoCo(inner_steps=10, outer_optimizer=O
          "momentum 0.5: over 400x fewer bytes than DDP (the config of diloco-h10-sp-n1m5)")
 
 
-def _diloco_overlapped(name: str, merge: str, description: str) -> None:
-    """diloco-h5-sp1-n1m5 with its exchange behind the next inner step (StreamingDiLoCo, 1 fragment, overlap 1)."""
-    @register(name, description=description)
-    def build(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
-        g = _need_group(name, group)
-        ratio, decay = _SPARSE["sp1"]
-        strategy = shoal.StreamingDiLoCo(inner_steps=5, fragments=1, overlap_steps=1, merge=merge,
-                                         outer_optimizer=_OUTER["n1m5"], codec=codecs.SparseLoCo(ratio, 2, decay=decay))
-        model, opt = shoal.wrap(module, make_optimizer(module.parameters()), strategy, process_group=g)
-        # An exchange in flight at an evaluation lands first, on the clock; it is merged at its own step as always.
-        return Trainer(model, opt, comm=_counter(g, strategy.name), eval_module=model, drain=strategy.wait_in_flight)
+@register("diloco-h5-sp1-n1m5-o1", description="diloco-h5-sp1-n1m5 with its exchange behind the next inner step "
+          "(StreamingDiLoCo, 1 fragment, overlap 1, merge='carry': no inner step lost)")
+def _diloco_overlapped(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
+    g = _need_group("diloco-h5-sp1-n1m5-o1", group)
+    ratio, decay = _SPARSE["sp1"]
+    strategy = shoal.StreamingDiLoCo(inner_steps=5, fragments=1, overlap_steps=1, merge="carry",
+                                     outer_optimizer=_OUTER["n1m5"], codec=codecs.SparseLoCo(ratio, 2, decay=decay))
+    model, opt = shoal.wrap(module, make_optimizer(module.parameters()), strategy, process_group=g)
+    # An exchange in flight at an evaluation lands first, on the clock; it is merged at its own step as always.
+    return Trainer(model, opt, comm=_counter(g, strategy.name), eval_module=model, drain=strategy.wait_in_flight)
 
-
-_diloco_overlapped("diloco-h5-sp1-n1m5-o1", "carry", "diloco-h5-sp1-n1m5 with its exchange behind the next inner "
-                   "step (StreamingDiLoCo, 1 fragment, overlap 1, merge='carry': no inner step lost)")
-_diloco_overlapped("diloco-h5-sp1-n1m5-e1", "eager", "diloco-h5-sp1-n1m5-o1 with merge='eager': at the launch each "
-                   "worker steps to its own provisional outer step, swapped for the averaged one at the merge")
 
 _wrapped("streaming-diloco",
          lambda: shoal.StreamingDiLoCo(inner_steps=100, fragments=4, codec=codecs.Cast(torch.float16)),

@@ -15,7 +15,6 @@ fragment with no overlap.
 
 from __future__ import annotations
 
-import copy
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,16 +58,11 @@ class DiLoCoConfig:
             before it is merged (0: blocking, plain DiLoCo).
         mixing: weight of the local parameters when a fragment is merged
             (``local <- mixing * local + (1 - mixing) * global``).
-        merge: ``"mix"`` (the rule above), ``"carry"`` or ``"eager"``.
-            carry: the merged fragment is the new global copy plus the inner
-            progress made since the launch (``local <- global + (local -
-            local at launch)``), so no overlapped inner step is lost or
-            counted twice. eager: carry, and at the launch each rank also
-            moves its fragment at once to a provisional global copy, the
-            outer step taken with its own pseudo-gradient (the outer state
-            left as it was); the merge then swaps the provisional step for
-            the averaged one. Both need ``overlap_steps >= 1`` and
-            ``mixing == 0``.
+        merge: ``"mix"`` (the rule above) or ``"carry"``: the merged
+            fragment is the new global copy plus the inner progress made
+            since the launch (``local <- global + (local - local at launch)``),
+            so no overlapped inner step is lost or counted twice; needs
+            ``overlap_steps >= 1`` and ``mixing == 0``.
         layout: ``"sequential"`` (contiguous fragments of about equal size) or
             ``"strided"`` (parameter ``i`` in fragment ``i % fragments``).
         offload: keep global parameters and outer state in host memory
@@ -103,11 +97,11 @@ class DiLoCoConfig:
             )
         if not 0.0 <= self.mixing < 1.0:
             raise ConfigError(f"mixing must be in [0, 1) (weight of the local parameters), got {self.mixing}")
-        if self.merge not in ("mix", "carry", "eager"):
-            raise ConfigError(f"merge must be 'mix', 'carry' or 'eager', got {self.merge!r}")
-        if self.merge != "mix" and (self.overlap_steps < 1 or self.mixing != 0.0):
+        if self.merge not in ("mix", "carry"):
+            raise ConfigError(f"merge must be 'mix' or 'carry', got {self.merge!r}")
+        if self.merge == "carry" and (self.overlap_steps < 1 or self.mixing != 0.0):
             raise ConfigError(
-                f"merge={self.merge!r} keeps the inner progress made while a reduction is in flight: it needs "
+                "merge='carry' keeps the inner progress made while a reduction is in flight: it needs "
                 f"overlap_steps >= 1 and mixing == 0, got overlap_steps={self.overlap_steps}, mixing={self.mixing}"
             )
         if self.layout not in ("sequential", "strided"):
@@ -278,7 +272,7 @@ class DiLoCo(Strategy):
         layout = split_fragments([p.numel() for p in self.params], cfg.fragments, cfg.layout, modules)
         self.fragments = [
             _Fragment(k, [self.params[i] for i in idx], [self.names[i] for i in idx], cfg.launch_offset(k),
-                      offload, cfg.outer_optimizer, carry=cfg.merge != "mix")
+                      offload, cfg.outer_optimizer, carry=cfg.merge == "carry")
             for k, idx in enumerate(layout)
         ]
         # Every synchronisation is a round. A newcomer heals the global copies, outer state, inner
@@ -399,39 +393,12 @@ class DiLoCo(Strategy):
         n = self._comm_group.size if self._comm_group is not None else 1
         if not mine:
             f.delta.zero_()
-        elif self.config.merge == "eager":
-            self._provisional_step(f)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-diloco")
             self._side = SideStream(f.delta.device)   # CUDA: the thread's own stream, events both ways
         side = self._side
         scale = n / live if 0 < live < n else 1.0
         f.future = self._thread.submit(side.run, side.ready(), lambda: self._reduce(f, scale))
-
-    @torch.no_grad()
-    def _provisional_step(self, f: _Fragment) -> None:
-        """merge="eager", at a launch: the fragment moves to the outer step of this rank's own pseudo-gradient
-        (``f.delta`` before its reduction), and the merge carries from there; the global copy and the outer
-        state are left as they were. A non-finite pseudo-gradient moves nothing (its round skips the outer
-        step on every rank)."""
-        if read_flag(nonfinite_flag([f.delta])):
-            return
-        kept = f.snapshot.clone()
-        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in st.items()}
-                 for p, st in f.outer.state.items()}
-        had = set(f.outer.state)
-        if f.grad is not f.delta:
-            f.grad.copy_(f.delta)
-        f.outer.step()
-        # f.launched <- the provisional global copy, then the parameters too; the real state back.
-        f.launched.copy_(f.snapshot)   # type: ignore[union-attr]  # blocking: the snapshot is restored next
-        torch._foreach_copy_([p.detach() for p in f.params], f.launched_views)
-        f.snapshot.copy_(kept)
-        for p in list(f.outer.state):
-            if p not in had:
-                del f.outer.state[p]
-        for p, st in state.items():
-            f.outer.state[p].update(st)
 
     def _reduce(self, f: _Fragment, scale: float = 1.0) -> None:
         with torch.no_grad():

@@ -27,10 +27,8 @@ class StreamingDiLoCo(DiLoCo):
         inner_steps: H, steps between two syncs of the same fragment.
         fragments: P, number of fragments (``1 <= P <= H``).
         overlap_steps: tau, inner steps a reduction overlaps (``0 <= tau < H``).
-        mixing: alpha in ``[0, 1)`` (default 0.5; with ``merge="carry"`` or ``"eager"``: 0, the only value allowed).
-        merge: ``"mix"`` (default, the paper's rule with ``mixing``), ``"carry"``, or ``"eager"``: carry, and at
-            the launch each rank moves the fragment at once to the outer step of its own pseudo-gradient (the
-            outer state untouched), which the merge swaps for the averaged step (:class:`DiLoCoConfig`).
+        mixing: alpha in ``[0, 1)`` (default 0.5; with ``merge="carry"``: 0, the only value allowed).
+        merge: ``"mix"`` (default, the paper's rule with ``mixing``) or ``"carry"``.
         outer_optimizer, codec, offload: as :class:`shoal.DiLoCo`.
         layout: ``"strided"`` (parameter ``i`` in fragment ``i % P``, the
             paper's choice; layers of each fragment spread over the depth) or
@@ -57,6 +55,6 @@ class StreamingDiLoCo(DiLoCo):
                  outer_optimizer: OuterOptimizerFactory = default_outer_optimizer, codec: Codec | None = None,
                  layout: str = "strided", offload: bool | None = None, merge: str = "mix") -> None:
         if mixing is None:
-            mixing = 0.5 if merge == "mix" else 0.0
+            mixing = 0.0 if merge == "carry" else 0.5
         self._init(DiLoCoConfig(inner_steps, outer_optimizer, fragments, overlap_steps, mixing, layout, offload,
                                 merge), codec)

@@ -70,7 +70,7 @@ def test_diloco_config_validation() -> None:
         shoal.StreamingDiLoCo(4, fragments=2, layout="random")
     with pytest.raises(ConfigError, match="codec"):
         shoal.DiLoCo(4, codec="int8")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="merge must be 'mix', 'carry' or 'eager'"):
+    with pytest.raises(ConfigError, match="merge must be 'mix' or 'carry'"):
         shoal.StreamingDiLoCo(4, fragments=1, merge="keep")
     with pytest.raises(ConfigError, match="needs overlap_steps >= 1 and mixing == 0.*mixing=0.5"):
         shoal.StreamingDiLoCo(4, fragments=1, merge="carry", mixing=0.5)
@@ -78,9 +78,6 @@ def test_diloco_config_validation() -> None:
         shoal.StreamingDiLoCo(4, fragments=1, overlap_steps=0, merge="carry")
     carry = shoal.StreamingDiLoCo(4, fragments=1, merge="carry")   # mixing left out: 0, the only value allowed
     assert (carry.config.merge, carry.config.mixing) == ("carry", 0.0)
-    with pytest.raises(ConfigError, match="merge='eager'.*overlap_steps=0"):
-        shoal.StreamingDiLoCo(4, fragments=1, overlap_steps=0, merge="eager")
-    assert shoal.StreamingDiLoCo(4, fragments=1, merge="eager").config.mixing == 0.0
     assert shoal.StreamingDiLoCo(4, fragments=2).config.mixing == 0.5   # the paper's default for "mix"
     assert [DiLoCoConfig(8, fragments=4).launch_offset(p) for p in range(4)] == [2, 4, 6, 0]
 
