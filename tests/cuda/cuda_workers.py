@@ -150,6 +150,10 @@ STRATEGIES: dict[str, tuple[Callable[[], shoal.Strategy], int, bool]] = {
     "diloco": (lambda: shoal.DiLoCo(inner_steps=3), 6, True),
     "diloco-int8": (lambda: shoal.DiLoCo(inner_steps=3, codec=codecs.Int8Blockwise(64)), 6, True),
     "streaming": (lambda: shoal.StreamingDiLoCo(inner_steps=3, fragments=2, overlap_steps=1), 6, False),
+    # merge="carry", global copy in host memory (offload, the default on a GPU): the launch after step 6 merges
+    # at close() with no progress since it, so the ranks end equal (the new global copy, to rounding)
+    "streaming-carry": (lambda: shoal.StreamingDiLoCo(inner_steps=3, fragments=1, overlap_steps=1, merge="carry"),
+                        6, True),
     "nonblocking": (lambda: shoal.NonBlocking(), 6, False),
     # 3 epochs of 2 steps, all warm-up or cool-down: a blocking global sync every step.
     "daso": (lambda: shoal.DASO(total_epochs=3, steps_per_epoch=2, warmup_epochs=2, cooldown_epochs=1), 6, True),
