@@ -426,8 +426,9 @@ class DiLoCo(Strategy):
             f.delta.copy_(f.snapshot, non_blocking=True)
             target = f.delta_views
         if f.launched is not None:   # merge="carry": local <- global + (local - local at launch)
+            # In fp32 and in this order: no progress since the launch gives exactly the new global copy.
             for p, g, at in zip(f.params, target, f.launched_views):
-                p.add_((g - at).to(p.dtype))
+                p.copy_(g + (p.float() - at))
             return
         alpha = self.config.mixing
         for p, g in zip(f.params, target):

@@ -101,18 +101,24 @@ def checkpoint(strategy: Any) -> dict[str, Any]:
 
 
 def load_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
-    """``load_state_dict()``: what :func:`checkpoint` returned."""
-    load_outer(strategy, state)
+    """``load_state_dict()``: what :func:`checkpoint` returned.
+
+    A pending merge saved without merge="carry" cannot be carried (the parameters at its launch were not
+    kept): refused before anything is loaded, unless its next attempt reduces in the foreground anyway. A
+    carry checkpoint loads into another merge rule, which does not need those parameters.
+    """
     frags = state["fragments"]
+    for f, s in zip(strategy.fragments, frags):
+        p = s.get("pending")
+        if f.launched is not None and p is not None and not p.get("redo", False) and "launched" not in p:
+            raise ConfigError(f"fragment {f.index}'s pending merge was saved without merge='carry' (no parameters "
+                              "at its launch): load it into a strategy with the same merge rule")
+    load_outer(strategy, state)
     load_schedule(strategy, {"step": state["step"], "merges": [
         None if s["pending"] is None else [s["pending"]["merge_at"], s["pending"].get("redo", False)] for s in frags]})
     load_pending(strategy, [None if s["pending"] is None else s["pending"]["delta"] for s in frags])
     for f, s in zip(strategy.fragments, frags):
-        if s["pending"] is None or f.launched is None:
-            continue
-        if "launched" not in s["pending"]:
-            raise ConfigError(f"fragment {f.index}'s pending merge was saved without merge='carry' (no parameters "
-                              "at its launch): load it into a strategy with the same merge rule")
-        with torch.no_grad():
-            f.launched.copy_(s["pending"]["launched"])
+        if s["pending"] is not None and f.launched is not None and "launched" in s["pending"]:
+            with torch.no_grad():
+                f.launched.copy_(s["pending"]["launched"])
     strategy.codec.load_state_dict(state["codec"])

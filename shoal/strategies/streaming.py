@@ -21,8 +21,9 @@ class StreamingDiLoCo(DiLoCo):
     ``merge="carry"`` keeps that progress whole instead: ``local <- global +
     (local - local at launch)``, so each inner step enters exactly one
     pseudo-gradient, as without overlap (one fragment, ``overlap_steps=1``:
-    plain DiLoCo with its exchange hidden behind an inner step; on the
-    bench's ``lm`` at H 5 it trained worse than plain DiLoCo: docs/averaging.md).
+    DiLoCo with its exchange behind an inner step, whose gradient is taken
+    before the merge; on the bench's ``lm`` at H 5 it measured worse than
+    plain DiLoCo: docs/averaging.md).
 
     Args:
         inner_steps: H, steps between two syncs of the same fragment.

@@ -82,10 +82,11 @@ RESUME_CASES: dict[str, tuple[Callable[[], shoal.Strategy], int]] = {
     "diloco-sparse": (lambda: shoal.DiLoCo(4, codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 6),
     "streaming-sparse": (lambda: shoal.StreamingDiLoCo(4, fragments=2, overlap_steps=1,
                                                        codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 2),
-    # merge="carry" (one fragment, overlap 1): launched after step 4, in flight at the checkpoint; the resumed
-    # run must carry the progress from the saved launch parameters, not from its own (other seed's) model
-    "streaming-carry": (lambda: shoal.StreamingDiLoCo(4, fragments=1, overlap_steps=1, merge="carry",
-                                                      codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 4),
+    # merge="carry" (one fragment, overlap 2): launched after step 4, in flight at the checkpoint after step 5
+    # (one step of progress since the launch); the resumed run must carry from the saved launch parameters,
+    # which differ from the saved model's
+    "streaming-carry": (lambda: shoal.StreamingDiLoCo(4, fragments=1, overlap_steps=2, merge="carry",
+                                                      codec=shoal.codecs.SparseLoCo(0.1, 2, 64)), 5),
     # local SGD with Adam moments averaged too (C4), stopped between averagings
     "localsgd": (lambda: shoal.LocalSGD(3, warmup_steps=1, average_optimizer_state=True), 5),
 }

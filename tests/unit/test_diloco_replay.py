@@ -168,3 +168,44 @@ def test_codecs_every_member_decodes_alike_do_not_refuse(world: None, codec: Any
     shoal.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), shoal.DiLoCo(inner_steps=4, codec=codec),
                process_group=g)
     assert g.refusals == [] and len(g.replays) == 1
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 5) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        F.mse_loss(model(x), x[:, :2]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_carry_merges_to_the_global_copy_bit_for_bit_when_nothing_was_trained_since_the_launch(world: None) -> None:
+    # Launched after step 4, merged by close() with no step in between: every rank must then hold exactly the
+    # new global copy (the same on every rank), not global + (local - local) rounded.
+    net = _net(0)
+    strategy = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, merge="carry")
+    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=_group())
+    _train(model, opt, 4)
+    assert strategy.fragments[0].merge_at == 5
+    strategy.close()
+    f = strategy.fragments[0]
+    for p, g in zip(f.params, f.global_views):
+        assert torch.equal(p.detach(), g.view_as(p))
+
+
+def test_a_mix_checkpoint_with_a_pending_merge_is_refused_by_carry_before_anything_loads(world: None) -> None:
+    net = _net(0)
+    mix = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, mixing=0.0)
+    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), mix, process_group=_group())
+    _train(model, opt, 4)                  # launched after step 4: pending at the checkpoint
+    state = mix.state_dict()
+    mix.close()
+    net2 = _net(1)
+    carry = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, merge="carry")
+    shoal.wrap(net2, torch.optim.Adam(net2.parameters(), lr=1e-2), carry, process_group=_group())
+    before = carry.fragments[0].snapshot.clone()
+    with pytest.raises(shoal.errors.ConfigError, match="saved without merge='carry'"):
+        carry.load_state_dict(state)
+    assert carry.step == 0 and carry.fragments[0].merge_at is None   # nothing loaded
+    assert torch.equal(carry.fragments[0].snapshot, before)
+    carry.close()
