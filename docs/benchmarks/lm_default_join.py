@@ -73,8 +73,8 @@ def loss_at(run: dict[str, Any], steps: int) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quality", nargs="+", required=True, help="samples-mode run folders (loopback)")
-    ap.add_argument("--speed", required=True, help="time-mode run folder on the emulated link")
+    ap.add_argument("--quality", nargs="+", required=True, help="samples-mode runs (loopback): folders, or FILE.json#KEY")
+    ap.add_argument("--speed", required=True, help="time-mode run on the emulated link: a folder, or FILE.json#KEY")
     ap.add_argument("--at", nargs="+", type=int, required=True, help="DDP lengths (steps) the target is taken at")
     ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     ap.add_argument("--json", help="write the figures here")
