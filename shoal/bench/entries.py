@@ -72,8 +72,10 @@ def _wrapped(name: str, make_strategy: Callable[[], shoal.Strategy], description
         g = _need_group(name, group)
         strategy = make_strategy()
         model, opt = shoal.wrap(module, make_optimizer(module.parameters()), strategy, process_group=g)
-        # The strategy tags its traffic with its own name (e.g. diloco/pseudograd).
-        return Trainer(model, opt, comm=_counter(g, strategy.name), eval_module=model)
+        # The strategy tags its traffic with its own name (e.g. diloco/pseudograd). The DiLoCo family's
+        # reductions in flight at an evaluation land first, on the clock (merged at their own step as always).
+        drain = strategy.wait_in_flight if isinstance(strategy, shoal.DiLoCo) else (lambda: None)
+        return Trainer(model, opt, comm=_counter(g, strategy.name), eval_module=model, drain=drain)
 
 
 _wrapped("localsgd", lambda: shoal.LocalSGD(period=8), "local SGD, parameters averaged every 8 steps")
@@ -111,19 +113,11 @@ _wrapped("diloco-sparse", lambda: shoal.DiLoCo(inner_steps=10, outer_optimizer=O
          "DiLoCo, 10 inner steps, SparseLoCo (top 2 % per 4096 in 2 bits, error feedback), outer Nesterov lr 1.0 "
          "momentum 0.5: over 400x fewer bytes than DDP (the config of diloco-h10-sp-n1m5)")
 
-
-@register("diloco-h5-sp1-n1m5-o1", description="diloco-h5-sp1-n1m5 with its exchange behind the next inner step "
-          "(StreamingDiLoCo, 1 fragment, overlap 1, merge='carry': no inner step lost)")
-def _diloco_overlapped(module: nn.Module, make_optimizer: OptimizerFactory, group: Group | None) -> Trainer:
-    g = _need_group("diloco-h5-sp1-n1m5-o1", group)
-    ratio, decay = _SPARSE["sp1"]
-    strategy = shoal.StreamingDiLoCo(inner_steps=5, fragments=1, overlap_steps=1, merge="carry",
-                                     outer_optimizer=_OUTER["n1m5"], codec=codecs.SparseLoCo(ratio, 2, decay=decay))
-    model, opt = shoal.wrap(module, make_optimizer(module.parameters()), strategy, process_group=g)
-    # An exchange in flight at an evaluation lands first, on the clock; it is merged at its own step as always.
-    return Trainer(model, opt, comm=_counter(g, strategy.name), eval_module=model, drain=strategy.wait_in_flight)
-
-
+_wrapped("diloco-h5-sp1-n1m5-o1", lambda: shoal.StreamingDiLoCo(
+    inner_steps=5, fragments=1, overlap_steps=1, merge="carry", outer_optimizer=_OUTER["n1m5"],
+    codec=codecs.SparseLoCo(_SPARSE["sp1"][0], 2, decay=_SPARSE["sp1"][1])),
+    "diloco-h5-sp1-n1m5 with its exchange behind the next inner step (StreamingDiLoCo, 1 fragment, overlap 1, "
+    "merge='carry': no inner step lost)")
 _wrapped("streaming-diloco",
          lambda: shoal.StreamingDiLoCo(inner_steps=100, fragments=4, codec=codecs.Cast(torch.float16)),
          "streaming DiLoCo, 100 inner steps, 4 staggered fragments, fp16")
