@@ -83,7 +83,9 @@ def test_a_member_late_to_a_subgroup_build_fails_its_step_at_the_abort_not_at_gl
     out = _two_members(TOKEN, _member, {"a": gloo_backend, "b": _late_second_build(OP + 1.0)})
     a, b = out["a"], out["b"]
     assert not a[0][1] and not b[0][1], (a, b)                 # the first step failed on both
-    assert b[0][0] < 2 * OP + 2.0, b[0][0]                     # B gave up at A's abort flag (not 5 x op)
+    # B gave up at A's abort flag, not at gloo's connect limit (5 x op after its 3 s stall: 13 s and more; CI
+    # once saw 25 s). 4 x op + 1 s leaves room for a loaded box (7.4 s seen in a full run on 2 cores).
+    assert b[0][0] < 4 * OP + 1.0, b[0][0]
     assert [c for _, c, _ in a] == [c for _, c, _ in b], (a, b)   # one verdict everywhere
     assert sum(c for _, c, _ in a) == 2, a                     # then the run went on
     for (_, ca, xa), (_, _, xb) in zip(a, b):
