@@ -11,13 +11,14 @@ from typing import Any, Sequence
 
 import torch
 
+from shoal.codecs import positions
 from shoal.codecs.base import BufferPool, LossyCodec, check_inputs, flatten_into, sub_tag, unflatten_from
 from shoal.codecs.feedback import ErrorFeedback
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
 _BITS = (1, 2, 4, 8)
-_MAX_CHUNK = 2**16   # indices inside a chunk travel as 16 bits
+_MAX_CHUNK = 2**16
 
 
 class QuantizedTopK(LossyCodec):
@@ -26,20 +27,23 @@ class QuantizedTopK(LossyCodec):
     The inputs (flattened together, fp32) are cut into chunks of ``chunk``
     elements (the last one zero-padded; one chunk of all the elements when
     there are fewer). Each chunk keeps its ``k = min(c, max(1, ceil(ratio *
-    c)))`` largest magnitudes (``c`` the chunk length), as 16-bit positions in
-    the chunk and ``bits``-bit codes: one sign bit and ``bits - 1`` bits of
-    magnitude on a uniform grid of ``M = 2 ** (bits - 1)`` levels from the
-    smallest kept magnitude ``lo`` to the largest ``hi`` of the chunk (two
-    fp32 per chunk; at ``bits=1`` the one level is the mean kept magnitude).
-    Every rank all-gathers every rank's bytes, decodes them and adds them in
-    rank order, so all ranks end with the same bits; the mean divides by the
-    group size.
+    c)))`` largest magnitudes (``c`` the chunk length): their positions in
+    the chunk, Elias-Fano coded (:mod:`shoal.codecs.positions`: about
+    ``log2(c / k) + 2`` bits each), and ``bits``-bit codes: one sign bit and
+    ``bits - 1`` bits of magnitude on a uniform grid of ``M = 2 ** (bits - 1)``
+    levels from the smallest kept magnitude ``lo`` to the largest ``hi`` of
+    the chunk (two fp32 per chunk; at ``bits=1`` the one level is the mean
+    kept magnitude). Every rank all-gathers every rank's bytes, decodes them
+    and adds them in rank order, so all ranks end with the same bits; the
+    mean divides by the group size.
 
-    One rank's payload (``wire_bytes``): ``n (8 + 2k + ceil(k' bits / 8))``
-    bytes rounded up to 4, for ``n`` chunks and ``k'`` = ``k`` rounded up to
-    whole bytes of codes. At ``ratio=0.02, bits=2, chunk=4096`` that is 1.2 %
-    of fp32 (85x smaller; the positions are most of it); a call sends ``N - 1``
-    payloads per rank (ring all-gather).
+    One rank's payload (``wire_bytes``): ``n (8 + P + ceil(k' bits / 8))``
+    bytes rounded up to 4, for ``n`` chunks, ``P = ceil((k l + k + ((c - 1)
+    >> l) + 1) / 8)`` bytes of positions with ``l = floor(log2(c / k))``, and
+    ``k'`` = ``k`` rounded up to whole bytes of codes. At ``ratio=0.02,
+    bits=2, chunk=4096`` that is 0.65 % of fp32 (153x smaller); at
+    ``ratio=0.01``, 0.38 % (260x). A call sends ``N - 1`` payloads per rank
+    (ring all-gather).
 
     NaN/Inf: ``topk`` of magnitudes ranks them first, so a bad element is
     always kept; it makes its chunk's ``lo``/``hi`` non-finite, which decodes
@@ -61,8 +65,7 @@ class QuantizedTopK(LossyCodec):
         if bits not in _BITS or isinstance(bits, bool):
             raise ConfigError(f"bits must be one of {_BITS} (codes are packed whole into bytes), got {bits!r}")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= _MAX_CHUNK:
-            raise ConfigError(f"chunk must be an integer in [1, {_MAX_CHUNK}] (positions travel as 16 bits), "
-                              f"got {chunk!r}")
+            raise ConfigError(f"chunk must be an integer in [1, {_MAX_CHUNK}] (elements per top-k), got {chunk!r}")
         self.ratio, self.bits, self.chunk = float(ratio), bits, chunk
         self._pool = BufferPool()
 
@@ -81,10 +84,10 @@ class QuantizedTopK(LossyCodec):
         """Bytes one rank hands to the all-gather for a call of ``numel`` elements.
 
         >>> QuantizedTopK(0.02, 2, 4096).wire_bytes(10000)
-        580
+        324
         """
-        n, _, k, kp = self.layout(numel)
-        return -(-n * (8 + 2 * k + kp * self.bits // 8) // 4) * 4
+        n, c, k, kp = self.layout(numel)
+        return -(-n * (8 + positions.layout(c, k)[2] + kp * self.bits // 8) // 4) * 4
 
     @torch.no_grad()
     def mean_with_residual(self, tensors: Sequence[torch.Tensor], names: Sequence[str], group: Group, tag: str,
@@ -99,12 +102,13 @@ class QuantizedTopK(LossyCodec):
         flatten_into(tensors, flat[:numel])
         flat[numel:].zero_()
         mine = self._pool.get("wire", self.wire_bytes(numel), torch.uint8, device)
-        self._encode(flat.view(n, c), k, mine)
+        idx, code = self._encode(flat.view(n, c), k, mine)
         if residuals is not None:
-            # What this rank's contribution lost: the input minus what its own bytes decode to.
+            # What this rank's contribution lost: the input minus what its own bytes decode to (the positions
+            # and codes those bytes hold, taken from the encoder rather than decoded back).
             own = self._pool.get("own", n * c, torch.float32, device)
             own.zero_()
-            self._decode_add(mine, n, c, k, own.view(n, c))
+            own.view(n, c).scatter_add_(1, idx, self._values(code, self._views(mine, n, c, k)[0]))
             unflatten_from(torch.sub(flat, own, out=own)[:numel], residuals)
         gathered = self._pool.get("gathered", mine.numel() * group.size, torch.uint8, device)
         group.all_gather_into(gathered, mine, tag=sub_tag(tag, "sparse")).wait()
@@ -115,19 +119,23 @@ class QuantizedTopK(LossyCodec):
         unflatten_from(flat[:numel], tensors)
         self._count(tensors, mine.numel())
 
-    def _views(self, buf: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(scales ``[n, 2]`` fp32, positions ``[n, k]`` int16, packed codes ``[n, k' bits / 8]`` uint8)."""
+    def _views(self, buf: torch.Tensor, n: int, c: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scales ``[n, 2]`` fp32, coded positions ``[n, P]`` uint8, packed codes ``[n, k' bits / 8]`` uint8)."""
         kp = -(-k // (8 // self.bits)) * (8 // self.bits)
+        pb = positions.layout(c, k)[2]
         scales = buf[: 8 * n].view(torch.float32).view(n, 2)
-        pos = buf[8 * n: 8 * n + 2 * n * k].view(torch.int16).view(n, k)
-        codes = buf[8 * n + 2 * n * k: 8 * n + 2 * n * k + n * kp * self.bits // 8].view(n, -1)
+        pos = buf[8 * n: 8 * n + n * pb].view(n, pb)
+        codes = buf[8 * n + n * pb: 8 * n + n * pb + n * kp * self.bits // 8].view(n, -1)
         return scales, pos, codes
 
-    def _encode(self, chunks: torch.Tensor, k: int, out: torch.Tensor) -> None:
-        n = chunks.shape[0]
-        scales, pos, codes = self._views(out, n, k)
-        mag, idx = torch.topk(chunks.abs(), k, dim=1, sorted=False)   # NaN/Inf rank first
+    def _encode(self, chunks: torch.Tensor, k: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``chunks``' bytes into ``out``; return the kept positions and their codes (``[n, k]`` each)."""
+        n, c = chunks.shape
+        scales, pos, codes = self._views(out, n, c, k)
+        _, idx = torch.topk(chunks.abs(), k, dim=1, sorted=False)   # NaN/Inf rank first
+        idx = torch.sort(idx, dim=1).values   # increasing positions (Elias-Fano); the codes follow them
         vals = torch.gather(chunks, 1, idx)
+        mag = vals.abs()
         levels = 2 ** (self.bits - 1)
         if levels == 1:
             lo = hi = mag.mean(dim=1, keepdim=True)
@@ -139,10 +147,11 @@ class QuantizedTopK(LossyCodec):
             level = torch.round((mag - lo) / safe * (levels - 1)).clamp_(0, levels - 1)
         scales[:, :1].copy_(lo)
         scales[:, 1:].copy_(hi)
-        pos.copy_(idx.to(torch.int32).sub_(2**15).to(torch.int16))   # [0, 2^16) shifted into int16
+        positions.encode(idx, c, pos)
         code = level.to(torch.uint8) | (vals < 0).to(torch.uint8) << (self.bits - 1)
         self._pack(code, codes)
-        out[8 * n + 2 * n * k + codes.numel():].zero_()
+        out[8 * n + pos.numel() + codes.numel():].zero_()
+        return idx, code
 
     def _pack(self, code: torch.Tensor, out: torch.Tensor) -> None:
         n, k = code.shape
@@ -156,17 +165,19 @@ class QuantizedTopK(LossyCodec):
 
     def _decode_add(self, buf: torch.Tensor, n: int, c: int, k: int, into: torch.Tensor) -> None:
         """Add what ``buf`` (one rank's bytes) decodes to into ``into`` (``[n, c]`` fp32)."""
-        scales, pos, codes = self._views(buf, n, k)
+        scales, pos, codes = self._views(buf, n, c, k)
         per, mask = 8 // self.bits, (1 << self.bits) - 1
         code = torch.stack([(codes >> (self.bits * j)) & mask for j in range(per)], dim=2).view(n, -1)[:, :k]
+        # One rank's positions in a chunk are distinct: the scatter is deterministic, CUDA too.
+        into.scatter_add_(1, positions.decode(pos, c, k), self._values(code, scales))
+
+    def _values(self, code: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The values ``[n, k]`` codes (``[n, k]`` uint8) stand for, on their chunks' ``[lo, hi]`` grids."""
         levels = 2 ** (self.bits - 1)
         level = (code & (levels - 1)).to(torch.float32)
         lo, hi = scales[:, :1], scales[:, 1:]
         mag = lo + (hi - lo) * (level / max(levels - 1, 1))
-        vals = torch.where((code >> (self.bits - 1)).bool(), -mag, mag)
-        idx = pos.to(torch.int64).add_(2**15)
-        # One rank's positions in a chunk are distinct: the scatter is deterministic, CUDA too.
-        into.scatter_add_(1, idx, vals)
+        return torch.where((code >> (self.bits - 1)).bool(), -mag, mag)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ratio": self.ratio, "bits": self.bits, "chunk": self.chunk}
