@@ -100,6 +100,7 @@ CODECS: dict[str, Callable[[], Any]] = {
     "int8": lambda: codecs.Int8Blockwise(64),
     "topk": lambda: codecs.TopK(0.25),
     "topk-ef": lambda: codecs.ErrorFeedback(codecs.TopK(0.25)),
+    "sparseloco": lambda: codecs.SparseLoCo(0.25, 2, 64),   # Elias-Fano positions decoded on the GPU
     "powersgd": lambda: codecs.PowerSGD(rank=2, min_compression_rate=1.0),
     "adaptive": lambda: codecs.SizeAdaptive(codecs.Identity(), codecs.Cast(torch.bfloat16), threshold=256),
     "hierarchical": lambda: codecs.Hierarchical(),
@@ -149,6 +150,7 @@ STRATEGIES: dict[str, tuple[Callable[[], shoal.Strategy], int, bool]] = {
     "hierarchical-4": (lambda: shoal.Hierarchical({2: 2, 4: 4}), 9, True),
     "diloco": (lambda: shoal.DiLoCo(inner_steps=3), 6, True),
     "diloco-int8": (lambda: shoal.DiLoCo(inner_steps=3, codec=codecs.Int8Blockwise(64)), 6, True),
+    "diloco-sparse": (lambda: shoal.DiLoCo(inner_steps=3, codec=codecs.SparseLoCo(0.1, 2, 64)), 6, True),
     "streaming": (lambda: shoal.StreamingDiLoCo(inner_steps=3, fragments=2, overlap_steps=1), 6, False),
     # merge="carry", global copy in host memory (offload, the default on a GPU): the launch after step 6 merges
     # at close() with no progress since it, so the ranks end equal (the new global copy, to rounding)
