@@ -75,7 +75,9 @@ def _wrapped(name: str, make_strategy: Callable[[], shoal.Strategy], description
         # The strategy tags its traffic with its own name (e.g. diloco/pseudograd). The DiLoCo family's
         # reductions in flight at an evaluation land first, on the clock (merged at their own step as always).
         drain = strategy.wait_in_flight if isinstance(strategy, shoal.DiLoCo) else (lambda: None)
-        return Trainer(model, opt, comm=_counter(g, strategy.name), eval_module=model, drain=drain)
+        # An overlapped DiLoCo sends a round's bytes a step or more before its model takes the round in.
+        synced = (lambda: strategy.merged_rounds > 0) if isinstance(strategy, shoal.DiLoCo) else None
+        return Trainer(model, opt, comm=_counter(g, strategy.name), eval_module=model, drain=drain, synced=synced)
 
 
 _wrapped("localsgd", lambda: shoal.LocalSGD(period=8), "local SGD, parameters averaged every 8 steps")

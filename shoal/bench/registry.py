@@ -41,6 +41,10 @@ class Trainer:
     waits for this worker's communication still in flight without changing
     what training computes; the worker calls it on the clock before each
     evaluation, so that no transfer finishes unseen during the paused clock.
+    ``synced()``, if set, says whether the evaluated model has taken in an
+    exchange yet (the bench credits no evaluation before that); unset, a byte
+    on this worker's meter says so, which is wrong only for a strategy that
+    sends before it merges (an overlapped DiLoCo).
 
     Example:
         >>> m = nn.Linear(2, 1)
@@ -58,6 +62,7 @@ class Trainer:
     report_loss: Callable[[float], None] | None = None
     close: Callable[[], None] = lambda: None
     drain: Callable[[], None] = lambda: None
+    synced: Callable[[], bool] | None = None
 
 
 # (module, make_optimizer, group) -> Trainer; group is None for single-worker strategies.

@@ -56,6 +56,8 @@ def validate_results(results: dict[str, Any]) -> None:
         for i, p in enumerate(s["points"]):
             where = f"strategies[{name}].points[{i}]"
             _check(p, POINT_KEYS, where)
+            if not isinstance(p.get("synced", False), (bool, type(None))):   # optional: older files lack it
+                raise ShoalError(f"results.json: {where}.synced = {p['synced']!r} is not a bool")
             for key in ("meter_sent", "meter_received", "iface_sent", "iface_received"):
                 if p[key] is not None and len(p[key]) != s["workers"]:
                     raise ShoalError(f"results.json: {where}.{key} has {len(p[key])} entries for {s['workers']} workers")

@@ -147,6 +147,8 @@ def merge_ranks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in ("meter_sent", "meter_received", "iface_sent", "iface_received"):
             values = [r["points"][i][key] for r in records]
             point[key] = None if any(v is None for v in values) else values
+        synced = [r["points"][i].get("synced") for r in records]
+        point["synced"] = None if any(v is None for v in synced) else all(synced)
         merged.append(point)
     return merged
 
@@ -288,10 +290,13 @@ def credited_points(name: str, points: list[dict[str, Any]]) -> list[dict[str, A
     """``points`` with the loss of every evaluation before the first synchronisation hidden.
 
     A multi-worker strategy's evaluated model is one replica until it has
-    exchanged something: before its meter counts a byte (DiLoCo before its first
-    outer step; streaming DiLoCo before its first fragment's exchange) it is no
-    better evidence than ``nosync``'s, so it earns no time to target, speed-up or
-    efficiency. Single-worker strategies hold the whole model.
+    taken in an exchange (DiLoCo before its first outer step; streaming DiLoCo
+    before its first fragment's merge): no better evidence than ``nosync``'s, so
+    it earns no time to target, speed-up or efficiency. A point's ``synced``
+    (every worker's answer, from :class:`~shoal.bench.registry.Trainer`) says
+    so; a point without it (an older results file) counts as synchronised once
+    its meter counts a byte, which credits an overlapped exchange one launch
+    early. Single-worker strategies hold the whole model.
     """
     try:
         spec = strategies.get(name)
@@ -301,7 +306,10 @@ def credited_points(name: str, points: list[dict[str, Any]]) -> list[dict[str, A
     if whole:
         return points
     # Step 0 is the same initial model on every worker: a common starting point for the crossing.
-    return [p if p["step"] == 0 or sum(p["meter_sent"]) > 0 else {**p, "val_loss": None} for p in points]
+    def synced(p: dict[str, Any]) -> bool:
+        return bool(p["synced"]) if p.get("synced") is not None else sum(p["meter_sent"]) > 0
+
+    return [p if p["step"] == 0 or synced(p) else {**p, "val_loss": None} for p in points]
 
 
 def summarize(runs: dict[str, dict[str, Any]], target_loss: float | None, target: str = "ddp",

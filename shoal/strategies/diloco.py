@@ -245,6 +245,9 @@ class DiLoCo(Strategy):
         self.config = config
         self.codec: Codec = codec if codec is not None else Identity()
         self.step = 0
+        # Outer steps this process's parameters have taken in (merged, or reset to the global copy after a
+        # skipped one, or healed from the peers'): 0 means its model is still its own replica.
+        self.merged_rounds = 0
         self.fragments: list[_Fragment] = []
         self._thread: ThreadPoolExecutor | None = None
         self._side = SideStream(torch.device("cpu"))   # replaced by the parameters' device's with the thread
@@ -411,6 +414,7 @@ class DiLoCo(Strategy):
         """Outer step on the averaged pseudo-gradient; local parameters move to (or toward) the result."""
         self._land(f)
         f.merge_at, f.redo = None, False
+        self.merged_rounds += 1
         if read_flag(nonfinite_flag([f.delta])):
             # The mean is the same on every rank: all skip the outer step and restart from the
             # unchanged global copy, so no NaN reaches the global copy, the outer state or a model.
@@ -528,5 +532,6 @@ class DiLoCo(Strategy):
     def _heal_outer(self, state: Mapping[str, Any]) -> None:
         """A newcomer's heal: the peers' global copies, and its parameters rebuilt from them."""
         load_outer(self, state)
+        self.merged_rounds += 1
         for f in self.fragments:
             self._reset_to_global(f)

@@ -99,3 +99,42 @@ def test_collaborative_entry_averages_on_the_lm_task_and_counts_its_bytes() -> N
         assert len(r["full"]) >= 3, f"too few 2-peer rounds: {r['full']}"
         assert r["grad_sent"] >= r["expected"] > 0, r
         assert r["sent"] >= r["grad_sent"], "the entry's counter covers the gradient traffic"
+
+
+def _synced_after_each_step(rank: int, world: int, names: list[str]) -> dict[str, list[tuple[bool, bool]]]:
+    import shoal
+
+    group = shoal.init()
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+        trainer = strategies.get(name).build(module, lambda ps: torch.optim.AdamW(ps, lr=1e-2), group)
+        assert trainer.synced is not None
+        g = torch.Generator().manual_seed(rank)
+        seen = []
+        for step in range(7):   # the bench worker's loop; before an evaluation it drains
+            x = torch.randn(16, 8, generator=g)
+            nn.functional.mse_loss(trainer.model(x), x).backward()
+            trainer.before_step(step)
+            trainer.optimizer.step()
+            trainer.after_step(step)
+            trainer.optimizer.zero_grad()
+            trainer.drain()
+            seen.append((trainer.comm().bytes_sent > 0, trainer.synced()))
+        out[name] = seen
+        trainer.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_overlapped_diloco_is_synced_only_once_its_first_round_merged() -> None:
+    """The bench's credit rule (shoal.bench.runner.credited_points) reads ``Trainer.synced``: an overlapped
+    DiLoCo has sent its first round's bytes at step 5 (the launch) but merges it only at step 6."""
+    names = ["diloco-h5-sp1-n1m5-o1", "diloco-h5-sp1-n1m5"]
+    for r in run_workers(_synced_after_each_step, 2, names, timeout=100):
+        overlapped, plain = r[names[0]], r[names[1]]
+        assert overlapped[3] == (False, False)
+        assert overlapped[4] == (True, False)          # after step 5: launched and drained, not merged
+        assert overlapped[5] == (True, True)           # after step 6: merged
+        assert plain[4] == (True, True) and plain[3] == (False, False)

@@ -178,7 +178,7 @@ def test_merge_ranks_takes_loss_from_rank0_and_bytes_per_rank() -> None:
 
     merged = merge_ranks([rec(1, None, 7), rec(0, 3.0, 5)])
     assert merged == [{"step": 1, "samples": 8, "wall_s": 1.0, "val_loss": 3.0, "meter_sent": [5, 7],
-                       "meter_received": [5, 7], "iface_sent": None, "iface_received": None}]
+                       "meter_received": [5, 7], "iface_sent": None, "iface_received": None, "synced": None}]
 
 
 def test_registry_and_config_validation() -> None:
@@ -257,3 +257,42 @@ def test_refused_strategy_is_named_with_its_reason(tmp_path: Any, monkeypatch: A
     assert plot.failed_names(r["strategies"]) == ["daso refused: DASO needs at least 2 workers on every host"]
     report.plot(r, str(tmp_path / "report.png"))   # a refused strategy does not break the figure
     assert runner.refusal("[0] RuntimeError: worker crashed") is None   # a crash stays a failure with its exit
+
+
+def test_no_credit_for_bytes_sent_before_the_model_takes_them_in() -> None:
+    """An overlapped exchange: its first bytes go out at 10 s, its model merges them only by 20 s. A point's
+    ``synced`` (from the worker) decides; a point without it (an older results file) falls back on bytes."""
+    runs = _synthetic()["strategies"]
+    pts = _points([0, 10, 20, 30], [0, 100, 200, 300], [5.0, 3.0, 3.4, 3.0], 4, 5.0)   # bytes from 10 s on
+    for p, synced in zip(pts, [False, False, True, True]):
+        p["synced"] = synced
+    runs["diloco-h5-sp1-n1m5-o1"] = _run(pts, 4)
+    summarize(runs, 3.5)
+    assert runs["diloco-h5-sp1-n1m5-o1"]["time_to_target_s"] == pytest.approx(20 * 1.5 / 1.6)   # not 10 s
+    for p in pts:
+        del p["synced"]
+    summarize(runs, 3.5)
+    assert runs["diloco-h5-sp1-n1m5-o1"]["time_to_target_s"] == pytest.approx(10 * 1.5 / 2.0)   # credited at 10 s
+
+
+def test_merge_ranks_synced_only_when_every_worker_is() -> None:
+    def rec(rank: int, synced: list[Any]) -> dict[str, Any]:
+        pts = _points([0, 10], [0, 100], [5.0, 4.0], 1)
+        for p, s in zip(pts, synced):
+            p["synced"] = s
+            for key in ("meter_sent", "meter_received"):
+                p[key] = p[key][0]
+        return {"rank": rank, "points": pts}
+
+    merged = merge_ranks([rec(1, [False, True]), rec(0, [False, False])])
+    assert [p["synced"] for p in merged] == [False, False]
+    assert [p["synced"] for p in merge_ranks([rec(0, [True, True]), rec(1, [True, True])])] == [True, True]
+    assert merge_ranks([rec(0, [None, None]), rec(1, [True, True])])[1]["synced"] is None
+
+
+def test_a_non_bool_synced_is_refused() -> None:
+    r = _synthetic()
+    report.validate_results(r)
+    r["strategies"]["ddp"]["points"][1]["synced"] = 1
+    with pytest.raises(ShoalError, match="synced"):
+        report.validate_results(r)
