@@ -14,6 +14,7 @@ import torch
 from shoal.codecs import positions
 from shoal.codecs.base import BufferPool, LossyCodec, check_inputs, flatten_into, sub_tag, unflatten_from
 from shoal.codecs.feedback import ErrorFeedback
+from shoal.codecs.largest import topk_indices
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
@@ -132,8 +133,7 @@ class QuantizedTopK(LossyCodec):
         """Write ``chunks``' bytes into ``out``; return the kept positions and their codes (``[n, k]`` each)."""
         n, c = chunks.shape
         scales, pos, codes = self._views(out, n, c, k)
-        _, idx = torch.topk(chunks.abs(), k, dim=1, sorted=False)   # NaN/Inf rank first
-        idx = torch.sort(idx, dim=1).values   # increasing positions (Elias-Fano); the codes follow them
+        idx = torch.sort(topk_indices(chunks.abs(), k), dim=1).values   # NaN/Inf rank first   # increasing positions (Elias-Fano); the codes follow them
         vals = torch.gather(chunks, 1, idx)
         mag = vals.abs()
         levels = 2 ** (self.bits - 1)

@@ -9,6 +9,7 @@ import torch
 
 from shoal.codecs import positions
 from shoal.codecs.base import BufferPool, LossyCodec, check_inputs, common_dtype, flatten_into, sub_tag, unflatten_from
+from shoal.codecs.largest import topk_indices
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 
@@ -74,8 +75,7 @@ class TopK(LossyCodec):
         k = self.k_for(numel)
         flat = self._pool.get("flat", numel, torch.float32, device)
         flatten_into(tensors, flat)
-        _, idx = torch.topk(flat.abs(), k, sorted=False)
-        idx = torch.sort(idx).values   # increasing positions (Elias-Fano); the values follow them
+        idx = torch.sort(topk_indices(flat.abs().view(1, numel), k).view(k)).values   # increasing positions (Elias-Fano); the values follow them
         vsz, pb = vdtype.itemsize, positions.layout(numel, k)[2]
         # Values first: every rank's row starts at a multiple of 4, so its values stay aligned when gathered.
         mine = self._pool.get("wire", self.wire_bytes(numel, vsz), torch.uint8, device)
