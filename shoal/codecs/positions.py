@@ -51,8 +51,10 @@ def encode(positions: torch.Tensor, universe: int, out: torch.Tensor) -> None:
     pos = positions.to(torch.int64)
     bits = torch.zeros(n, nbytes * 8, dtype=torch.uint8, device=device)
     if low:
-        shifts = torch.arange(low, device=device)
-        bits[:, : k * low] = ((pos & ((1 << low) - 1)).unsqueeze(2) >> shifts & 1).view(n, k * low).to(torch.uint8)
+        wide = _low_dtype(low)   # the [n, k, l] bit expansion in 4 bytes an entry where the low bits fit
+        shifts = torch.arange(low, dtype=wide, device=device)
+        lows = (pos & ((1 << low) - 1)).to(wide).unsqueeze(2)
+        bits[:, : k * low] = (lows >> shifts & 1).view(n, k * low).to(torch.uint8)
     ones = torch.ones(n, k, dtype=torch.uint8, device=device)
     bits[:, k * low: k * low + high].scatter_(1, (pos >> low) + torch.arange(k, device=device), ones)
     weights = 1 << torch.arange(8, dtype=torch.uint8, device=device)
@@ -76,6 +78,12 @@ def decode(buf: torch.Tensor, universe: int, k: int) -> torch.Tensor:
     cols.scatter_(1, slot, torch.arange(high, device=device).expand(n, high))
     pos = (cols[:, :k] - torch.arange(k, device=device)) << low
     if low:
-        weights = 1 << torch.arange(low, dtype=torch.int32, device=device)
-        pos |= (bits[:, : k * low].view(n, k, low).to(torch.int32) * weights).sum(dim=2)
+        wide = _low_dtype(low)
+        weights = 1 << torch.arange(low, dtype=wide, device=device)
+        pos |= (bits[:, : k * low].view(n, k, low).to(wide) * weights).sum(dim=2)
     return pos
+
+
+def _low_dtype(low: int) -> torch.dtype:
+    """int32 while ``low`` bits fit in it (the usual case), int64 beyond (a universe of 2**32 k and more)."""
+    return torch.int32 if low <= 30 else torch.int64

@@ -133,7 +133,8 @@ class QuantizedTopK(LossyCodec):
         """Write ``chunks``' bytes into ``out``; return the kept positions and their codes (``[n, k]`` each)."""
         n, c = chunks.shape
         scales, pos, codes = self._views(out, n, c, k)
-        idx = torch.sort(topk_indices(chunks.abs(), k), dim=1).values   # NaN/Inf rank first   # increasing positions (Elias-Fano); the codes follow them
+        # The k largest magnitudes (NaN/Inf rank first), in increasing position (Elias-Fano); the codes follow.
+        idx = torch.sort(topk_indices(chunks.abs(), k), dim=1).values
         vals = torch.gather(chunks, 1, idx)
         mag = vals.abs()
         levels = 2 ** (self.bits - 1)

@@ -29,7 +29,8 @@ class TopK(LossyCodec):
     k is never sent.
 
     Bytes handed to the collective (:meth:`wire_bytes`): ``k * value bytes +
-    ceil((k l + k + ((numel - 1) >> l) + 1) / 8)``, rounded up to 4: at 1 %
+    ceil((k l + k + ((numel - 1) >> l) + 1) / 8)``, rounded up to 4 (8 for
+    fp64 values, which every rank's row must start aligned for): at 1 %
     of fp32, ~5.1 bytes a kept element instead of 8. Meter tag ``<tag>/topk``.
 
     Example::
@@ -56,7 +57,8 @@ class TopK(LossyCodec):
         50704
         """
         k = self.k_for(numel)
-        return -(-(k * value_bytes + positions.layout(numel, k)[2]) // 4) * 4
+        align = max(4, value_bytes)   # every rank's row starts aligned for its values (fp64: 8)
+        return -(-(k * value_bytes + positions.layout(numel, k)[2]) // align) * align
 
     @torch.no_grad()
     def mean_with_residual(
@@ -77,7 +79,7 @@ class TopK(LossyCodec):
         flatten_into(tensors, flat)
         idx = torch.sort(topk_indices(flat.abs().view(1, numel), k).view(k)).values   # increasing positions (Elias-Fano); the values follow them
         vsz, pb = vdtype.itemsize, positions.layout(numel, k)[2]
-        # Values first: every rank's row starts at a multiple of 4, so its values stay aligned when gathered.
+        # Values first: every rank's row starts at a multiple of max(4, value bytes), so its values stay aligned.
         mine = self._pool.get("wire", self.wire_bytes(numel, vsz), torch.uint8, device)
         values = mine[: k * vsz].view(vdtype)
         values.copy_(flat[idx])

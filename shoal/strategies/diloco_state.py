@@ -97,7 +97,8 @@ def checkpoint(strategy: Any) -> dict[str, Any]:
         fr["pending"] = None if m is None else {"merge_at": m[0], "delta": d, "redo": m[1]}
         if m is not None and f.launched is not None:   # merge="carry": the merge carries the progress since then
             fr["pending"]["launched"] = f.launched.detach().cpu().clone()
-    return {"step": strategy.step, "fragments": frags, "codec": strategy.codec.state_dict()}
+    return {"step": strategy.step, "fragments": frags, "codec": strategy.codec.state_dict(),
+            "merged_rounds": strategy.merged_rounds}
 
 
 def load_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
@@ -114,6 +115,7 @@ def load_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
             raise ConfigError(f"fragment {f.index}'s pending merge was saved without merge='carry' (no parameters "
                               "at its launch): load it into a strategy with the same merge rule")
     load_outer(strategy, state)
+    strategy.merged_rounds = int(state.get("merged_rounds", 0))   # absent from checkpoints before it existed
     load_schedule(strategy, {"step": state["step"], "merges": [
         None if s["pending"] is None else [s["pending"]["merge_at"], s["pending"].get("redo", False)] for s in frags]})
     load_pending(strategy, [None if s["pending"] is None else s["pending"]["delta"] for s in frags])

@@ -209,3 +209,24 @@ def test_a_mix_checkpoint_with_a_pending_merge_is_refused_by_carry_before_anythi
     assert carry.step == 0 and carry.fragments[0].merge_at is None   # nothing loaded
     assert torch.equal(carry.fragments[0].snapshot, before)
     carry.close()
+
+
+def test_merged_rounds_counts_merges_only_and_travels_with_a_checkpoint(world: None) -> None:
+    """The bench's credit rule (Trainer.synced) reads it: a launch is not a merge; a resumed run has merged."""
+    net = _net(0)
+    strategy = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, merge="carry")
+    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=_group())
+    _train(model, opt, 4)
+    assert strategy.merged_rounds == 0 and strategy.fragments[0].merge_at == 5    # launched, not merged
+    _train(model, opt, 1)
+    assert strategy.merged_rounds == 1
+    state = strategy.state_dict()
+    strategy.close()
+    net2 = _net(1)
+    again = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, merge="carry")
+    shoal.wrap(net2, torch.optim.Adam(net2.parameters(), lr=1e-2), again, process_group=_group())
+    again.load_state_dict(state)
+    assert again.merged_rounds == 1
+    again.load_state_dict({k: v for k, v in state.items() if k != "merged_rounds"})   # an older checkpoint
+    assert again.merged_rounds == 0
+    again.close()

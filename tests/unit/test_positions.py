@@ -60,3 +60,9 @@ def test_layout_refuses_an_impossible_k():
 def test_encode_checks_its_output_buffer():
     with pytest.raises(ValueError, match="uint8 of shape"):
         positions.encode(torch.tensor([[1, 2]]), 10, torch.empty(1, 1, dtype=torch.uint8))
+
+
+def test_low_bits_beyond_int32():
+    """TopK over a huge call with a tiny ratio: 33 low bits a position (int64 arithmetic)."""
+    for universe, rows in [(2**33, [[2**33 - 5]]), (2**33, [[0]]), (2**31 * 3, [[2**31 + 7, 2**32 + 1]])]:
+        assert _round_trip(rows, universe).tolist() == rows

@@ -247,3 +247,37 @@ def test_two_gloo_ranks_match_the_reference():
         np.testing.assert_allclose(res[r]["res"], resid[r], rtol=1e-5, atol=1e-5)
         # all-gather at 2 ranks: each rank sends its payload once per call
         assert res[r]["sent"] == res[r]["payload"] == 3 * QuantizedTopK(0.05, 2, 128).wire_bytes(715)
+
+
+@pytest.mark.parametrize("numel", [1000, 1001, 1003])
+def test_topk_fp64_rows_stay_aligned_across_ranks(numel):
+    """TopK sends values first: every rank's row must start at a multiple of 8 for fp64 (TopK shares the
+    Elias-Fano positions of this codec). Each rank keeps its own top k; the mean is their sum / world."""
+    from shoal.codecs import TopK
+
+    world = 3
+    board: list[Any] = [None] * world
+    barrier = threading.Barrier(world)
+    groups = [SimGroup(r, world, board, barrier) for r in range(world)]
+    xs = [torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    outs: list[Any] = [None] * world
+
+    def rank_main(r: int) -> None:
+        t = xs[r].clone()
+        TopK(0.1).mean([t], ["w"], groups[r], "t")
+        outs[r] = t
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    k = TopK(0.1).k_for(numel)
+    want = torch.zeros(numel, dtype=torch.float64)
+    for x in xs:
+        idx = x.abs().topk(k).indices
+        want[idx] += x[idx].float().double()     # the codec works in fp32 and sends the values as fp64
+    assert groups[0].sent[0] % 8 == 0
+    for r in range(world):
+        assert outs[r] is not None, f"rank {r} raised"
+        torch.testing.assert_close(outs[r], want / world, rtol=1e-6, atol=1e-7)
