@@ -104,7 +104,6 @@ class OuterReplay:
     def caught_up(self) -> None:
         for f in self.strategy.fragments:
             self.strategy._reset_to_global(f)
-        self.strategy.merged_rounds += 1   # its model is the run's global copy now
         self.optimizer.state.clear()   # trained on the joiner's own model while it downloaded: start afresh
 
 
