@@ -85,5 +85,5 @@ def decode(buf: torch.Tensor, universe: int, k: int) -> torch.Tensor:
 
 
 def _low_dtype(low: int) -> torch.dtype:
-    """int32 while ``low`` bits fit in it (the usual case), int64 beyond (a universe of 2**32 k and more)."""
+    """int32 while ``low`` bits fit in it (the usual case), int64 beyond (a universe of 2**31 k and more)."""
     return torch.int32 if low <= 30 else torch.int64
