@@ -43,8 +43,8 @@ class Trainer:
     evaluation, so that no transfer finishes unseen during the paused clock.
     ``synced()``, if set, says whether the evaluated model has taken in an
     exchange yet (the bench credits no evaluation before that); unset, a byte
-    on this worker's meter says so, which is wrong only for a strategy that
-    sends before it merges (an overlapped DiLoCo).
+    on the meter says so, which is wrong only for a strategy that sends
+    before it merges (an overlapped DiLoCo).
 
     Example:
         >>> m = nn.Linear(2, 1)

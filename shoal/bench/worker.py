@@ -322,7 +322,8 @@ class _Recorder:
             "iface_sent": None if now_if is None or if0 is None else now_if[0] - if0[0],
             "iface_received": None if now_if is None or if0 is None else now_if[1] - if0[1],
             "comm_wait_s": c.wait_seconds,
-            "synced": trainer.synced() if trainer.synced is not None else c.bytes_sent > 0,
+            # None: the strategy does not say; the credit rule then reads the bytes (runner.credited_points).
+            "synced": trainer.synced() if trainer.synced is not None else None,
         })
         if self.progress is not None:
             self.progress.write(force=True, step=step, wall_s=wall_s, val_loss=loss)

@@ -77,7 +77,8 @@ class TopK(LossyCodec):
         k = self.k_for(numel)
         flat = self._pool.get("flat", numel, torch.float32, device)
         flatten_into(tensors, flat)
-        idx = torch.sort(topk_indices(flat.abs().view(1, numel), k).view(k)).values   # increasing positions (Elias-Fano); the values follow them
+        # The k largest magnitudes (NaN/Inf rank first), in increasing position (Elias-Fano); the values follow.
+        idx = torch.sort(topk_indices(flat.abs().view(1, numel), k).view(k)).values
         vsz, pb = vdtype.itemsize, positions.layout(numel, k)[2]
         # Values first: every rank's row starts at a multiple of max(4, value bytes), so its values stay aligned.
         mine = self._pool.get("wire", self.wire_bytes(numel, vsz), torch.uint8, device)

@@ -179,12 +179,18 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int =
         opt.zero_grad()
 
 
+def _overlapped(seed: int, **kwargs: Any) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+    """One fragment, H 4, overlap 1 (``merge``/``mixing`` from ``kwargs``), wrapped on ``_net(seed)``."""
+    net = _net(seed)
+    strategy = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, **kwargs)
+    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=_group())
+    return strategy, model, opt
+
+
 def test_carry_merges_to_the_global_copy_bit_for_bit_when_nothing_was_trained_since_the_launch(world: None) -> None:
     # Launched after step 4, merged by close() with no step in between: every rank must then hold exactly the
     # new global copy (the same on every rank), not global + (local - local) rounded.
-    net = _net(0)
-    strategy = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, merge="carry")
-    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=_group())
+    strategy, model, opt = _overlapped(0, merge="carry")
     _train(model, opt, 4)
     assert strategy.fragments[0].merge_at == 5
     strategy.close()
@@ -194,15 +200,11 @@ def test_carry_merges_to_the_global_copy_bit_for_bit_when_nothing_was_trained_si
 
 
 def test_a_mix_checkpoint_with_a_pending_merge_is_refused_by_carry_before_anything_loads(world: None) -> None:
-    net = _net(0)
-    mix = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, mixing=0.0)
-    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), mix, process_group=_group())
+    mix, model, opt = _overlapped(0, mixing=0.0)
     _train(model, opt, 4)                  # launched after step 4: pending at the checkpoint
     state = mix.state_dict()
     mix.close()
-    net2 = _net(1)
-    carry = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, merge="carry")
-    shoal.wrap(net2, torch.optim.Adam(net2.parameters(), lr=1e-2), carry, process_group=_group())
+    carry = _overlapped(1, merge="carry")[0]
     before = carry.fragments[0].snapshot.clone()
     with pytest.raises(shoal.errors.ConfigError, match="saved without merge='carry'"):
         carry.load_state_dict(state)
@@ -213,18 +215,14 @@ def test_a_mix_checkpoint_with_a_pending_merge_is_refused_by_carry_before_anythi
 
 def test_merged_rounds_counts_merges_only_and_travels_with_a_checkpoint(world: None) -> None:
     """The bench's credit rule (Trainer.synced) reads it: a launch is not a merge; a resumed run has merged."""
-    net = _net(0)
-    strategy = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, merge="carry")
-    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=_group())
+    strategy, model, opt = _overlapped(0, merge="carry")
     _train(model, opt, 4)
     assert strategy.merged_rounds == 0 and strategy.fragments[0].merge_at == 5    # launched, not merged
     _train(model, opt, 1)
     assert strategy.merged_rounds == 1
     state = strategy.state_dict()
     strategy.close()
-    net2 = _net(1)
-    again = shoal.StreamingDiLoCo(inner_steps=4, fragments=1, overlap_steps=1, merge="carry")
-    shoal.wrap(net2, torch.optim.Adam(net2.parameters(), lr=1e-2), again, process_group=_group())
+    again = _overlapped(1, merge="carry")[0]
     again.load_state_dict(state)
     assert again.merged_rounds == 1
     again.load_state_dict({k: v for k, v in state.items() if k != "merged_rounds"})   # an older checkpoint
