@@ -16,6 +16,7 @@ Examples::
 
     SHOAL_TOKEN=s3cret-token shoal coordinator --port 29400
     shoal coordinator --host 0.0.0.0 --port 29400 --initial-workers 4 --token s3cret-token
+    shoal coordinator --host 0.0.0.0 --port 29400 --liveness-port 29401   # a firewall with two fixed ports
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--initial-workers", type=int, default=1,
                    help="a run's first quorum waits for this many workers (default 1)")
+    p.add_argument("--liveness-port", type=int, default=0,
+                   help="TCP port of the workers' liveness links, which tell a dead worker's process at once "
+                        "(default 0: any free one; fix it to open a firewall for it, docs/elastic.md)")
     p.add_argument("--token", default=None,
                    help="the run token workers must prove (default $SHOAL_TOKEN; one of them is required); "
                         "visible in `ps`, so prefer $SHOAL_TOKEN on shared machines")
@@ -47,11 +51,12 @@ def main(argv: list[str]) -> int:
         # A restart at the same address: the members of a run that outlived the last coordinator
         # re-announce themselves within CLAIM_GRACE_S, before a newcomer may start a run's first quorum.
         coord = Coordinator(port=ns.port, host=ns.host, initial_workers=ns.initial_workers, token=token,
-                            claim_grace=CLAIM_GRACE_S)
+                            claim_grace=CLAIM_GRACE_S, liveness_port=ns.liveness_port)
     except ShoalError as e:
         print(f"shoal coordinator: error: {e}", file=sys.stderr)
         return 2
-    print(f"shoal coordinator: serving on {coord.address}", file=sys.stderr, flush=True)
+    print(f"shoal coordinator: serving on {coord.address} (liveness links on port {coord.liveness_port})",
+          file=sys.stderr, flush=True)
     try:
         coord.serve_forever()
     except KeyboardInterrupt:

@@ -26,6 +26,8 @@ from typing import Any
 from shoal.errors import AuthError, ConfigError, ShoalError
 from shoal.membership import auth
 from shoal.membership.coordinator import _TICK_S, Quorum, Timeouts, _quorum_text, _s, connect, incarnation_of, log
+from shoal.membership.liveness import STORE_KEY as LIVENESS_KEY, LivenessLink, read_port
+from shoal.membership.liveness import enabled as liveness_enabled
 from shoal.membership.records import RecordBook
 
 # Heartbeats that must fail in a row (and over at least ``heartbeat_timeout``) before this worker takes the
@@ -113,6 +115,7 @@ class MemberClient:
         self.abort = AbortWatch()   # the heartbeat thread watches the current quorum's <prefix>abort
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
+        self._link: LivenessLink | None = None   # closed by this process's death: the coordinator sees it at once
         self.book = RecordBook(self.store, run_id, 0, self.token, log)
         self._infos: dict[int, dict[str, Any]] = {}   # verified join records, by member id
         # Coordinator outages (docs/elastic.md, "When the coordinator fails"): set while it is unreachable;
@@ -153,7 +156,23 @@ class MemberClient:
         self._hb = threading.Thread(target=self._beat, args=(self.member_id, self._stop),
                                     name="shoal-heartbeat", daemon=True)
         self._hb.start()
+        self._relink(st, self.member_id)
         return self.member_id
+
+    def _relink(self, st: Any, member_id: int) -> None:
+        """Open this member's liveness link to the coordinator behind ``st`` (none if it publishes no port)."""
+        if self._link is not None:
+            self._link.stop()
+            self._link = None
+        if not liveness_enabled() or not st.check([LIVENESS_KEY]):
+            return
+        port = read_port(st.get(LIVENESS_KEY), self.token)
+        if port is None:
+            log.warning("the coordinator at %s publishes a liveness port that is not signed with the run token: "
+                        "no liveness link (a death of this worker is found by the heartbeat probe only)", self.address)
+            return
+        host = self.address.rpartition(":")[0].strip("[]")
+        self._link = LivenessLink(host, port, self.run_id, member_id, self.token).start()
 
     def _authenticate(self, member_id: int) -> bool:
         """Answer the coordinator's challenge; AuthError if refused or if the two sides disagree on auth.
@@ -248,6 +267,7 @@ class MemberClient:
                 continue
             self.down.clear()
             if verdict == "ok":
+                self._relink(st, member_id)      # the new coordinator listens on its own port
                 self.incarnation = now
                 log.warning("the coordinator at %s is back after %.1f s: member %d re-announced itself",
                             self.address, time.monotonic() - self._lost_at, member_id)
@@ -295,6 +315,9 @@ class MemberClient:
             self.store.set(self.key(f"hb/{self.member_id}"), "-1")
         except Exception:  # noqa: BLE001 - coordinator gone: it will not miss us
             pass
+        if self._link is not None:
+            self._link.stop()
+            self._link = None
 
     def latest(self) -> int:
         return int(self.store.add(self.key("q/latest"), 0))

@@ -76,6 +76,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shoal.membership import auth
+from shoal.membership.liveness import STORE_KEY as LIVENESS_KEY, LivenessServer, port_record
 from shoal.membership.records import RecordBook
 from shoal.membership.recovery import Recovery, quorum_text
 from shoal.errors import AuthError, ConfigError, ShoalError
@@ -236,6 +237,7 @@ class _Run:
         self.current: tuple[int, ...] = ()
         self.probe_since: float | None = None
         self.probe_base: dict[int, int] = {}
+        self.link_ended: set[int] = set()       # members whose liveness link ended (their process is gone)
         self.last_join = 0.0
         self.nonces: dict[int, str] = {}        # challenges sent, by member id
         self.authed: set[int] = set()           # ids whose proof was verified
@@ -273,6 +275,9 @@ class Coordinator:
             coordinator at this address re-announce themselves first
             (:mod:`shoal.membership.recovery`). ``shoal coordinator`` uses 1 s;
             an embedded coordinator, which dies with its launcher, needs none.
+        liveness_port: TCP port of the members' liveness links (0: any free one, published in the
+            store; read ``.liveness_port``). A member whose link ends (its process died) is left out
+            of the next quorum without waiting out the probe window (:mod:`shoal.membership.liveness`).
 
     Timeouts and ``min_workers`` come from the workers' join records, so the
     coordinator needs no configuration of its own.
@@ -285,10 +290,12 @@ class Coordinator:
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", join_grace: float = 0.25,
-                 initial_workers: int = 1, token: str | None = None, claim_grace: float = 0.0) -> None:
+                 initial_workers: int = 1, token: str | None = None, claim_grace: float = 0.0,
+                 liveness_port: int = 0) -> None:
         self.token = auth.check_token(token)
-        if not 0 <= port < 65536:
-            raise ConfigError(f"port must be in [0, 65535], got {port}")
+        for name, value in (("port", port), ("liveness_port", liveness_port)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
+                raise ConfigError(f"{name} must be in [0, 65535], got {value!r}")
         if isinstance(initial_workers, bool) or not isinstance(initial_workers, int) or initial_workers < 1:
             raise ConfigError(f"initial_workers must be an integer >= 1, got {initial_workers!r}")
         self.initial_workers = initial_workers
@@ -304,12 +311,19 @@ class Coordinator:
         self._store.set(INCARNATION_KEY, self.incarnation)
         if self.token is not None:
             self._store.set("auth/required", "1")
+        self.trace = Trace()
+        try:
+            self._live = LivenessServer(host, self.token, port=liveness_port).start()
+        except OSError as e:
+            raise ShoalError(f"cannot listen for the workers' liveness links on {host}:{liveness_port}: {e} "
+                             "(pass another liveness_port, or 0 for any free one)") from e
+        self.liveness_port = self._live.port
+        self._store.set(LIVENESS_KEY, port_record(self.liveness_port, self.token))
         self._runs: dict[str, _Run] = {}
         self._runs_seen = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.trace = Trace()
         if claim_grace < 0:
             raise ConfigError(f"claim_grace must be >= 0 seconds, got {claim_grace}")
         self._born, self.claim_grace = time.monotonic(), claim_grace   # a first wait for survivors
@@ -328,6 +342,7 @@ class Coordinator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._live.stop()
 
     def serve_forever(self) -> None:
         """Run in the calling thread until interrupted (the standalone CLI)."""
@@ -413,6 +428,14 @@ class Coordinator:
             self._drop(run, i)
         if gone and set(gone) & set(run.current):
             st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
+        # A member whose liveness link ended is gone (its process died): a probe starts now, in which
+        # it counts as silent, so the next quorum is out as soon as the others have beaten once.
+        run.link_ended = self._live.closed(run.run_id) & set(run.members)
+        if run.link_ended & set(run.current) and run.probe_since is None:
+            self.trace("link-probe", run=run.run_id, qid=run.qid, members=sorted(run.link_ended))
+            st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
+            run.probe_since = now
+            run.probe_base = {i: m.beats for i, m in run.members.items()}
         self._maybe_publish(run, now, t, bool(gone))
 
     def _admit(self, run: _Run, i: int, info: dict[str, Any], now: float) -> None:
@@ -453,7 +476,10 @@ class Coordinator:
             answered = tuple(i for i in alive if run.members[i].beats > run.probe_base.get(i, -1))
             # Silent for a whole probe window already (e.g. a member that died before voting, judged
             # so by the voters): no need to wait another window for it.
-            silent = [i for i in alive if i not in answered and now - run.members[i].seen >= t.probe]
+            # A member whose liveness link ended counts once its heartbeat missed two beats: at once for a
+            # dead process, while a live one whose link only broke still answers (and its link reopens).
+            silent = [i for i in alive if i not in answered and (now - run.members[i].seen >= t.probe or (
+                i in run.link_ended and now - run.members[i].seen >= 2 * t.heartbeat_interval + _TICK_S))]
             if len(answered) + len(silent) < len(alive) and now - run.probe_since < t.probe:
                 return
             run.probe_since = None
@@ -478,6 +504,7 @@ class Coordinator:
         learn it (no newer quorum is published to leave it out of) and the run would stall.
         """
         del run.members[i]
+        self._live.forget(run.run_id, i)
         self._store.set(run.key(f"dropped/{i}"), "1")
 
     def _publish(self, run: _Run, members: tuple[int, ...]) -> None:

@@ -49,9 +49,11 @@ END = {"localsgd": 17, "postlocal": 19, "postlocal-group": 19, "hierarchical": 1
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", list(KILL))
 def test_kill_between_rounds_costs_no_failed_round(strategy: str, tmp_path: Any) -> None:
+    # No liveness links: a dead worker's link would end and the coordinator dissolve the quorum itself
+    # (the test below), so only the peer watch is left to see the kill here.
     kill_at, steps = KILL[strategy]
     out = harness.run(str(tmp_path), 3, ["--strategy", strategy, "--kill-at", str(kill_at), "--steps", str(steps)],
-                      hard_limit=130, restarts=0, script="kill_worker.py")
+                      hard_limit=130, restarts=0, script="kill_worker.py", env={"SHOAL_LIVENESS": "off"})
     why = out.logs
     assert [r for r, _ in out.deaths] == [2], why
     final = out.final()
@@ -64,6 +66,25 @@ def test_kill_between_rounds_costs_no_failed_round(strategy: str, tmp_path: Any)
     assert sum(r["suspected"] for r in final) >= 1, why   # the watch dissolved the quorum
     a, b = final
     assert a["step"] == b["step"] == END.get(strategy, steps) and len(a["synced"]) == len(b["synced"]) > 0, why
+    for i, (x, y) in enumerate(zip(a["synced"], b["synced"])):
+        assert torch.equal(x, y), f"synced tensor {i} differs between the survivors\n{why}"
+
+
+@pytest.mark.timeout(150)
+def test_with_liveness_links_the_coordinator_dissolves_the_quorum_first(tmp_path: Any) -> None:
+    # The dead worker's liveness link ends with its process: the coordinator aborts the quorum and publishes
+    # the survivors' at once, before any survivor's watch suspects anyone (its window is two probes, 2 s here).
+    kill_at, steps = KILL["diloco"]
+    out = harness.run(str(tmp_path), 3, ["--strategy", "diloco", "--kill-at", str(kill_at), "--steps", str(steps)],
+                      hard_limit=130, restarts=0, script="kill_worker.py")
+    why = out.logs
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0)], why
+    for r in final:
+        assert r["detected"] == kill_at and r["discarded"] == [] and r["stats"]["discards"] == 0, why
+        assert r["sizes"][-1] == 2, why
+    assert sum(r["suspected"] for r in final) == 0, why
+    a, b = final
     for i, (x, y) in enumerate(zip(a["synced"], b["synced"])):
         assert torch.equal(x, y), f"synced tensor {i} differs between the survivors\n{why}"
 

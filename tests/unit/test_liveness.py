@@ -1,0 +1,193 @@
+"""Liveness links: a member whose process dies is left out of the next quorum without the probe window.
+
+The probe window here is 4 s and heartbeat_timeout 20 s: a quorum without the dead member inside
+2 s can only come from its link ending (the probe alone would take >= 4 s, which the control case
+shows)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from shoal.errors import ConfigError
+from shoal.membership import auth
+from shoal.membership.client import MemberClient
+from shoal.membership.coordinator import Coordinator, Timeouts
+from shoal.membership.liveness import LivenessLink, LivenessServer, enabled, port_record, read_port
+
+TOKEN = "liveness-test-token"
+_T = Timeouts(op=2.0, heartbeat_interval=0.05, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_MEMBER = textwrap.dedent("""
+    import sys, time
+    from shoal.membership.client import MemberClient
+    from shoal.membership.coordinator import Timeouts
+    t = Timeouts(op=2.0, heartbeat_interval=0.05, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
+    c = MemberClient(sys.argv[1], "live", t, min_workers=2, token=sys.argv[2])
+    c.join()
+    assert c._link is not None and c._link.up.wait(10), "no liveness link"
+    print(c.member_id, flush=True)
+    time.sleep(600)
+""")
+
+
+def _wait(pred, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _three(coord: Coordinator) -> tuple[MemberClient, MemberClient, subprocess.Popen]:
+    a = MemberClient(coord.address, "live", _T, min_workers=2, token=TOKEN)
+    b = MemberClient(coord.address, "live", _T, min_workers=2, token=TOKEN)
+    a.join()
+    b.join()
+    env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-c", _MEMBER, coord.address, TOKEN], stdout=subprocess.PIPE,
+                         text=True, env=env)
+    return a, b, p
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_members_link_ends_and_the_next_quorum_is_out_before_the_probe_window() -> None:
+    coord = Coordinator(port=0, initial_workers=3, token=TOKEN).start()
+    a, b, p = _three(coord)
+    try:
+        assert p.stdout is not None
+        dead = int(p.stdout.readline())
+        q1 = a.wait_quorum(after=0, timeout=30)
+        assert set(q1.members) == {a.member_id, b.member_id, dead}
+        os.kill(p.pid, signal.SIGKILL)     # the kernel closes its sockets: no leave, no hb = -1
+        t0 = time.monotonic()
+        q2 = a.wait_quorum(after=q1.qid, timeout=30)
+        took = time.monotonic() - t0
+        assert set(q2.members) == {a.member_id, b.member_id}
+        assert took < _T.probe / 2, f"the new quorum took {took:.2f} s: the probe window was waited out"
+        assert b.wait_quorum(after=q1.qid, timeout=5) == q2
+        assert a.store.check([a.key(f"dropped/{dead}")])
+        assert a.store.check([f"{q1.prefix}abort"]), "members blocked in the old quorum's collectives must give up"
+    finally:
+        p.kill()
+        p.wait()
+        a.leave()
+        b.leave()
+        coord.stop()
+
+
+@pytest.mark.timeout(90)
+def test_without_a_link_the_same_kill_waits_the_probe_window() -> None:
+    """The control: the member's link is stopped before its death, so only its heartbeat can tell."""
+    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
+    a = MemberClient(coord.address, "live", _T, min_workers=1, token=TOKEN)
+    b = MemberClient(coord.address, "live", _T, min_workers=1, token=TOKEN)
+    try:
+        a.join()
+        b.join()
+        q1 = a.wait_quorum(after=0, timeout=30)
+        assert b._link is not None
+        b._link.stop()
+        coord._live.forget("live", b.member_id)   # as if b had never opened one
+        b._link = None
+        b._stop.set()
+        assert b._hb is not None
+        b._hb.join()
+        time.sleep(0.2)
+        a.request_quorum(q1.qid)                  # a's step failed
+        t0 = time.monotonic()
+        q2 = a.wait_quorum(after=q1.qid, timeout=30)
+        assert set(q2.members) == {a.member_id}
+        assert time.monotonic() - t0 >= _T.probe - 0.5
+    finally:
+        a.leave()
+        b.leave()
+        coord.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_link_that_breaks_while_its_member_lives_reopens_and_the_member_stays() -> None:
+    # Beats every 0.5 s: the ended link counts against b only after two missed beats (1 s), which a
+    # heartbeat thread on a loaded test machine still makes.
+    t = Timeouts(op=2.0, heartbeat_interval=0.5, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
+    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
+    a = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
+    b = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
+    try:
+        a.join()
+        b.join()
+        q1 = a.wait_quorum(after=0, timeout=30)
+        link = b._link
+        assert link is not None and link.up.wait(10)
+        sock = link._sock
+        assert sock is not None
+        sock.shutdown(2)                           # a reset on the way, not a death
+        # b still beats: the probe its ended link started finds it alive, and its link comes back.
+        assert _wait(lambda: link.up.is_set() and not coord._live.closed("live"), 10)
+        latest = a.latest()
+        q = a.quorum(latest) if latest > q1.qid else q1
+        assert set(q.members) == {a.member_id, b.member_id}
+        assert not a.store.check([a.key(f"dropped/{b.member_id}")])
+    finally:
+        a.leave()
+        b.leave()
+        coord.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_link_with_the_wrong_token_is_refused_and_not_retried() -> None:
+    server = LivenessServer("127.0.0.1", TOKEN).start()
+    try:
+        link = LivenessLink("127.0.0.1", server.port, "live", 3, "some-other-token", retry=0.05).start()
+        assert link._thread is not None
+        link._thread.join(10)
+        assert not link._thread.is_alive() and not link.up.is_set()
+        assert server.closed("live") == set() and server._open == {}
+        good = LivenessLink("127.0.0.1", server.port, "live", 3, TOKEN).start()
+        assert good.up.wait(10)
+        good.stop()
+        assert _wait(lambda: server.closed("live") == {3}, 5)
+        assert server.closed("other-run") == set()
+        server.forget("live", 3)
+        assert server.closed("live") == set()
+    finally:
+        server.stop()
+
+
+def test_the_published_port_must_be_signed_with_the_token() -> None:
+    assert read_port(port_record(4242, TOKEN), TOKEN) == 4242
+    assert read_port(port_record(4242, None), None) == 4242
+    assert read_port(port_record(4242, None), TOKEN) is None                  # unsigned
+    assert read_port(port_record(4242, "another-token!"), TOKEN) is None       # a stranger's
+    forged = f"4243 {auth.sign(TOKEN, 'liveness 4242')}"
+    assert read_port(forged, TOKEN) is None                                    # a signature moved to another port
+    for bad in ("", "x", "0", "70000", b"12 34"):
+        assert read_port(bad, TOKEN) is None
+
+
+def test_bad_ports_and_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="liveness_port"):
+        Coordinator(port=0, liveness_port=-1)
+    with pytest.raises(ConfigError, match="port must be"):
+        Coordinator(port=70000)
+    monkeypatch.setenv("SHOAL_LIVENESS", "maybe")
+    with pytest.raises(ConfigError, match="SHOAL_LIVENESS"):
+        enabled()
+    monkeypatch.setenv("SHOAL_LIVENESS", "off")
+    assert not enabled()
+    coord = Coordinator(port=0, token=TOKEN).start()
+    c = MemberClient(coord.address, "live", _T, token=TOKEN)
+    try:
+        c.join()
+        assert c._link is None       # judged by its heartbeat alone
+    finally:
+        c.leave()
+        coord.stop()
