@@ -468,7 +468,8 @@ class DiLoCo(Strategy):
         if self.rounds is None:  # pragma: no cover - setup made them
             return
         self._pseudo_gradient(f)
-        self.rounds.mean(f.delta_views, f.names, self.codec, self.tag)
+        # Resumable: a member lost mid-round costs the survivors the chunk in flight, not the round (exact mean).
+        self.rounds.mean(f.delta_views, f.names, self.codec, self.tag, resumable=True)
 
     def _reduce_landing(self, f: _Fragment) -> None:
         """``merge:<k>``: the background reduction lands (on an elastic group every member checks that all

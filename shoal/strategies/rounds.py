@@ -82,10 +82,12 @@ import torch
 from torch import nn
 
 from shoal.codecs.base import Codec
+from shoal.codecs.identity import Identity
 from shoal.comm.asks import step_ends_at_vote
 from shoal.comm.group import Group
 from shoal.errors import ConfigError
 from shoal.steps import open_step, vote_step
+from shoal.strategies.resume import ResumableMean
 
 ADOPT = "adopt"  # a round with no collective: adopt the latest quorum, heal newcomers
 
@@ -215,6 +217,7 @@ class Rounds:
         self.commits = 0
         self.contributed = 0      # committed rounds (other than adopt) that carried this worker's update
         self.skipped = 0          # rounds given up after max_attempts
+        self.resume = ResumableMean()   # mean(resumable=True): what a failed attempt finished, for the next
         # State keys are unique on the group (two strategies over one static Group do not collide;
         # every member builds them in the same order, so the keys agree).
         self.key = group.unique_name(name)
@@ -334,6 +337,7 @@ class Rounds:
     def _vote(self, now: Round, contributes: bool) -> bool:
         """The group's verdict on ``now``'s attempt: apply it (True) or discard it, on every member alike."""
         if vote_step(self.group):
+            self.resume.clear()
             now.apply()
             self.commits += 1
             self.contributed += int(contributes and now.name != ADOPT)
@@ -398,7 +402,7 @@ class Rounds:
         return self.group.rank not in self.group.newcomers
 
     def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], codec: Codec, tag: str,
-             group: Any = None) -> None:
+             group: Any = None, resumable: bool = False) -> None:
         """Overwrite scratch ``tensors`` with their mean over this round's live contributors.
 
         Non-contributors send zeros; the codec's mean over all members is then
@@ -407,6 +411,10 @@ class Rounds:
         over its members, and when every one of them was healed in this round
         (none brings progress of its own) it is skipped and the tensors keep
         their values (a copy of a peer's state).
+
+        ``resumable`` (an exact mean, :class:`~shoal.codecs.Identity`, on an elastic group): the mean runs
+        in chunks, and the next attempt of a failed round keeps the chunks every member finished
+        (:mod:`shoal.strategies.resume`), so a member lost mid-round costs about one chunk, not the round.
         """
         g = self.group if group is None else group
         newcomers = g.newcomers
@@ -416,10 +424,15 @@ class Rounds:
         if g.rank in newcomers:
             for t in tensors:
                 t.zero_()
+        scale = g.size / live if 0 < live < g.size else 1.0
+        if (resumable and type(codec) is Identity and getattr(g, "elastic", False) and g.size > 1
+                and all(t.is_contiguous() for t in tensors)):
+            self.resume.mean(tensors, names, codec, g, tag, key=(self.current, self.commits), scale=scale)
+            return
         with torch.no_grad():
             codec.mean(list(tensors), list(names), g, tag)
-            if 0 < live < g.size:
-                torch._foreach_mul_(list(tensors), g.size / live)
+            if scale != 1.0:
+                torch._foreach_mul_(list(tensors), scale)
 
 
 _ADOPT = Round(ADOPT)

@@ -34,6 +34,7 @@ from torch import nn
 
 import shoal
 from shoal.elastic import ElasticGroup, Timeouts
+from shoal.strategies.resume import ResumableMean
 from shoal.testing import FaultPlan
 from harness import save_and_leave
 
@@ -93,6 +94,8 @@ def make_strategy(name: str) -> Any:
     if name == "diloco":
         return shoal.DiLoCo(inner_steps=PERIOD, codec=shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0,
                                                                             start_iter=0))
+    if name == "diloco-exact":     # the exact mean: its rounds are resumable (shoal.strategies.resume)
+        return shoal.DiLoCo(inner_steps=PERIOD)
     if name == "streaming":
         return shoal.StreamingDiLoCo(inner_steps=PERIOD, fragments=2, overlap_steps=0, mixing=0.0)
     if name == "postlocal-group":   # gradients averaged inside launch slots {0, 1}, {2} after warm-up
@@ -112,8 +115,10 @@ def synced(strategy: Any) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["localsgd", "postlocal", "diloco", "streaming", "postlocal-group",
-                                           "streaming-overlap"], default="localsgd")
+    ap.add_argument("--strategy", choices=["localsgd", "postlocal", "diloco", "diloco-exact", "streaming",
+                                           "postlocal-group", "streaming-overlap"], default="localsgd")
+    ap.add_argument("--chunk-bytes", type=int, default=0,
+                    help="resumable rounds in chunks of at least this many bytes (16 at most; 0: the default)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", required=True)
     ap.add_argument("--op", type=float, default=5.0)
@@ -162,6 +167,8 @@ def main() -> None:
     if joiner and a.admit_at >= 0:
         park(lambda: os.path.exists(os.path.join(a.out, "ready")))
     model, opt = shoal.wrap(net, inner, strategy, process_group=group)
+    if a.chunk_bytes:   # this small model in 16 chunks, so that a kill mid-round leaves some finished
+        strategy.rounds.resume = ResumableMean(min_bytes=a.chunk_bytes, max_chunks=16)
     inner.register_step_post_hook(lambda *_: pre.append(digest(synced_state(strategy, model, opt))))
     log = [{"t": time.time(), "step": strategy.step, "round": group.step, "size": group.size, "joined": True,
             "digest": digest(synced_state(strategy, model, opt))}]
@@ -195,7 +202,8 @@ def main() -> None:
     rounds = strategy.rounds
     result = {"log": log, "model": net.state_dict(), "synced": [t.clone() for t in synced_state(strategy, model, opt)],
               "stats": vars(group.stats), "rank": rank, "life": life,
-              "contributed": rounds.contributed, "skipped": rounds.skipped}
+              "contributed": rounds.contributed, "skipped": rounds.skipped,
+              "kept_chunks": rounds.resume.kept_chunks, "kept_bytes": rounds.resume.kept_bytes}
     save_and_leave(a.out, rank, life, result, group)
 
 

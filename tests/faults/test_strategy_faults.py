@@ -161,3 +161,29 @@ def test_join_newcomer_heals_and_contributes_then_one_leaves(tmp_path: Any) -> N
     assert last["size"] == 3 and last["digest"] == a[last["step"]]["digest"], out.logs
     assert stayer["skipped"] == 0 and stayer["log"][-1]["size"] == 2, out.logs
     _assert_equal_synced([stayer, newcomer])
+
+
+@pytest.mark.timeout(110)
+def test_sigkill_mid_round_keeps_the_chunks_every_survivor_finished(tmp_path: Any) -> None:
+    # DiLoCo's exact mean runs in 16 chunks. Rank 2 is SIGKILLed 10 ms into its fifth all-reduce of round 3
+    # (the agreement on kept chunks, then chunks 0-3: it finished chunks 0-2, and its part of chunk 3 may have
+    # gone out). The survivors' retry keeps the chunks both of them finished instead of reducing the whole
+    # pseudo-gradient again (test_resume_round checks the values against an independent mean), and all
+    # three still end bitwise equal.
+    plan = FaultPlan().crash(rank=2, step=3, nth=4, op="allreduce")
+    args = ["--strategy", "diloco-exact", "--chunk-bytes", "256", "--steps", "24", "--op", str(OP), "--pace", "0.02",
+            "--want-size", "3", "--hold-restart"]
+    code, out = harness.run_launcher(str(tmp_path), 3, ["--min-workers", "2", "--max-restarts", "1"], args,
+                                     env={"SHOAL_FAULT_PLAN": plan.to_json()}, hard_limit=95, script=WORKER)
+    why = out.logs
+    assert code == 0, why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    survivors = final[:2]
+    assert _rounds(survivors[0]) == _rounds(survivors[1]), why
+    for s in survivors:
+        assert s["stats"]["discards"] >= 1 and s["skipped"] == 0, why
+        assert 1 <= s["kept_chunks"] <= 4 and s["kept_bytes"] > 0, why
+    assert survivors[0]["kept_chunks"] == survivors[1]["kept_chunks"], why
+    assert final[2]["kept_chunks"] == 0, why
+    _assert_equal_synced(final)
