@@ -357,7 +357,10 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         "join_to_first_commit_s": spread([j["first_commit_s"] for j in per_join]),
         "per_kill": per_kill, "per_join": per_join,
         # Over the training's wall time: start to the last worker's end of training (not its leave).
+        # Unrounded beside the rounded figure: the ratio of two 2-decimal rates wobbles by +-0.003.
         "goodput_samples_s": round(goodput(logs, batch, trained_s(logs, began, wall), sum(lost)), 2),
+        "goodput_exact": goodput(logs, batch, trained_s(logs, began, wall), sum(lost)),
+        "trained_s": trained_s(logs, began, wall),
     }
 
 
@@ -479,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.chaos_only:
         ff, ch = res["fault_free"]["val_loss"], res["chaos"]["val_loss"]
         print(f"validation loss: fault-free {ff:.4f}, chaos {ch:.4f} ({100 * (ch - ff) / ff:+.2f} %)")
-        base = res["fault_free"]["goodput_samples_s"]
-        res["goodput_ratio"] = round(res["chaos"]["goodput_samples_s"] / base, 3) if base else math.nan
+        base = res["fault_free"]["goodput_exact"]
+        res["goodput_ratio"] = round(res["chaos"]["goodput_exact"] / base, 4) if base else math.nan
         c = res["chaos"]
         print(f"goodput (committed samples/s, chaos / fault-free): {res['goodput_ratio']}; survivors' stall per "
               f"kill {c['stall_per_kill_s']}; per join: at admission {c['stall_per_join_admission_s']} "
