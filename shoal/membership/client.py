@@ -116,6 +116,7 @@ class MemberClient:
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         self._link: LivenessLink | None = None   # closed by this process's death: the coordinator sees it at once
+        self._link_lock = threading.Lock()       # the training thread (join, leave) and the heartbeat's (reclaim)
         self.book = RecordBook(self.store, run_id, 0, self.token, log)
         self._infos: dict[int, dict[str, Any]] = {}   # verified join records, by member id
         # Coordinator outages (docs/elastic.md, "When the coordinator fails"): set while it is unreachable;
@@ -156,23 +157,32 @@ class MemberClient:
         self._hb = threading.Thread(target=self._beat, args=(self.member_id, self._stop),
                                     name="shoal-heartbeat", daemon=True)
         self._hb.start()
-        self._relink(st, self.member_id)
+        self._relink(st, self.member_id, self.incarnation)
         return self.member_id
 
-    def _relink(self, st: Any, member_id: int) -> None:
-        """Open this member's liveness link to the coordinator behind ``st`` (none if it publishes no port)."""
-        if self._link is not None:
-            self._link.stop()
-            self._link = None
-        if not liveness_enabled() or not st.check([LIVENESS_KEY]):
-            return
-        port = read_port(st.get(LIVENESS_KEY), self.token)
-        if port is None:
-            log.warning("the coordinator at %s publishes a liveness port that is not signed with the run token: "
-                        "no liveness link (a death of this worker is found by the heartbeat probe only)", self.address)
-            return
-        host = self.address.rpartition(":")[0].strip("[]")
-        self._link = LivenessLink(host, port, self.run_id, member_id, self.token).start()
+    def _relink(self, st: Any, member_id: int, incarnation: str | None) -> None:
+        """Open this member's liveness link to the coordinator behind ``st`` (none if it publishes no port, or
+        with ``SHOAL_LIVENESS=off``); a link already open to the same port for the same id is kept, and a
+        new one opens before the old one closes (a coordinator must not see this member end meanwhile)."""
+        new: LivenessLink | None = None
+        if liveness_enabled() and st.check([LIVENESS_KEY]):
+            port = read_port(st.get(LIVENESS_KEY), self.token, incarnation)
+            if port is None:
+                log.warning("the coordinator at %s publishes a liveness port not signed with the run token for its "
+                            "incarnation: no liveness link (a death of this worker is found by the heartbeat probe "
+                            "only)", self.address)
+            else:
+                host = self.address.rpartition(":")[0]
+                with self._link_lock:
+                    old = self._link
+                    if old is not None and old.address == (host.strip("[]"), port) and old.member_id == member_id \
+                            and not old.refused:
+                        return
+                new = LivenessLink(host, port, self.run_id, member_id, self.token).start()
+        with self._link_lock:
+            old, self._link = self._link, new
+        if old is not None:
+            old.stop()
 
     def _authenticate(self, member_id: int) -> bool:
         """Answer the coordinator's challenge; AuthError if refused or if the two sides disagree on auth.
@@ -267,7 +277,7 @@ class MemberClient:
                 continue
             self.down.clear()
             if verdict == "ok":
-                self._relink(st, member_id)      # the new coordinator listens on its own port
+                self._relink(st, member_id, now)      # the new coordinator listens on its own port
                 self.incarnation = now
                 log.warning("the coordinator at %s is back after %.1f s: member %d re-announced itself",
                             self.address, time.monotonic() - self._lost_at, member_id)
@@ -315,9 +325,10 @@ class MemberClient:
             self.store.set(self.key(f"hb/{self.member_id}"), "-1")
         except Exception:  # noqa: BLE001 - coordinator gone: it will not miss us
             pass
-        if self._link is not None:
-            self._link.stop()
-            self._link = None
+        with self._link_lock:
+            link, self._link = self._link, None
+        if link is not None:
+            link.stop()
 
     def latest(self) -> int:
         return int(self.store.add(self.key("q/latest"), 0))

@@ -237,7 +237,9 @@ class _Run:
         self.current: tuple[int, ...] = ()
         self.probe_since: float | None = None
         self.probe_base: dict[int, int] = {}
+        self.probe_by_link = False              # the probe was started by a link's end, not by a request
         self.link_ended: set[int] = set()       # members whose liveness link ended (their process is gone)
+        self.link_probed: dict[int, int] = {}   # member -> the end of its link that already started a probe
         self.last_join = 0.0
         self.nonces: dict[int, str] = {}        # challenges sent, by member id
         self.authed: set[int] = set()           # ids whose proof was verified
@@ -301,6 +303,8 @@ class Coordinator:
         self.initial_workers = initial_workers
         if join_grace < 0:
             raise ConfigError(f"join_grace must be >= 0 seconds, got {join_grace}")
+        if claim_grace < 0:
+            raise ConfigError(f"claim_grace must be >= 0 seconds, got {claim_grace}")
         self.host = host
         self.join_grace = join_grace
         self._server = connect(f"{host}:{port}", timeout=30.0, is_master=True)
@@ -312,22 +316,20 @@ class Coordinator:
         if self.token is not None:
             self._store.set("auth/required", "1")
         self.trace = Trace()
+        self._runs: dict[str, _Run] = {}
+        self._runs_seen = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self._born, self.claim_grace = time.monotonic(), claim_grace   # a first wait for survivors
+        self._last_tick: float | None = None
         try:
             self._live = LivenessServer(host, self.token, port=liveness_port).start()
         except OSError as e:
             raise ShoalError(f"cannot listen for the workers' liveness links on {host}:{liveness_port}: {e} "
                              "(pass another liveness_port, or 0 for any free one)") from e
         self.liveness_port = self._live.port
-        self._store.set(LIVENESS_KEY, port_record(self.liveness_port, self.token))
-        self._runs: dict[str, _Run] = {}
-        self._runs_seen = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        if claim_grace < 0:
-            raise ConfigError(f"claim_grace must be >= 0 seconds, got {claim_grace}")
-        self._born, self.claim_grace = time.monotonic(), claim_grace   # a first wait for survivors
-        self._last_tick: float | None = None
+        self._store.set(LIVENESS_KEY, port_record(self.liveness_port, self.token, self.incarnation))
 
     @property
     def address(self) -> str:
@@ -428,13 +430,15 @@ class Coordinator:
             self._drop(run, i)
         if gone and set(gone) & set(run.current):
             st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
-        # A member whose liveness link ended is gone (its process died): a probe starts now, in which
-        # it counts as silent, so the next quorum is out as soon as the others have beaten once.
-        run.link_ended = self._live.closed(run.run_id) & set(run.members)
-        if run.link_ended & set(run.current) and run.probe_since is None:
-            self.trace("link-probe", run=run.run_id, qid=run.qid, members=sorted(run.link_ended))
-            st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
-            run.probe_since = now
+        # A member whose liveness link ended is likely gone (its process died): a probe starts now, once per
+        # end, in which it counts as silent once its heartbeat missed two beats (_end_link_probe).
+        ended = self._live.ended(run.run_id)
+        run.link_ended = {i for i in ended if i in run.members}
+        fresh = sorted(i for i in run.link_ended if run.link_probed.get(i) != ended[i])
+        if fresh and run.probe_since is None:
+            self.trace("link-probe", run=run.run_id, qid=run.qid, members=fresh)
+            run.link_probed.update({i: ended[i] for i in fresh})
+            run.probe_since, run.probe_by_link = now, True
             run.probe_base = {i: m.beats for i, m in run.members.items()}
         self._maybe_publish(run, now, t, bool(gone))
 
@@ -466,11 +470,14 @@ class Coordinator:
         st = self._store
         if run.recovery.holding(run, now, t.heartbeat_timeout, self._born + self.claim_grace):
             return
-        # Requests name the quorum they abandon: those about an older one were served already.
-        if run.probe_since is None and run.current and st.check([run.key(f"req/{run.qid}")]):
+        # Requests name the quorum they abandon: those about an older one were served already. A request
+        # during a probe a link's end started makes it a request's probe (it publishes whatever it finds).
+        if (run.probe_since is None or run.probe_by_link) and run.current and st.check([run.key(f"req/{run.qid}")]):
             self.trace("request", run=run.run_id, qid=run.qid)
-            run.probe_since = now
-            run.probe_base = {i: m.beats for i, m in run.members.items()}
+            if run.probe_since is None:
+                run.probe_since = now
+                run.probe_base = {i: m.beats for i, m in run.members.items()}
+            run.probe_by_link = False
         alive = tuple(sorted(run.members))
         if run.probe_since is not None:
             answered = tuple(i for i in alive if run.members[i].beats > run.probe_base.get(i, -1))
@@ -480,22 +487,47 @@ class Coordinator:
             # dead process, while a live one whose link only broke still answers (and its link reopens).
             silent = [i for i in alive if i not in answered and (now - run.members[i].seen >= t.probe or (
                 i in run.link_ended and now - run.members[i].seen >= 2 * t.heartbeat_interval + _TICK_S))]
+            if run.probe_by_link:
+                self._end_link_probe(run, now, t, alive, answered, silent)
+                return
             if len(answered) + len(silent) < len(alive) and now - run.probe_since < t.probe:
                 return
             run.probe_since = None
+            lost_now = [i for i in alive if i not in answered]
             # Members that missed the probe are dropped now, not at heartbeat_timeout: kept, they
             # would be published again at the next tick (alive != current), and the survivors would
             # wait for them at the new group's barrier until heartbeat_timeout. One that was only
             # slow finds itself outside the next quorum and joins again under a new id.
-            for i in alive:
-                if i not in answered:
-                    self._drop(run, i)
+            for i in lost_now:
+                self._drop(run, i)
             self._publish(run, answered)
             return
         changed = alive != run.current
         if not changed or (not lost and now - run.last_join < self.join_grace):
             return
         self._publish(run, alive)
+
+    def _end_link_probe(self, run: _Run, now: float, t: Timeouts, alive: tuple[int, ...],
+                        answered: tuple[int, ...], silent: list[int]) -> None:
+        """A probe a link's end started judges only the members whose link ended: the silent ones are dropped,
+        the quorum's abort flag raised (no step may have failed yet) and the others' quorum published; a
+        member that answered lives (only its link broke) and nothing changes. Others that are slow to beat
+        are not judged here (heartbeat_timeout, or a request's probe, does that)."""
+        suspects = [i for i in alive if i in run.link_ended]
+        since = now if run.probe_since is None else run.probe_since
+        if any(i not in answered and i not in silent for i in suspects) and now - since < t.probe:
+            return
+        run.probe_since, run.probe_by_link = None, False
+        lost_now = [i for i in suspects if i not in answered]
+        if not lost_now:
+            return
+        if set(lost_now) & set(run.current):
+            self._store.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
+        for i in lost_now:
+            self._drop(run, i)
+        keep = tuple(i for i in alive if i not in lost_now)
+        if keep != run.current:   # a joiner that died before its admission changes nothing published
+            self._publish(run, keep)
 
     def _drop(self, run: _Run, i: int) -> None:
         """Forget member ``i`` and tell it (``dropped/<id>``): a live one that was only slow joins again.
@@ -504,6 +536,7 @@ class Coordinator:
         learn it (no newer quorum is published to leave it out of) and the run would stall.
         """
         del run.members[i]
+        run.link_probed.pop(i, None)
         self._live.forget(run.run_id, i)
         self._store.set(run.key(f"dropped/{i}"), "1")
 

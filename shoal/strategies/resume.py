@@ -5,7 +5,8 @@ DiLoCo's outer round all-reduces the whole pseudo-gradient: ~10 s of a 20 mbit l
 the round already done plus the whole round again over the new quorum. With
 :class:`ResumableMean` the mean runs as a sequence of chunk all-reduces (at most
 ``max_chunks``, each at least ``min_bytes``); each member remembers which chunks it finished and
-their results. The next attempt of the same round (same round name, same commit count) first
+their results (copied out when the attempt is discarded). The next attempt of the same round
+(``key``: the round's name and the runner's count of rounds started) first
 agrees over the new quorum on the chunks *every* member finished (one all-reduce of one integer,
 ``min``), checks that they hold the same values there (one all-gather of two fp64 sums), copies
 them back, and all-reduces only the rest. So a kill mid-round costs about the chunk in flight and a
@@ -66,8 +67,11 @@ def plan_chunks(numels: Sequence[int], elem_bytes: int, min_bytes: int, max_chun
 @dataclass
 class _Record:
     key: tuple[Any, ...]
-    done: int = 0
-    saved: list[torch.Tensor] = field(default_factory=list)
+    plan: list[list[Slice]]
+    flats: list[torch.Tensor]
+    saved: list[torch.Tensor] = field(default_factory=list)   # chunks kept for the next attempt (copies)
+    done: int = 0          # chunks whose mean is in ``flats`` now (this attempt's, kept ones included)
+    live: bool = False     # ``flats`` hold this attempt's chunks [0, done) (the agreement succeeded)
 
 
 class ResumableMean:
@@ -77,11 +81,16 @@ class ResumableMean:
         min_bytes: smallest chunk (a chunk's all-reduce must stay bandwidth-bound).
         max_chunks: most chunks a mean is split into (what a kill can cost: ~1/max_chunks of a round).
 
-    Example (what :meth:`shoal.strategies.rounds.Rounds.mean` does for ``resumable=True``)::
+    Nothing is copied while rounds commit: the finished chunks are copied out of the scratch tensors
+    only when an attempt is discarded (:meth:`snapshot`, before the retry overwrites them), so a failed
+    round holds one extra copy of what it finished until the next commit (:meth:`clear`).
+
+    Example (what :class:`shoal.strategies.rounds.Rounds` does for ``mean(..., resumable=True)``)::
 
         resume = ResumableMean()
         resume.mean(tensors, names, Identity(), group, "diloco/pseudograd", key=("fragment:0", 12), scale=1.0)
-        resume.clear()      # the round committed
+        resume.snapshot()   # the attempt was discarded: keep what it finished
+        resume.clear()      # the round committed, or was given up: nothing of it is used again
     """
 
     def __init__(self, min_bytes: int = 1 << 20, max_chunks: int = 16) -> None:
@@ -93,8 +102,18 @@ class ResumableMean:
         self.kept_bytes = 0
 
     def clear(self) -> None:
-        """Forget every finished chunk (a round committed: nothing of it is reduced again)."""
+        """Forget every finished chunk (the round committed or was given up: nothing of it is reduced again)."""
         self._records.clear()
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        """The attempt was discarded: copy the chunks it finished out of the scratch tensors, which the
+        next attempt overwrites (chunks kept from earlier attempts are copied already)."""
+        for rec in self._records.values():
+            if rec.live:
+                for j in range(len(rec.saved), rec.done):
+                    rec.saved.append(torch.cat([rec.flats[i][a:b] for i, a, b in rec.plan[j]]))
+                rec.live = False
 
     @torch.no_grad()
     def mean(self, tensors: Sequence[torch.Tensor], names: Sequence[str], codec: Codec, group: Any, tag: str,
@@ -102,43 +121,43 @@ class ResumableMean:
         """``tensors`` <- their mean over ``group`` times ``scale``, chunk by chunk, keeping an earlier
         attempt's finished chunks where every member has them (``key`` names the round's attempts)."""
         numels = [t.numel() for t in tensors]
-        plan = plan_chunks(numels, tensors[0].element_size(), self.min_bytes, self.max_chunks)
         flats = [t.view(-1) for t in tensors]
         sig = (key, tuple(numels), tuple(str(t.dtype) for t in tensors))
         rec = self._records.get(tag)
         if rec is None or rec.key != sig:
-            rec = self._records[tag] = _Record(sig)
-        kept = self._agree(rec, flats, plan, group, tag)
+            plan = plan_chunks(numels, tensors[0].element_size(), self.min_bytes, self.max_chunks)
+            rec = self._records[tag] = _Record(sig, plan, flats)
+        rec.flats, rec.live = flats, False
+        kept = self._agree(rec, group, tag)
         if kept < 0:
             return            # the agreement failed: this attempt is lost (the group recorded why)
         for j in range(kept):
-            self._copy_in(flats, plan[j], rec.saved[j])
+            self._copy_in(flats, rec.plan[j], rec.saved[j])
         del rec.saved[kept:]
-        rec.done = kept
+        rec.done, rec.live = kept, True
         self.kept_chunks += kept
         self.kept_bytes += sum(s.numel() * s.element_size() for s in rec.saved)
-        for j in range(kept, len(plan)):
-            views = [flats[i][a:b] for i, a, b in plan[j]]
-            codec.mean(views, [f"{names[i]}[{a}:{b}]" for i, a, b in plan[j]], group, tag)
+        for j in range(kept, len(rec.plan)):
+            views = [flats[i][a:b] for i, a, b in rec.plan[j]]
+            codec.mean(views, [f"{names[i]}[{a}:{b}]" for i, a, b in rec.plan[j]], group, tag)
             if group.error is not None:
-                return        # lost: the chunks before this one stay kept for the next attempt
+                return        # lost: the chunks before this one are kept by snapshot() for the next attempt
             if scale != 1.0:
                 torch._foreach_mul_(views, scale)
-            rec.saved.append(torch.cat([v.reshape(-1) for v in views]))
             rec.done = j + 1
 
-    def _agree(self, rec: _Record, flats: list[torch.Tensor], plan: list[list[Slice]], group: Any, tag: str) -> int:
-        """The chunks every member finished (-1: the attempt failed); checked to hold the same values."""
-        device = flats[0].device
-        count = torch.tensor([rec.done], dtype=torch.int64, device=device)
+    def _agree(self, rec: _Record, group: Any, tag: str) -> int:
+        """The chunks every member kept (-1: the attempt failed); checked to hold the same values."""
+        device = rec.flats[0].device
+        count = torch.tensor([len(rec.saved)], dtype=torch.int64, device=device)
         group.all_reduce(count, op="min", tag=f"{tag}/resume").wait()
         if group.error is not None:
             return -1
         kept = int(count.item())
         if kept == 0:
             return 0
-        if kept > rec.done or kept > len(plan):   # pragma: no cover - min over members, mine included
-            raise ShoalError(f"resumed round {tag!r}: agreed on {kept} chunks, this member finished {rec.done}")
+        if kept > len(rec.saved):   # pragma: no cover - min over members, mine included
+            raise ShoalError(f"resumed round {tag!r}: agreed on {kept} chunks, this member kept {len(rec.saved)}")
         d = torch.cat([s.double() for s in rec.saved[:kept]])
         mine = torch.stack([d.sum(), (d * d).sum()]).view(torch.int64)
         table = torch.empty(2 * group.size, dtype=torch.int64, device=device)

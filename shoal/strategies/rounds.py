@@ -218,6 +218,7 @@ class Rounds:
         self.contributed = 0      # committed rounds (other than adopt) that carried this worker's update
         self.skipped = 0          # rounds given up after max_attempts
         self.resume = ResumableMean()   # mean(resumable=True): what a failed attempt finished, for the next
+        self.started = 0          # run()/launch() calls: a resumable mean keeps chunks only within one of them
         # State keys are unique on the group (two strategies over one static Group do not collide;
         # every member builds them in the same order, so the keys agree).
         self.key = group.unique_name(name)
@@ -303,6 +304,7 @@ class Rounds:
         admitted now would miss); the next round admits it.
         """
         kind = self._check_added(round)
+        self.started += 1
         if self._round(kind).in_flight:
             raise ConfigError(f"round {kind!r} stays in flight across steps: start it with rounds.launch(round) "
                               "and vote it with rounds.land()")
@@ -325,6 +327,7 @@ class Rounds:
                 return True
         self.current = ADOPT
         self.skipped += 1
+        self.resume.clear()      # given up: the next round of this kind starts from nothing
         return False
 
     def _check_added(self, round: Round | str) -> str:
@@ -343,6 +346,7 @@ class Rounds:
             self.contributed += int(contributes and now.name != ADOPT)
             self.current = ADOPT
             return True
+        self.resume.snapshot()   # before the retry overwrites the scratch: what every chunk finished
         now.discard()
         return False
 
@@ -371,6 +375,7 @@ class Rounds:
         open_step(self.group)          # its hooks may land the round in flight: then this is a new step
         if self.flying is not None:
             return
+        self.started += 1
         self.current = self.last_kind = kind
         round.reduce(self.contributes)
         self.flying = round
@@ -394,6 +399,7 @@ class Rounds:
             return True
         self.current = ADOPT
         self.skipped += 1
+        self.resume.clear()
         return False
 
     @property
@@ -427,7 +433,7 @@ class Rounds:
         scale = g.size / live if 0 < live < g.size else 1.0
         if (resumable and type(codec) is Identity and getattr(g, "elastic", False) and g.size > 1
                 and all(t.is_contiguous() for t in tensors)):
-            self.resume.mean(tensors, names, codec, g, tag, key=(self.current, self.commits), scale=scale)
+            self.resume.mean(tensors, names, codec, g, tag, key=(self.current, self.started), scale=scale)
             return
         with torch.no_grad():
             codec.mean(list(tensors), list(names), g, tag)

@@ -85,19 +85,17 @@ def test_a_killed_members_link_ends_and_the_next_quorum_is_out_before_the_probe_
 
 
 @pytest.mark.timeout(90)
-def test_without_a_link_the_same_kill_waits_the_probe_window() -> None:
-    """The control: the member's link is stopped before its death, so only its heartbeat can tell."""
+def test_without_a_link_the_same_kill_waits_the_probe_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: b opens no link (SHOAL_LIVENESS=off), so only its heartbeat can tell its death."""
     coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
     a = MemberClient(coord.address, "live", _T, min_workers=1, token=TOKEN)
     b = MemberClient(coord.address, "live", _T, min_workers=1, token=TOKEN)
     try:
         a.join()
+        monkeypatch.setenv("SHOAL_LIVENESS", "off")
         b.join()
         q1 = a.wait_quorum(after=0, timeout=30)
-        assert b._link is not None
-        b._link.stop()
-        coord._live.forget("live", b.member_id)   # as if b had never opened one
-        b._link = None
+        assert b._link is None
         b._stop.set()
         assert b._hb is not None
         b._hb.join()
@@ -114,7 +112,7 @@ def test_without_a_link_the_same_kill_waits_the_probe_window() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_link_that_breaks_while_its_member_lives_reopens_and_the_member_stays() -> None:
+def test_a_link_that_breaks_while_its_member_lives_changes_nothing_and_reopens() -> None:
     # Beats every 0.5 s: the ended link counts against b only after two missed beats (1 s), which a
     # heartbeat thread on a loaded test machine still makes.
     t = Timeouts(op=2.0, heartbeat_interval=0.5, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
@@ -129,13 +127,42 @@ def test_a_link_that_breaks_while_its_member_lives_reopens_and_the_member_stays(
         assert link is not None and link.up.wait(10)
         sock = link._sock
         assert sock is not None
+        ends = len(coord._live.ended("live"))
         sock.shutdown(2)                           # a reset on the way, not a death
-        # b still beats: the probe its ended link started finds it alive, and its link comes back.
-        assert _wait(lambda: link.up.is_set() and not coord._live.closed("live"), 10)
-        latest = a.latest()
-        q = a.quorum(latest) if latest > q1.qid else q1
-        assert set(q.members) == {a.member_id, b.member_id}
+        # The coordinator probes once (b still beats): no quorum is published, none aborted, b not dropped.
+        assert _wait(lambda: not link.up.is_set(), 10)
+        assert _wait(lambda: link.up.is_set(), 10)  # and the link reopens
+        assert _wait(lambda: coord._runs["live"].probe_since is None, 10)
+        time.sleep(3 * t.heartbeat_interval)       # ticks after the probe: it must not start again
+        assert ends == 0 and coord._live.ended("live") == {}
+        assert a.latest() == q1.qid, "a live member's broken link made the coordinator publish a new quorum"
+        assert not a.store.check([f"{q1.prefix}abort"]), "a live member's broken link aborted its quorum"
         assert not a.store.check([a.key(f"dropped/{b.member_id}")])
+    finally:
+        a.leave()
+        b.leave()
+        coord.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_link_that_stays_down_for_a_live_member_costs_one_probe_only() -> None:
+    """The server ends b's link while b lives and b cannot reopen it (stopped): one probe, b answers,
+    nothing is published, and later ticks do not probe or abort again."""
+    t = Timeouts(op=2.0, heartbeat_interval=0.1, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
+    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
+    a = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
+    b = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
+    try:
+        a.join()
+        b.join()
+        q1 = a.wait_quorum(after=0, timeout=30)
+        assert b._link is not None and b._link.up.wait(10)
+        b._link.stop()                                  # b lives on, without a link
+        assert _wait(lambda: b.member_id in coord._live.ended("live"), 10)
+        time.sleep(1.0)                                 # ten heartbeats: every tick sees the ended link
+        assert a.latest() == q1.qid and not a.store.check([f"{q1.prefix}abort"])
+        assert coord._runs["live"].probe_since is None
+        assert coord._runs["live"].link_probed == {b.member_id: coord._live.ended("live")[b.member_id]}
     finally:
         a.leave()
         b.leave()
@@ -149,12 +176,16 @@ def test_a_link_with_the_wrong_token_is_refused_and_not_retried() -> None:
         link = LivenessLink("127.0.0.1", server.port, "live", 3, "some-other-token", retry=0.05).start()
         assert link._thread is not None
         link._thread.join(10)
-        assert not link._thread.is_alive() and not link.up.is_set()
+        assert not link._thread.is_alive() and not link.up.is_set() and link.refused
         assert server.closed("live") == set() and server._open == {}
         good = LivenessLink("127.0.0.1", server.port, "live", 3, TOKEN).start()
         assert good.up.wait(10)
         good.stop()
         assert _wait(lambda: server.closed("live") == {3}, 5)
+        again = LivenessLink("127.0.0.1", server.port, "live", 3, TOKEN).start()   # the same member reopens
+        assert again.up.wait(10) and _wait(lambda: server.closed("live") == set(), 5)
+        again.stop()
+        assert _wait(lambda: server.ended("live").get(3) == 2, 5)                # a new end, a new number
         assert server.closed("other-run") == set()
         server.forget("live", 3)
         assert server.closed("live") == set()
@@ -162,15 +193,41 @@ def test_a_link_with_the_wrong_token_is_refused_and_not_retried() -> None:
         server.stop()
 
 
-def test_the_published_port_must_be_signed_with_the_token() -> None:
-    assert read_port(port_record(4242, TOKEN), TOKEN) == 4242
-    assert read_port(port_record(4242, None), None) == 4242
-    assert read_port(port_record(4242, None), TOKEN) is None                  # unsigned
-    assert read_port(port_record(4242, "another-token!"), TOKEN) is None       # a stranger's
-    forged = f"4243 {auth.sign(TOKEN, 'liveness 4242')}"
-    assert read_port(forged, TOKEN) is None                                    # a signature moved to another port
+def test_the_published_port_must_be_signed_with_the_token_for_this_coordinator() -> None:
+    assert read_port(port_record(4242, TOKEN, "inc1"), TOKEN, "inc1") == 4242
+    assert read_port(port_record(4242, None, "inc1"), None, "inc1") == 4242
+    assert read_port(port_record(4242, None, "inc1"), TOKEN, "inc1") is None                # unsigned
+    assert read_port(port_record(4242, "another-token!", "inc1"), TOKEN, "inc1") is None    # a stranger's
+    assert read_port(port_record(4242, TOKEN, "inc0"), TOKEN, "inc1") is None               # an earlier coordinator's
+    forged = f"4243 {auth.sign(TOKEN, 'liveness inc1 4242')}"
+    assert read_port(forged, TOKEN, "inc1") is None                                         # moved to another port
     for bad in ("", "x", "0", "70000", b"12 34"):
-        assert read_port(bad, TOKEN) is None
+        assert read_port(bad, TOKEN, "inc1") is None
+
+
+@pytest.mark.timeout(30)
+def test_a_stopped_server_accepts_nobody_and_ends_its_links() -> None:
+    server = LivenessServer("127.0.0.1", TOKEN).start()
+    link = LivenessLink("127.0.0.1", server.port, "live", 5, TOKEN, retry=0.05).start()
+    assert link.up.wait(10)
+    server.stop()
+    assert _wait(lambda: not link.up.is_set(), 10)     # the member sees its link end
+    time.sleep(0.3)                                      # and retries against a closed port
+    assert not link.up.is_set()
+    link.stop()
+
+
+def test_an_ipv6_coordinator_listens_for_links() -> None:
+    try:
+        server = LivenessServer("::1", TOKEN).start()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    link = LivenessLink("[::1]", server.port, "live", 9, TOKEN).start()
+    try:
+        assert link.up.wait(10)
+    finally:
+        link.stop()
+        server.stop()
 
 
 def test_bad_ports_and_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -80,16 +80,27 @@ class FakeGroup:
 
 def _run(groups: list[FakeGroup], resumes: list[ResumableMean], inputs: list[list[torch.Tensor]],
          key: tuple[Any, ...], scale: float = 1.0) -> list[list[torch.Tensor]]:
+    """One attempt on every member (threads); a failed attempt is discarded on all of them, as a vote
+    does, which snapshots what each finished."""
     outs = [[t.clone() for t in ts] for ts in inputs]
+    errors: list[BaseException] = []
 
     def member(r: int) -> None:
-        resumes[r].mean(outs[r], [f"t{i}" for i in range(len(outs[r]))], Identity(), groups[r], "round", key, scale)
+        try:
+            resumes[r].mean(outs[r], [f"t{i}" for i in range(len(outs[r]))], Identity(), groups[r], "round", key,
+                            scale)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
 
     threads = [threading.Thread(target=member, args=(r,)) for r in range(len(groups))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    if any(g.error is not None for g in groups):
+        for r in resumes:
+            r.snapshot()
     return outs
 
 
@@ -167,7 +178,7 @@ def test_kept_chunks_that_differ_between_members_fail_the_attempt() -> None:
     g = [FakeGroup(w2, 0), FakeGroup(w2, 1)]
     _run(g, resumes, x, key=("fragment:0", 1))
     assert all(isinstance(m.error, Exception) and "differ between members" in str(m.error) for m in g)
-    assert all(r._records["round"].done == 0 for r in resumes)   # forgotten: the next attempt runs whole
+    assert all(r._records["round"].saved == [] for r in resumes)   # forgotten: the next attempt runs whole
 
 
 def test_scale_applies_to_reduced_chunks_only_once() -> None:
@@ -186,3 +197,91 @@ def test_bad_settings_are_refused() -> None:
     from shoal.errors import ShoalError
     with pytest.raises(ShoalError):
         ResumableMean(min_bytes=0)
+
+
+class FakeElastic(FakeGroup):
+    """Enough of an elastic group for Rounds: steps whose vote fails on every member if any member's
+    collective failed; ``failing``: the all_reduce indices that fail on every member."""
+
+    newcomers: tuple[int, ...] = ()
+    quorum_pending = False
+
+    def __init__(self, world: World, rank: int, failing: set[int]) -> None:
+        super().__init__(world, rank)
+        self.failing = failing
+
+    def refuse_background_heal(self, why: str, when: Any = None) -> None:
+        return None
+
+    def unique_name(self, name: str) -> str:
+        return name
+
+    def register_state(self, key: str, get: Any, load: Any, rollback: bool = False, **kw: Any) -> None:
+        return None
+
+    def begin_step(self) -> None:
+        self.error = None
+
+    def commit(self) -> bool:
+        ok = self._exchange(torch.tensor([self.error is None]))
+        return all(bool(t) for t in ok)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", tag: str = "") -> "FakeElastic":
+        i, self.calls = self.calls, self.calls + 1
+        got = self._exchange(t)
+        if self.error is None and i in self.failing:
+            self.error = RuntimeError("peer lost")
+        if self.error is None:
+            stack = torch.stack(got)
+            t.copy_(stack.min(0).values if op == "min" else stack.sum(0) / (self.size if op == "avg" else 1))
+        return self
+
+
+def test_a_round_given_up_leaves_nothing_to_the_next_round_of_its_kind() -> None:
+    from shoal.comm.group import Group
+    from shoal.strategies.rounds import Round, Rounds
+    Group.register(FakeElastic)
+    first, second = _inputs(2, 4), _inputs(2, 5)
+    w = World(2)
+    # Run 1: attempt 1 fails in chunk 2 (all-reduce #3; #0 is the agreement), attempt 2 keeps chunks 0-1 and
+    # fails in chunk 2 again (#5): the round is given up. Run 2 (the same kind) must reduce everything anew.
+    groups = [FakeElastic(w, r, failing={3, 5}) for r in range(2)]
+    results: list[list[list[torch.Tensor]]] = [[], []]
+    kept: list[list[int]] = [[], []]
+    errors: list[BaseException] = []
+
+    def member(r: int) -> None:
+        try:
+            run_member(r)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def run_member(r: int) -> None:
+        rounds = Rounds(groups[r], "t", max_attempts=2)
+        rounds.resume = ResumableMean(min_bytes=64, max_chunks=8)
+        now: dict[str, list[torch.Tensor]] = {}
+
+        def reduce(contributes: bool) -> None:   # the round's pseudo-gradient, recomputed at every attempt
+            for b, x in zip(now["buf"], now["inputs"]):
+                b.copy_(x)
+            rounds.mean(now["buf"], ["a", "b"], Identity(), "t", resumable=True)
+
+        rnd = rounds.add(Round("r", reduce=reduce, apply=lambda: None))
+        for inputs in (first, second):
+            now.update(inputs=inputs[r], buf=[t.clone() for t in inputs[r]])
+            committed = rounds.run(rnd)
+            assert committed == (inputs is second), "run 1 is given up, run 2 commits"
+            results[r].append(now["buf"])
+            kept[r].append(rounds.resume.kept_chunks)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert kept[0] == kept[1] == [2, 2]        # run 1's second attempt kept 2 chunks; run 2 kept none
+    for r in range(2):
+        want = [(a + b) / 2 for a, b in zip(second[0], second[1])]
+        for got, w_ in zip(results[r][1], want):
+            torch.testing.assert_close(got, w_, rtol=0, atol=1e-6)
