@@ -6,19 +6,21 @@ shows)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from typing import Iterator
 
 import pytest
 
 from shoal.errors import ConfigError
 from shoal.membership import auth
 from shoal.membership.client import MemberClient
-from shoal.membership.coordinator import Coordinator, Timeouts
+from shoal.membership.coordinator import Coordinator, Quorum, Timeouts
 from shoal.membership.liveness import LivenessLink, LivenessServer, enabled, port_record, read_port
 
 TOKEN = "liveness-test-token"
@@ -84,17 +86,30 @@ def test_a_killed_members_link_ends_and_the_next_quorum_is_out_before_the_probe_
         coord.stop()
 
 
-@pytest.mark.timeout(90)
-def test_without_a_link_the_same_kill_waits_the_probe_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The control: b opens no link (SHOAL_LIVENESS=off), so only its heartbeat can tell its death."""
+@contextlib.contextmanager
+def _pair(t: Timeouts, min_workers: int, b_env: dict[str, str] | None = None
+          ) -> Iterator[tuple[Coordinator, MemberClient, MemberClient, Quorum]]:
+    """A coordinator and two joined members a and b (b with ``b_env`` set while it joins), in their first quorum."""
     coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
-    a = MemberClient(coord.address, "live", _T, min_workers=1, token=TOKEN)
-    b = MemberClient(coord.address, "live", _T, min_workers=1, token=TOKEN)
+    a = MemberClient(coord.address, "live", t, min_workers=min_workers, token=TOKEN)
+    b = MemberClient(coord.address, "live", t, min_workers=min_workers, token=TOKEN)
     try:
         a.join()
-        monkeypatch.setenv("SHOAL_LIVENESS", "off")
-        b.join()
-        q1 = a.wait_quorum(after=0, timeout=30)
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in (b_env or {}).items():
+                mp.setenv(k, v)
+            b.join()
+        yield coord, a, b, a.wait_quorum(after=0, timeout=30)
+    finally:
+        a.leave()
+        b.leave()
+        coord.stop()
+
+
+@pytest.mark.timeout(90)
+def test_without_a_link_the_same_kill_waits_the_probe_window() -> None:
+    """The control: b opens no link (SHOAL_LIVENESS=off), so only its heartbeat can tell its death."""
+    with _pair(_T, 1, {"SHOAL_LIVENESS": "off"}) as (coord, a, b, q1):
         assert b._link is None
         b._stop.set()
         assert b._hb is not None
@@ -105,10 +120,13 @@ def test_without_a_link_the_same_kill_waits_the_probe_window(monkeypatch: pytest
         q2 = a.wait_quorum(after=q1.qid, timeout=30)
         assert set(q2.members) == {a.member_id}
         assert time.monotonic() - t0 >= _T.probe - 0.5
-    finally:
-        a.leave()
-        b.leave()
-        coord.stop()
+
+
+def _nothing_changed(coord: Coordinator, a: MemberClient, b: MemberClient, q1: Quorum) -> None:
+    assert coord._runs["live"].probe_since is None
+    assert a.latest() == q1.qid, "a live member's broken link made the coordinator publish a new quorum"
+    assert not a.store.check([f"{q1.prefix}abort"]), "a live member's broken link aborted its quorum"
+    assert not a.store.check([a.key(f"dropped/{b.member_id}")])
 
 
 @pytest.mark.timeout(60)
@@ -116,32 +134,18 @@ def test_a_link_that_breaks_while_its_member_lives_changes_nothing_and_reopens()
     # Beats every 0.5 s: the ended link counts against b only after two missed beats (1 s), which a
     # heartbeat thread on a loaded test machine still makes.
     t = Timeouts(op=2.0, heartbeat_interval=0.5, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
-    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
-    a = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
-    b = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
-    try:
-        a.join()
-        b.join()
-        q1 = a.wait_quorum(after=0, timeout=30)
+    with _pair(t, 2) as (coord, a, b, q1):
         link = b._link
-        assert link is not None and link.up.wait(10)
-        sock = link._sock
-        assert sock is not None
-        ends = len(coord._live.ended("live"))
-        sock.shutdown(2)                           # a reset on the way, not a death
+        assert link is not None and link.up.wait(10) and link._sock is not None
+        assert coord._live.ended("live") == {}
+        link._sock.shutdown(2)                     # a reset on the way, not a death
         # The coordinator probes once (b still beats): no quorum is published, none aborted, b not dropped.
         assert _wait(lambda: not link.up.is_set(), 10)
         assert _wait(lambda: link.up.is_set(), 10)  # and the link reopens
         assert _wait(lambda: coord._runs["live"].probe_since is None, 10)
         time.sleep(3 * t.heartbeat_interval)       # ticks after the probe: it must not start again
-        assert ends == 0 and coord._live.ended("live") == {}
-        assert a.latest() == q1.qid, "a live member's broken link made the coordinator publish a new quorum"
-        assert not a.store.check([f"{q1.prefix}abort"]), "a live member's broken link aborted its quorum"
-        assert not a.store.check([a.key(f"dropped/{b.member_id}")])
-    finally:
-        a.leave()
-        b.leave()
-        coord.stop()
+        assert coord._live.ended("live") == {}
+        _nothing_changed(coord, a, b, q1)
 
 
 @pytest.mark.timeout(60)
@@ -149,24 +153,13 @@ def test_a_link_that_stays_down_for_a_live_member_costs_one_probe_only() -> None
     """The server ends b's link while b lives and b cannot reopen it (stopped): one probe, b answers,
     nothing is published, and later ticks do not probe or abort again."""
     t = Timeouts(op=2.0, heartbeat_interval=0.1, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
-    coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
-    a = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
-    b = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
-    try:
-        a.join()
-        b.join()
-        q1 = a.wait_quorum(after=0, timeout=30)
+    with _pair(t, 2) as (coord, a, b, q1):
         assert b._link is not None and b._link.up.wait(10)
         b._link.stop()                                  # b lives on, without a link
         assert _wait(lambda: b.member_id in coord._live.ended("live"), 10)
         time.sleep(1.0)                                 # ten heartbeats: every tick sees the ended link
-        assert a.latest() == q1.qid and not a.store.check([f"{q1.prefix}abort"])
-        assert coord._runs["live"].probe_since is None
+        _nothing_changed(coord, a, b, q1)
         assert coord._runs["live"].link_probed == {b.member_id: coord._live.ended("live")[b.member_id]}
-    finally:
-        a.leave()
-        b.leave()
-        coord.stop()
 
 
 @pytest.mark.timeout(30)
