@@ -35,6 +35,8 @@ bytes per worker, validation on 64 held-out windows).
     python -m shoal.bench.chaos --workers 4 --bandwidth 20mbit --steps 1200 --kill-every 30 --chaos-for 150
     python -m shoal.bench.chaos --task lm --strategy diloco --period 32 --workers 4 --bandwidth 20mbit \
         --steps 480 --kill-every 30 --chaos-for 180 --op 60 --probe 2
+    # streaming DiLoCo: 4 fragments, each synchronised once in a period of 32 inner steps
+    python -m shoal.bench.chaos --task lm --strategy streaming --fragments 4 --period 32 --workers 4 ...
 """
 
 from __future__ import annotations
@@ -103,11 +105,13 @@ class CausalLM(TinyTransformer):
         return self.head(self.body(self.emb(x), mask=mask, is_causal=True))
 
 
-def _strategy(name: str, period: int) -> shoal.Strategy:
+def _strategy(name: str, period: int, fragments: int = 4) -> shoal.Strategy:
     if name == "localsgd":
         return shoal.LocalSGD(period=period)
     if name == "diloco":
         return shoal.DiLoCo(inner_steps=period)
+    if name == "streaming":   # each fragment synchronised once a period, the fragments' rounds spread over it
+        return shoal.StreamingDiLoCo(inner_steps=period, fragments=fragments, overlap_steps=0)
     return shoal.strategies.Sync()
 
 
@@ -159,7 +163,7 @@ def worker(a: argparse.Namespace) -> None:
     task = _Task(a, rank, life)
     group = ElasticGroup(timeouts=_timeouts(a), min_workers=2)
     net = task.model(a)
-    strategy = _strategy(a.strategy, a.period)
+    strategy = _strategy(a.strategy, a.period, a.fragments)
     lr = 1e-3 if a.task == "lm" else 3e-3
     model, opt = shoal.wrap(net, torch.optim.AdamW(net.parameters(), lr=lr), strategy, process_group=group)
 
@@ -172,7 +176,7 @@ def worker(a: argparse.Namespace) -> None:
                           "healed": group.stats.heals_received,
                           "params": sum(q.numel() for q in net.parameters())}) + "\n")
     # Stop right after a round, so that every worker holds the same parameters.
-    after_round = {"localsgd": 1, "diloco": 0}.get(a.strategy)
+    after_round = {"localsgd": 1, "diloco": 0, "streaming": 0}.get(a.strategy)
     log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
     contributed = False
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
@@ -230,7 +234,7 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
     argv = [sys.executable, "-m", "shoal.bench.chaos", "--worker", "--out", out, "--task", a.task,
             "--strategy", a.strategy,
             "--steps", str(a.steps), "--period", str(a.period), "--width", str(a.width),
-            "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe)]
+            "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe), "--fragments", str(a.fragments)]
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
 
     def start(rank: int, life: int) -> None:
@@ -434,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--task", choices=["markov", "lm"], default="markov",
                     help="markov: 108k-parameter LM on a Markov chain; lm: shoal bench's 3.26M-parameter lm task")
-    ap.add_argument("--strategy", choices=["localsgd", "diloco", "ddp"], default="localsgd")
+    ap.add_argument("--strategy", choices=["localsgd", "diloco", "streaming", "ddp"], default="localsgd")
+    ap.add_argument("--fragments", type=int, default=4, help="--strategy streaming: StreamingDiLoCo's fragments")
     ap.add_argument("--period", type=int, default=8, help="local steps per round (localsgd, diloco)")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--width", type=int, default=64, help="model width d (64: 108k parameters with 2 layers)")
@@ -454,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default=None, help="keep the workers' logs under this folder")
     ap.add_argument("--heal", choices=["blocking", "background"], default="blocking",
                     help="how restarted workers get the run's state (SHOAL_HEAL; docs/elastic.md); background "
-                         "applies to --strategy ddp and diloco")
+                         "applies to --strategy ddp, diloco and streaming")
     ap.add_argument("--heal-rate", default="", help="background heal: a source's flat rate, e.g. 4mbit (SHOAL_HEAL_RATE)")
     ap.add_argument("--heal-pace", default="", help="background heal: a joiner's share of each step (SHOAL_HEAL_PACE)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
