@@ -162,8 +162,9 @@ class MemberClient:
 
     def _relink(self, st: Any, member_id: int, incarnation: str | None) -> None:
         """Open this member's liveness link to the coordinator behind ``st`` (none if it publishes no port, or
-        with ``SHOAL_LIVENESS=off``); a link already open to the same port for the same id is kept, and a
-        new one opens before the old one closes (a coordinator must not see this member end meanwhile)."""
+        with ``SHOAL_LIVENESS=off``); a link already open to the same port for the same id is kept (the
+        coordinator must not see this member end for nothing). A call for an id this member no longer
+        holds (a heartbeat thread's late reclaim) changes nothing."""
         new: LivenessLink | None = None
         if liveness_enabled() and st.check([LIVENESS_KEY]):
             port = read_port(st.get(LIVENESS_KEY), self.token, incarnation)
@@ -180,7 +181,10 @@ class MemberClient:
                         return
                 new = LivenessLink(host, port, self.run_id, member_id, self.token).start()
         with self._link_lock:
-            old, self._link = self._link, new
+            if member_id != self.member_id or self._hb is None:   # a stale heartbeat thread's reclaim
+                old, new = new, None
+            else:
+                old, self._link = self._link, new
         if old is not None:
             old.stop()
 
@@ -277,6 +281,8 @@ class MemberClient:
                 continue
             self.down.clear()
             if verdict == "ok":
+                if stop.is_set():
+                    return False                     # this member left (or joined anew) meanwhile
                 self._relink(st, member_id, now)      # the new coordinator listens on its own port
                 self.incarnation = now
                 log.warning("the coordinator at %s is back after %.1f s: member %d re-announced itself",

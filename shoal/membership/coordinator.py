@@ -240,6 +240,7 @@ class _Run:
         self.probe_by_link = False              # the probe was started by a link's end, not by a request
         self.link_ended: set[int] = set()       # members whose liveness link ended (their process is gone)
         self.link_probed: dict[int, int] = {}   # member -> the end of its link that already started a probe
+        self.probe_suspects: set[int] = set()   # members the current probe judges by their link's end
         self.last_join = 0.0
         self.nonces: dict[int, str] = {}        # challenges sent, by member id
         self.authed: set[int] = set()           # ids whose proof was verified
@@ -435,11 +436,15 @@ class Coordinator:
         ended = self._live.ended(run.run_id)
         run.link_ended = {i for i in ended if i in run.members}
         fresh = sorted(i for i in run.link_ended if run.link_probed.get(i) != ended[i])
-        if fresh and run.probe_since is None:
+        if fresh:
             self.trace("link-probe", run=run.run_id, qid=run.qid, members=fresh)
             run.link_probed.update({i: ended[i] for i in fresh})
-            run.probe_since, run.probe_by_link = now, True
-            run.probe_base = {i: m.beats for i, m in run.members.items()}
+            if run.probe_since is None:
+                run.probe_since, run.probe_by_link = now, True
+                run.probe_base = {i: m.beats for i, m in run.members.items()}
+            else:   # joins the probe under way: it must beat after its link's end to count as alive
+                run.probe_base.update({i: run.members[i].beats for i in fresh})
+            run.probe_suspects.update(fresh)
         self._maybe_publish(run, now, t, bool(gone))
 
     def _admit(self, run: _Run, i: int, info: dict[str, Any], now: float) -> None:
@@ -486,13 +491,14 @@ class Coordinator:
             # A member whose liveness link ended counts once its heartbeat missed two beats: at once for a
             # dead process, while a live one whose link only broke still answers (and its link reopens).
             silent = [i for i in alive if i not in answered and (now - run.members[i].seen >= t.probe or (
-                i in run.link_ended and now - run.members[i].seen >= 2 * t.heartbeat_interval + _TICK_S))]
+                i in run.probe_suspects and now - run.members[i].seen >= 2 * t.heartbeat_interval + _TICK_S))]
             if run.probe_by_link:
                 self._end_link_probe(run, now, t, alive, answered, silent)
                 return
             if len(answered) + len(silent) < len(alive) and now - run.probe_since < t.probe:
                 return
             run.probe_since = None
+            run.probe_suspects.clear()
             lost_now = [i for i in alive if i not in answered]
             # Members that missed the probe are dropped now, not at heartbeat_timeout: kept, they
             # would be published again at the next tick (alive != current), and the survivors would
@@ -513,11 +519,12 @@ class Coordinator:
         the quorum's abort flag raised (no step may have failed yet) and the others' quorum published; a
         member that answered lives (only its link broke) and nothing changes. Others that are slow to beat
         are not judged here (heartbeat_timeout, or a request's probe, does that)."""
-        suspects = [i for i in alive if i in run.link_ended]
+        suspects = [i for i in alive if i in run.probe_suspects]
         since = now if run.probe_since is None else run.probe_since
         if any(i not in answered and i not in silent for i in suspects) and now - since < t.probe:
             return
         run.probe_since, run.probe_by_link = None, False
+        run.probe_suspects.clear()
         lost_now = [i for i in suspects if i not in answered]
         if not lost_now:
             return

@@ -101,6 +101,10 @@ class ResumableMean:
         self.kept_chunks = 0        # chunks taken from a failed attempt instead of reduced again, all rounds
         self.kept_bytes = 0
 
+    def forget(self, tag: str) -> None:
+        """Drop what this member kept for ``tag`` (it was healed into this attempt: its chunks may predate it)."""
+        self._records.pop(tag, None)
+
     def clear(self) -> None:
         """Forget every finished chunk (the round committed or was given up: nothing of it is reduced again)."""
         self._records.clear()

@@ -433,6 +433,8 @@ class Rounds:
         scale = g.size / live if 0 < live < g.size else 1.0
         if (resumable and type(codec) is Identity and getattr(g, "elastic", False) and g.size > 1
                 and all(t.is_contiguous() for t in tensors)):
+            if g.rank in newcomers:   # healed into this attempt: it brings nothing kept (the others agree on 0)
+                self.resume.forget(tag)
             self.resume.mean(tensors, names, codec, g, tag, key=(self.current, self.started), scale=scale)
             return
         with torch.no_grad():

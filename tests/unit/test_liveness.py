@@ -107,6 +107,36 @@ def _pair(t: Timeouts, min_workers: int, b_env: dict[str, str] | None = None
 
 
 @pytest.mark.timeout(90)
+def test_a_second_member_killed_during_the_probe_leaves_with_the_first() -> None:
+    # Two members die 60 ms apart (two workers of one host): the second's link ends while the probe the
+    # first one's started is under way. The second joins that probe and must beat after its link's end to
+    # count as alive, so both leave in one quorum (before: it counted as alive from a beat between the
+    # probe's start and its death, stayed in the next quorum, and cost a second one).
+    coord = Coordinator(port=0, initial_workers=4, token=TOKEN).start()
+    a, b, p = _three(coord)
+    env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p2 = subprocess.Popen([sys.executable, "-c", _MEMBER, coord.address, TOKEN], stdout=subprocess.PIPE,
+                          text=True, env=env)
+    try:
+        assert p.stdout is not None and p2.stdout is not None
+        dead = {int(p.stdout.readline()), int(p2.stdout.readline())}
+        q1 = a.wait_quorum(after=0, timeout=30)
+        assert set(q1.members) == {a.member_id, b.member_id} | dead
+        os.kill(p.pid, signal.SIGKILL)
+        time.sleep(0.06)
+        os.kill(p2.pid, signal.SIGKILL)
+        q2 = a.wait_quorum(after=q1.qid, timeout=30)
+        assert set(q2.members) == {a.member_id, b.member_id}, "the second death cost a quorum of its own"
+    finally:
+        for proc in (p, p2):
+            proc.kill()
+            proc.wait()
+        a.leave()
+        b.leave()
+        coord.stop()
+
+
+@pytest.mark.timeout(90)
 def test_without_a_link_the_same_kill_waits_the_probe_window() -> None:
     """The control: b opens no link (SHOAL_LIVENESS=off), so only its heartbeat can tell its death."""
     with _pair(_T, 1, {"SHOAL_LIVENESS": "off"}) as (coord, a, b, q1):
@@ -145,6 +175,7 @@ def test_a_link_that_breaks_while_its_member_lives_changes_nothing_and_reopens()
         assert _wait(lambda: coord._runs["live"].probe_since is None, 10)
         time.sleep(3 * t.heartbeat_interval)       # ticks after the probe: it must not start again
         assert coord._live.ended("live") == {}
+        assert coord._runs["live"].link_probed.get(b.member_id) == 1, "the link's end started no probe"
         _nothing_changed(coord, a, b, q1)
 
 
@@ -152,12 +183,12 @@ def test_a_link_that_breaks_while_its_member_lives_changes_nothing_and_reopens()
 def test_a_link_that_stays_down_for_a_live_member_costs_one_probe_only() -> None:
     """The server ends b's link while b lives and b cannot reopen it (stopped): one probe, b answers,
     nothing is published, and later ticks do not probe or abort again."""
-    t = Timeouts(op=2.0, heartbeat_interval=0.1, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
+    t = Timeouts(op=2.0, heartbeat_interval=0.5, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
     with _pair(t, 2) as (coord, a, b, q1):
         assert b._link is not None and b._link.up.wait(10)
         b._link.stop()                                  # b lives on, without a link
         assert _wait(lambda: b.member_id in coord._live.ended("live"), 10)
-        time.sleep(1.0)                                 # ten heartbeats: every tick sees the ended link
+        time.sleep(2.0)                                 # four heartbeats, ~100 ticks that see the ended link
         _nothing_changed(coord, a, b, q1)
         assert coord._runs["live"].link_probed == {b.member_id: coord._live.ended("live")[b.member_id]}
 
