@@ -435,7 +435,9 @@ class Coordinator:
         # end, in which it counts as silent once its heartbeat missed two beats (_end_link_probe).
         ended = self._live.ended(run.run_id)
         run.link_ended = {i for i in ended if i in run.members}
-        fresh = sorted(i for i in run.link_ended if run.link_probed.get(i) != ended[i])
+        # Only members of the published quorum: a joiner not yet published is judged as before (the probe
+        # would publish it at once, without join_grace, and a collaborative swarm's list would change early).
+        fresh = sorted(i for i in run.link_ended & set(run.current) if run.link_probed.get(i) != ended[i])
         if fresh:
             self.trace("link-probe", run=run.run_id, qid=run.qid, members=fresh)
             run.link_probed.update({i: ended[i] for i in fresh})
@@ -533,7 +535,7 @@ class Coordinator:
         for i in lost_now:
             self._drop(run, i)
         keep = tuple(i for i in alive if i not in lost_now)
-        if keep != run.current:   # a joiner that died before its admission changes nothing published
+        if keep != run.current:
             self._publish(run, keep)
 
     def _drop(self, run: _Run, i: int) -> None:
