@@ -105,7 +105,7 @@ class CausalLM(TinyTransformer):
         return self.head(self.body(self.emb(x), mask=mask, is_causal=True))
 
 
-def _strategy(name: str, period: int, fragments: int = 4) -> shoal.Strategy:
+def _strategy(name: str, period: int, fragments: int) -> shoal.Strategy:
     if name == "localsgd":
         return shoal.LocalSGD(period=period)
     if name == "diloco":
@@ -335,6 +335,8 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
     per_kill, per_join = kill_stalls(logs, kills, normal), join_stalls(logs, kills, normal)
     at_join, cost = admission_stalls(logs, kills, normal), download_costs(logs, kills, normal)
     at_round = admission_stalls(logs, kills, median_round_step(logs))   # DiLoCo: beyond a median round
+    trained = trained_s(logs, began, wall)
+    rate = goodput(logs, batch, trained, sum(lost))
     return {
         "wall_s": wall, "kills": len(kills), "val_loss": statistics.mean(vals) if vals else math.nan,
         "val_loss_spread": (max(vals) - min(vals)) if vals else math.nan,
@@ -362,9 +364,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         "per_kill": per_kill, "per_join": per_join,
         # Over the training's wall time: start to the last worker's end of training (not its leave).
         # Unrounded beside the rounded figure: the ratio of two 2-decimal rates wobbles by +-0.003.
-        "goodput_samples_s": round(goodput(logs, batch, trained_s(logs, began, wall), sum(lost)), 2),
-        "goodput_exact": goodput(logs, batch, trained_s(logs, began, wall), sum(lost)),
-        "trained_s": trained_s(logs, began, wall),
+        "goodput_samples_s": round(rate, 2), "goodput_exact": rate, "trained_s": trained,
     }
 
 

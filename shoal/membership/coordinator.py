@@ -238,7 +238,6 @@ class _Run:
         self.probe_since: float | None = None
         self.probe_base: dict[int, int] = {}
         self.probe_by_link = False              # the probe was started by a link's end, not by a request
-        self.link_ended: set[int] = set()       # members whose liveness link ended (their process is gone)
         self.link_probed: dict[int, int] = {}   # member -> the end of its link that already started a probe
         self.probe_suspects: set[int] = set()   # members the current probe judges by their link's end
         self.last_join = 0.0
@@ -430,24 +429,31 @@ class Coordinator:
         for i in gone:
             self._drop(run, i)
         if gone and set(gone) & set(run.current):
-            st.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
+            self._abort_current(run)
         # A member whose liveness link ended is likely gone (its process died): a probe starts now, once per
-        # end, in which it counts as silent once its heartbeat missed two beats (_end_link_probe).
+        # end, in which it counts as silent once its heartbeat missed two beats (_end_link_probe). Only
+        # members of the published quorum: a joiner not yet published is judged as before (the probe would
+        # publish it at once, without join_grace, and a collaborative swarm's list would change early).
         ended = self._live.ended(run.run_id)
-        run.link_ended = {i for i in ended if i in run.members}
-        # Only members of the published quorum: a joiner not yet published is judged as before (the probe
-        # would publish it at once, without join_grace, and a collaborative swarm's list would change early).
-        fresh = sorted(i for i in run.link_ended & set(run.current) if run.link_probed.get(i) != ended[i])
+        fresh = sorted(i for i in run.current if i in ended and i in run.members and run.link_probed.get(i) != ended[i])
         if fresh:
             self.trace("link-probe", run=run.run_id, qid=run.qid, members=fresh)
             run.link_probed.update({i: ended[i] for i in fresh})
             if run.probe_since is None:
-                run.probe_since, run.probe_by_link = now, True
-                run.probe_base = {i: m.beats for i, m in run.members.items()}
+                self._start_probe(run, now, by_link=True)
             else:   # joins the probe under way: it must beat after its link's end to count as alive
                 run.probe_base.update({i: run.members[i].beats for i in fresh})
             run.probe_suspects.update(fresh)
         self._maybe_publish(run, now, t, bool(gone))
+
+    def _start_probe(self, run: _Run, now: float, by_link: bool) -> None:
+        """Members whose heartbeat advances from now on are alive (``_maybe_publish`` judges them)."""
+        run.probe_since, run.probe_by_link = now, by_link
+        run.probe_base = {i: m.beats for i, m in run.members.items()}
+
+    def _abort_current(self, run: _Run) -> None:
+        """Members blocked in a collective of the current quorum give up at once (a member of it is gone)."""
+        self._store.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
 
     def _admit(self, run: _Run, i: int, info: dict[str, Any], now: float) -> None:
         run.members[i] = _Member(seen=now, info=info)
@@ -482,11 +488,11 @@ class Coordinator:
         if (run.probe_since is None or run.probe_by_link) and run.current and st.check([run.key(f"req/{run.qid}")]):
             self.trace("request", run=run.run_id, qid=run.qid)
             if run.probe_since is None:
-                run.probe_since = now
-                run.probe_base = {i: m.beats for i, m in run.members.items()}
+                self._start_probe(run, now, by_link=False)
             run.probe_by_link = False
         alive = tuple(sorted(run.members))
-        if run.probe_since is not None:
+        since = run.probe_since
+        if since is not None:
             answered = tuple(i for i in alive if run.members[i].beats > run.probe_base.get(i, -1))
             # Silent for a whole probe window already (e.g. a member that died before voting, judged
             # so by the voters): no need to wait another window for it.
@@ -495,9 +501,9 @@ class Coordinator:
             silent = [i for i in alive if i not in answered and (now - run.members[i].seen >= t.probe or (
                 i in run.probe_suspects and now - run.members[i].seen >= 2 * t.heartbeat_interval + _TICK_S))]
             if run.probe_by_link:
-                self._end_link_probe(run, now, t, alive, answered, silent)
+                self._end_link_probe(run, now - since < t.probe, alive, answered, silent)
                 return
-            if len(answered) + len(silent) < len(alive) and now - run.probe_since < t.probe:
+            if len(answered) + len(silent) < len(alive) and now - since < t.probe:
                 return
             run.probe_since = None
             run.probe_suspects.clear()
@@ -515,15 +521,15 @@ class Coordinator:
             return
         self._publish(run, alive)
 
-    def _end_link_probe(self, run: _Run, now: float, t: Timeouts, alive: tuple[int, ...],
+    def _end_link_probe(self, run: _Run, in_window: bool, alive: tuple[int, ...],
                         answered: tuple[int, ...], silent: list[int]) -> None:
         """A probe a link's end started judges only the members whose link ended: the silent ones are dropped,
         the quorum's abort flag raised (no step may have failed yet) and the others' quorum published; a
         member that answered lives (only its link broke) and nothing changes. Others that are slow to beat
-        are not judged here (heartbeat_timeout, or a request's probe, does that)."""
+        are not judged here (heartbeat_timeout, or a request's probe, does that). ``in_window``: the probe
+        window has not run out yet."""
         suspects = [i for i in alive if i in run.probe_suspects]
-        since = now if run.probe_since is None else run.probe_since
-        if any(i not in answered and i not in silent for i in suspects) and now - since < t.probe:
+        if any(i not in answered and i not in silent for i in suspects) and in_window:
             return
         run.probe_since, run.probe_by_link = None, False
         run.probe_suspects.clear()
@@ -531,7 +537,7 @@ class Coordinator:
         if not lost_now:
             return
         if set(lost_now) & set(run.current):
-            self._store.set(f"{run.key(f'q{run.qid}')}/abort", "member lost")
+            self._abort_current(run)
         for i in lost_now:
             self._drop(run, i)
         keep = tuple(i for i in alive if i not in lost_now)
