@@ -94,9 +94,18 @@ def _entry(
         if init_group:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            torch.distributed.init_process_group(
-                backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=op_timeout)
-            )
+            try:
+                torch.distributed.init_process_group(
+                    backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=op_timeout)
+                )
+            except torch.distributed.DistNetworkError as e:
+                if not _address_in_use(e):
+                    raise
+                # Another process took the port between free_port() and now: no rank has run fn yet
+                # (none passes init without rank 0's store), so the parent may start all over.
+                with open(os.path.join(out_dir, f"{rank}.{_ADDR_IN_USE}"), "w") as f:
+                    f.write(str(e))
+                return
         result = fn(rank, world_size, *args)
         torch.save(result, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -106,6 +115,15 @@ def _entry(
     finally:
         if init_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+_ADDR_IN_USE = "addrinuse"
+# How often run_workers picks a new port when the one free_port() gave was taken before rank 0 bound it.
+PORT_TRIES = 4
+
+
+def _address_in_use(e: BaseException) -> bool:
+    return "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
 
 
 def run_workers(
@@ -140,6 +158,32 @@ def run_workers(
     if rank_env is not None and len(rank_env) != world_size:
         raise ValueError(f"rank_env has {len(rank_env)} entries, expected one per rank ({world_size})")
     ctx = _context()
+    deadline = time.monotonic() + timeout
+    for attempt in range(PORT_TRIES):
+        results, errors, port_taken = _run_once(
+            ctx, fn, world_size, args, timeout, deadline, op_timeout, env, init_group, rank_env, backend
+        )
+        if not port_taken or attempt == PORT_TRIES - 1:
+            break
+    if errors:
+        raise WorkerError("\n".join(errors))
+    return results
+
+
+def _run_once(
+    ctx: Any,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    timeout: float,
+    deadline: float,
+    op_timeout: float,
+    env: dict[str, str] | None,
+    init_group: bool,
+    rank_env: Sequence[dict[str, str]] | None,
+    backend: str,
+) -> tuple[list[Any], list[str], bool]:
+    """One try on a fresh port: (results by rank, errors, whether rank 0 found the port taken)."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="shoal-workers-") as out_dir:
         procs = [
@@ -153,9 +197,14 @@ def run_workers(
         ]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
+
+        def taken() -> bool:
+            return any(os.path.exists(os.path.join(out_dir, f"{r}.{_ADDR_IN_USE}")) for r in range(world_size))
+
         failed_early = False
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if taken():
+                break
             # A rank that died or failed makes the others wait on it: stop early.
             if any(p.exitcode not in (None, 0) for p in procs) or any(
                 os.path.exists(os.path.join(out_dir, f"{r}.err")) for r in range(world_size)
@@ -170,6 +219,8 @@ def run_workers(
                 p.kill()
         for p in procs:
             p.join(5)
+        if taken():
+            return [], [f"--- the master port {port} was taken by another process on each of {PORT_TRIES} tries"], True
         results: list[Any] = []
         errors: list[str] = []
         for r, p in enumerate(procs):
@@ -186,7 +237,5 @@ def run_workers(
             else:
                 errors.append(f"--- rank {r} exited with code {p.exitcode} and no result")
             results.append(None)
-        if errors:
-            raise WorkerError("\n".join(errors))
-        return results
+        return results, errors, False
 
