@@ -182,7 +182,9 @@ def worker(a: argparse.Namespace) -> None:
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
         t0, d0 = time.time(), group.stats.discards
         task.train_loss(model).backward()
-        mine = group.contribution()[0]   # read within the step: a background heal's joiner counts zero
+        # Read within the step: a background heal's joiner counts zero, except once it has loaded between two
+        # rounds (an averaging strategy): its inner steps from there go into the next round, weighted.
+        mine = group.contribution()[0] or group.catchup.entering
         opt.step()
         opt.zero_grad()
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,

@@ -63,7 +63,7 @@ import torch
 from shoal.comm.objects import from_bytes, to_bytes
 from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalError
 from shoal.membership.fetch import Fetch
-from shoal.membership.heal import HealPlan, broadcast_object, load_blob
+from shoal.membership.heal import CONTROL_TAG as _CONTROL_TAG, HealPlan, broadcast_object, load_blob
 from shoal.membership.pace import StepPace, heal_pace, heal_rate
 from shoal.membership.received import check_received
 from shoal.membership.replay import OptimizerReplay, Replayer
@@ -79,8 +79,11 @@ class Pending:
     """A joiner still catching up, as every member of the quorum sees it."""
 
     hid: int                      # the heal it downloads (the quorum id of its admission)
-    ready: int | None = None      # the step from which it contributes (from its signed record)
+    ready: int | None = None      # the step from which it contributes (its signed record; entering between
+    #                               rounds: the exchange at each begin_step, see CatchUp.enter_between_rounds)
     keys: tuple[str, ...] = ()    # the state keys its replay does not cover (topped up at ``ready``)
+    read: bool = False            # its signed "ready" record was read
+    weight: float = 1.0           # its share of a member's weight in this step's means (entering between rounds)
 
 
 @dataclass
@@ -94,6 +97,8 @@ class CatchUpStats:
     download_s: float = 0.0
     admitted_at: float = 0.0      # time.time() of the admission and of the first contributing step
     contributes_at: float = 0.0
+    entered_between_rounds: bool = False   # loaded between two rounds (an averaging strategy's joiner)
+    first_weight: float = 0.0     # its weight in the first round it contributed to (its share of a period)
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
     served: int = 0               # snapshots this worker offered as a source
@@ -149,6 +154,15 @@ class CatchUp:
             return True, g.size
         out = [m for m, p in self.pending.items() if p.ready is None or p.ready > g.step]
         return g.client.member_id not in out, g.size - len(out)
+
+    def shortfall(self) -> float:
+        """How much weight this step's means lack from joiners that entered between rounds: each contributes
+        the share of a period it trained since it loaded (:meth:`enter_between_rounds`), so a mean over the
+        contributors divides by ``contributors - shortfall``. 0.0 otherwise; the same on every member."""
+        g = self.group
+        if not self.pending or g.quorum is None:
+            return 0.0
+        return sum(1.0 - p.weight for p in self.pending.values() if p.ready is not None and p.ready <= g.step)
 
     def out_ranks(self) -> set[int]:
         """The ranks of this step's non-contributors (joiners still catching up), the same on every member."""
@@ -220,13 +234,87 @@ class CatchUp:
         catching up are this step's newcomers too (they bring no progress of their own)."""
         if not self.pending:
             return
-        self._ready_or_fail()
-        if self.group.client.member_id in self.pending:
-            self._joiner_begin(self.group.step)
-        else:
-            self._write_topups(self.group.step)
         g = self.group
+        t, me = g.step, g.client.member_id
+        self._ready_or_fail()
+        if me in self.pending and not self.loaded and self.fetch is not None and self.fetch.done.is_set():
+            self._catch_up(self.pending[me], t, self.fetch)
+        if self._between_rounds():
+            self._exchange(t)
+        if me not in self.pending:
+            self._write_topups(t)
+        elif self.loaded and self.hid >= 0 and g.error is None:
+            p = self.pending[me]
+            if p.ready is not None and p.ready <= t:
+                self._top_up(p, t)
         g.newcomers = tuple(sorted(set(g.newcomers) | self.out_ranks()))
+
+    def _between_rounds(self) -> bool:
+        """Whether joiners may load between two rounds (an averaging strategy without overlapped reductions):
+        then who contributes, and with what weight, is agreed at each begin_step by :meth:`_exchange`."""
+        return any(getattr(r, "enters_between_rounds", False) for r in self.replayers)
+
+    def _exchange(self, t: int) -> None:
+        """Every member: the weight each joiner brings to step ``t``'s means, agreed in one all-reduce.
+
+        A joiner that loaded between rounds cannot publish that in time for
+        the others to read it before this step (a record written during the
+        inner steps may land after a peer's begin_step), so each joiner puts
+        its own weight in its slot (the share of a period it trained since it
+        loaded, 0 while downloading) and every member reads the same table. It
+        runs at every begin_step while the quorum has joiners, on every member
+        alike (the pending set comes from the quorum's plan).
+        """
+        g = self.group
+        me = g.client.member_id
+        table = torch.zeros(g.size, dtype=torch.float64, device=g.device)
+        if me in self.pending and self.loaded:
+            table[g.rank] = self._weight()
+        g.all_reduce(table, op="max", tag=_CONTROL_TAG).wait()
+        if g.error is not None:
+            return
+        weights, unread = table.tolist(), False
+        for m, p in self.pending.items():
+            w = min(1.0, float(weights[g.quorum.rank_of(m)]))
+            if w > 0.0:
+                p.ready, p.weight = t if p.ready is None or p.ready > t else p.ready, w   # the first: t
+                unread |= not p.read and m != me
+            else:
+                p.ready, p.weight = None, 1.0
+        if unread:   # a joiner entering now wrote its record (the keys it lacks) before it took part in this
+            self._ready_or_fail()
+        p = self.pending.get(me)
+        if p is not None and p.ready == t and self.stats.first_weight == 0.0:
+            self.stats.first_weight = p.weight
+
+    def _weight(self) -> float:
+        """This joiner's weight now: the smallest its replayers give (1.0 for a replayer without one)."""
+        return min((float(r.weight()) for r in self.replayers if hasattr(r, "weight")), default=1.0)
+
+    def enter_between_rounds(self) -> bool:
+        """A joiner of an averaging strategy, between two rounds: if its download has finished, load the
+        snapshot and replay now (its model restarts from the global copies), so that the inner steps it
+        trains from here on go into the next round, weighted by their share of the period (:meth:`shortfall`),
+        instead of waiting for the next begin_step. A failed download is left to that begin_step (it fails the
+        step and asks for a new quorum). True if it loaded now."""
+        g = self.group
+        me = g.client.member_id
+        fetch = self.fetch
+        if (self.hid < 0 or self.loaded or g._in_step or fetch is None or not fetch.done.is_set()
+                or me not in self.pending or not self._between_rounds()):
+            return False
+        blob, error = fetch.result
+        if blob is None or error is not None:
+            return False
+        self._catch_up(self.pending[me], g.step, fetch)
+        self.stats.entered_between_rounds = self.loaded
+        return self.loaded
+
+    @property
+    def entering(self) -> bool:
+        """A joiner that loaded between rounds and has not contributed yet: its inner steps from now on go into
+        its first contribution (e.g. what a benchmark counts as its committed work)."""
+        return self.hid >= 0 and self.loaded and self._between_rounds()
 
     def _key(self, hid: int, what: str) -> str:
         return str(self.group.client.key(f"heal/{hid}/{what}"))
@@ -235,14 +323,17 @@ class CatchUp:
         """Read the joiners' "ready" records not read yet; False if the coordinator's store did not answer."""
         st, book = self.group.client.store, self.group.client.book
         try:
+            agreed = self._between_rounds()   # then the exchange decides when it contributes; the record gives keys
             for m, p in self.pending.items():
-                if p.ready is not None or m == self.group.client.member_id:
+                if p.read or m == self.group.client.member_id:
                     continue
                 k = self._key(p.hid, f"ready/{m}")
                 if st.check([k]):
                     rec = book.open(st.get(k), writer=m, kind="heal ready")
                     if rec is not None:
-                        p.ready, p.keys = int(rec["from"]), tuple(str(x) for x in rec["keys"])
+                        p.keys, p.read = tuple(str(x) for x in rec["keys"]), True
+                        if not agreed:
+                            p.ready = int(rec["from"])
         except Exception as e:  # noqa: BLE001 - the coordinator is unreachable: a blip or an outage
             log.debug("reading the joiners' ready records failed (%s)", e)
             return False
@@ -400,14 +491,6 @@ class CatchUp:
                 self.pace.committed(time.monotonic(), open_slot=not self.group.quorum_pending)
                 self.stats.slots = self.pace.slots
 
-    def _joiner_begin(self, t: int) -> None:
-        p = self.pending[self.group.client.member_id]
-        if not self.loaded:
-            if self.fetch is not None and self.fetch.done.is_set():
-                self._catch_up(p, t, self.fetch)
-        elif p.ready is not None and p.ready <= t and self.hid >= 0:
-            self._top_up(p, t)
-
     def _catch_up(self, p: Pending, t: int, fetch: Fetch) -> None:
         g = self.group
         blob, error = self._downloaded(fetch)
@@ -422,7 +505,7 @@ class CatchUp:
                              f"{self.stats.admitted_step}..{t - 1}; a committed step was not recorded")
         self._replay(blob)
         own: set[str] = set().union(*(r.own(g.hooks.states) for r in self.replayers))
-        p.ready, p.keys = t + 1, tuple(sorted(set(g.hooks.states) - self._covered_keys - own))
+        p.ready, p.keys, p.read = t + 1, tuple(sorted(set(g.hooks.states) - self._covered_keys - own)), True
         g.client.store.set(self._key(self.hid, f"ready/{g.client.member_id}"),
                            g.client.book.seal({"from": p.ready, "keys": list(p.keys)}))
         self.stats.caught_up_step, self.loaded = t, True

@@ -368,6 +368,10 @@ class ElasticGroup(ElasticCollectives):
     def contribution(self) -> tuple[bool, int]:
         return self.catchup.contribution()
 
+    def shortfall(self) -> float:
+        """The weight this step's means lack from joiners entering with part of a period (0.0 mostly)."""
+        return self.catchup.shortfall()
+
     def register_replay(self, replayer: Replayer) -> None:
         self.catchup.register(replayer)
 

@@ -33,7 +33,7 @@ from shoal.comm.group import Group
 from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy
-from shoal.strategies.diloco_heal import enable_background_heal
+from shoal.strategies.diloco_heal import enable_background_heal, enter_between_rounds
 from shoal.strategies.diloco_state import (checkpoint, load_checkpoint, load_outer, load_pending, load_schedule,
                                            outer_state, pending_state, schedule_state)
 from shoal.strategies.rounds import Round, Rounds
@@ -322,6 +322,7 @@ class DiLoCo(Strategy):
         if not self.fragments or self.rounds is None:
             raise ShoalError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
         self.step += 1
+        enter_between_rounds(self)   # a joiner whose background download finished starts from the global copies
         for f in self.fragments:
             if self.step % self.config.inner_steps == f.offset:
                 if self.config.overlap_steps == 0:

@@ -16,16 +16,29 @@ global copies and outer state are then bitwise theirs. Its parameters are
 rebuilt from the global copies (as after a blocking heal), its inner
 optimizer starts afresh (each worker's own in DiLoCo; what it accumulated on
 its own model while downloading is dropped), and the small rest (the codec's
-counters, the module's buffers) comes with the top-up. It contributes from
-the round after the one at which it caught up (it then trained its inner
-steps from the global copies like everyone).
+counters, the module's buffers) comes with the top-up.
+
+It loads as soon as its download has finished, after whichever inner step
+that is (:func:`enter_between_rounds`), not at the next round's begin: the
+inner steps it trains from there go into the next round's mean, weighted by
+their share of the period (``k`` steps of ``H``: weight ``k/H``, and the mean
+divides by the contributors' summed weight, so a short pseudo-gradient
+neither shrinks nor dominates the outer step). Every member learns that
+weight at the round's begin from one all-reduce of the joiners' weights
+(:meth:`~shoal.membership.catchup.CatchUp.shortfall`), the same table
+everywhere. From a fragment's second round on its pseudo-gradient spans a
+period and it weighs 1. A joiner whose download ends at a round's begin
+loads there and brings nothing to that round (weight 0: it has trained no
+step from the global copies yet); its weight counts from there.
 
 Streaming DiLoCo with ``overlap_steps > 0``: a reduction launched while a
 joiner catches up runs on the communication thread with the joiner's part
 zeroed and the mean rescaled to the contributors (``contribution()``, the
 same answer on every member between two rounds), so the joiner holds the
 same landed mean and the ``merge:<k>`` round's check passes; its landed means
-are its own (``<key>/pending`` is not downloaded).
+are its own (``<key>/pending`` is not downloaded). A launch between two rounds
+reads who contributes, so there a joiner loads only at a round's begin and
+contributes from the round after, with weight 1, as before.
 
 Where this cannot be exact the group heals blocking (a refusal, see
 :meth:`~shoal.membership.elastic.ElasticGroup.refuse_background_heal`):
@@ -65,6 +78,17 @@ class OuterReplay:
 
     def __init__(self, strategy: Any, key: str, optimizer: torch.optim.Optimizer) -> None:   # a DiLoCo
         self.strategy, self.key, self.optimizer = strategy, key, optimizer
+        # Without overlapped reductions nothing reads who contributes between two rounds, so a joiner may load
+        # there (enter_between_rounds); with them a launch does, and a joiner loads at a round's begin as before.
+        self.enters_between_rounds = strategy.config.overlap_steps == 0
+        self.entered: int | None = None   # the inner step at whose end it loaded (its progress counts from there)
+
+    def weight(self) -> float:
+        """This joiner's share of a member's weight in the round now: the inner steps it trained since it
+        loaded over the period (1.0 from a fragment's second round on: its pseudo-gradient then spans a period)."""
+        if self.entered is None:
+            return 1.0
+        return min(1.0, (self.strategy.step - self.entered) / self.strategy.config.inner_steps)
 
     def covers(self, states: dict[str, StateEntry]) -> set[str]:
         return {f"{self.key}/strategy"}
@@ -105,6 +129,19 @@ class OuterReplay:
         for f in self.strategy.fragments:
             self.strategy._reset_to_global(f)
         self.optimizer.state.clear()   # trained on the joiner's own model while it downloaded: start afresh
+        self.entered = self.strategy.step
+
+
+def enter_between_rounds(strategy: Any) -> None:
+    """After an inner step: a joiner whose download has finished loads now, so that the rest of the period's
+    inner steps go into the next round (:meth:`~shoal.membership.catchup.CatchUp.enter_between_rounds`).
+    Not while a reduction is in flight or waits to be merged (overlap: its mean lands in these parameters)."""
+    catchup = getattr(strategy.group, "catchup", None)
+    if catchup is None or catchup.hid < 0 or catchup.loaded:
+        return
+    if any(f.future is not None or f.merge_at is not None for f in strategy.fragments):
+        return
+    catchup.enter_between_rounds()
 
 
 def landing_without_joiner(strategy: Any) -> bool:

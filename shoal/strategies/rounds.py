@@ -412,7 +412,9 @@ class Rounds:
         """Overwrite scratch ``tensors`` with their mean over this round's live contributors.
 
         Non-contributors send zeros; the codec's mean over all members is then
-        scaled by ``size / contributors``. ``group`` (default: the round's
+        scaled by ``size / contributors`` (a joiner that entered between two
+        rounds counts as the share of a period it trained,
+        :meth:`~shoal.membership.catchup.CatchUp.shortfall`). ``group`` (default: the round's
         group) may be a subgroup (:meth:`Group.subgroup`): the mean is then
         over its members, and when every one of them was healed in this round
         (none brings progress of its own) it is skipped and the tensors keep
@@ -424,8 +426,10 @@ class Rounds:
         """
         g = self.group if group is None else group
         newcomers = g.newcomers
-        live = g.size - len(newcomers)
-        if live == 0:
+        # A joiner that entered between rounds brings the share of a period it trained (membership.catchup).
+        shortfall = g.shortfall() if hasattr(g, "shortfall") else 0.0
+        live = g.size - len(newcomers) - shortfall
+        if len(newcomers) == g.size:
             return
         if g.rank in newcomers:
             for t in tensors:

@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--overlap", type=int, default=0)
     ap.add_argument("--powersgd", action="store_true", help="a codec with state of each worker's own (heals blocking)")
     ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--load-at-phase", type=int, default=-1,
+                    help="the joiner, once its download may run, waits for it before the inner step at this "
+                         "phase of the period (so it loads between two rounds, at a known step); -1: never waits")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
@@ -95,7 +98,8 @@ def main() -> None:
         full["rounds"] = full["rounds"] + 1 if group.size == a.world and counted == a.world else 0
         alone["seen"] = alone["seen"] or group.size < a.world
         log.append({"t": time.time(), "step": group.step - 1, "kind": kind, "size": group.size,
-                    "counted": counted, "mine": group.rank not in group.newcomers})
+                    "counted": counted, "mine": group.rank not in group.newcomers,
+                    "short": group.catchup.shortfall() if group.catchup.pending else 0.0})
     group.on_commit(committed)
     inner = torch.optim.Adam(net.parameters(), lr=1e-2)
     model, opt = shoal.wrap(net, inner, strategy, process_group=group)
@@ -110,6 +114,10 @@ def main() -> None:
             q, t0 = group.quorum, time.monotonic()
             while q is not None and group.client.latest() <= q.qid and time.monotonic() < t0 + 60:
                 time.sleep(0.02)
+        cu = group.catchup
+        if (a.load_at_phase >= 0 and cu.hid >= 0 and not cu.loaded and cu.fetch is not None
+                and group.step >= cu.stats.admitted_step + a.park and strategy.step % PERIOD == a.load_at_phase):
+            cu.fetch.done.wait(60)   # unparked: it finishes now, and this inner step's end loads it
         idx = torch.randint(0, 512, (16,), generator=pick)
         F.mse_loss(model(x[idx]), y[idx]).backward()
         discards, step = group.stats.discards, group.step

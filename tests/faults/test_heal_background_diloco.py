@@ -6,11 +6,17 @@ and its download is parked until the survivors committed ``PARK`` rounds, so
 every check runs every time, whatever the machine's speed: the survivors'
 rounds do not wait for the download (they commit while it is parked: counted,
 not timed), the joiner replays the outer steps it received with zero weight,
-contributes from the round after it caught up, no round is discarded after
-the admission, and at the end every worker holds bitwise-equal parameters,
-global copies and outer optimizer state. DiLoCo, and streaming DiLoCo with
-and without overlapped reductions; a codec with per-worker state heals
-blocking.
+no round is discarded after the admission, and at the end every worker holds
+bitwise-equal parameters, global copies and outer optimizer state. DiLoCo,
+and streaming DiLoCo with and without overlapped reductions; a codec with
+per-worker state heals blocking.
+
+Without overlapped reductions the joiner's download is let finish before a
+chosen inner step (``--load-at-phase``), so it loads between two rounds and
+its first round takes the inner steps it trained since, weighted by their
+share of the period: every member divides that round's mean by the same
+``contributors - shortfall``. With them it loads at a round's begin and
+contributes from the round after, with full weight.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ import harness  # noqa: E402
 
 ENV = {"SHOAL_HEAL": "background"}
 PARK = 2
+PERIOD = 4          # diloco_heal_worker.PERIOD
+LOAD_AT_PHASE = 1   # the joiner loads at the end of the inner step that starts at this phase of the period
 
 
-def _check(out: harness.Outcome, fragments: int) -> None:
+def _check(out: harness.Outcome, fragments: int, between: bool) -> None:
     why = out.logs
     assert [r for r, _ in out.deaths] == [2], why
     final = out.final()
@@ -54,10 +62,28 @@ def _check(out: harness.Outcome, fragments: int) -> None:
     assert [e["step"] for e in survivors[0]["log"]] == [e["step"] for e in survivors[1]["log"]], why
     # Nothing failed after the admission: no round of anyone was discarded (the catch-up costs no retry).
     assert all(s <= admitted for r in final for s in r["discarded"]), why
-    # The joiner: zero weight up to the round it caught up at, a contributor from the next one.
     mine = {e["step"]: e["mine"] for e in joiner["log"]}
-    assert min(mine) == admitted and not any(m for s, m in mine.items() if s <= caught), why
-    assert all(m for s, m in mine.items() if s > caught) and joiner["contributed"] > 0, why
+    assert min(mine) == admitted and joiner["contributed"] > 0, why
+    assert cu["entered_between_rounds"] == between, why
+    if between:
+        # Loaded after the inner step at LOAD_AT_PHASE, so its first contributing round is the next one
+        # with progress since then: k of PERIOD inner steps, the same weight in every member's division.
+        first = min(s for s, m in mine.items() if m)
+        assert first >= caught and not any(m for s, m in mine.items() if s < first), why
+        assert all(m for s, m in mine.items() if s >= first), why
+        k = cu["first_weight"] * PERIOD
+        assert 0 < k < PERIOD and k == int(k), why
+        if fragments == 1:   # the round at the period's end: the inner steps after the loading one
+            assert k == PERIOD - (LOAD_AT_PHASE + 1) and first == caught, why
+        for s in survivors:
+            short = {e["step"]: e["short"] for e in s["log"]}
+            assert short[first] == pytest.approx(1.0 - cu["first_weight"]), why
+            assert all(v == 0.0 for st, v in short.items() if st < first), why
+    else:
+        # Zero weight up to the round it caught up at, a contributor with full weight from the next one.
+        assert not any(m for s, m in mine.items() if s <= caught), why
+        assert all(m for s, m in mine.items() if s > caught), why
+        assert all(e["short"] == 0.0 for s in survivors for e in s["log"]), why
     ref = survivors[0]
     assert len(ref["synced"]) == (6 if fragments == 1 else 0) + fragments + 6, why   # params, globals, momenta
     for r in final[1:]:
@@ -73,9 +99,9 @@ def test_diloco_joiner_admitted_with_zero_weight_replays_outer_steps_bitwise(fra
     # (1, 0): DiLoCo; (2, 0): streaming DiLoCo, a round per fragment; (2, 1): streaming DiLoCo whose
     # reductions run in the background for one inner step (the joiner takes part with zero weight).
     out = harness.run(str(tmp_path), 3, ["--park", str(PARK), "--fragments", str(fragments), "--overlap",
-                                         str(overlap)], env=ENV, hard_limit=130, restarts=1,
-                      script="diloco_heal_worker.py")
-    _check(out, fragments)
+                                         str(overlap), "--load-at-phase", str(LOAD_AT_PHASE)],
+                      env=ENV, hard_limit=130, restarts=1, script="diloco_heal_worker.py")
+    _check(out, fragments, between=overlap == 0)
 
 
 @pytest.mark.timeout(150)
