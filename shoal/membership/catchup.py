@@ -95,6 +95,7 @@ class CatchUpStats:
     replayed: int = 0             # steps replayed (the survivors' commits during the download)
     download_bytes: int = 0
     download_s: float = 0.0
+    download_held_s: float = 0.0  # seconds its requests waited while it was in a round (averaging strategies)
     admitted_at: float = 0.0      # time.time() of the admission and of the first contributing step
     contributes_at: float = 0.0
     entered_between_rounds: bool = False   # loaded between two rounds (an averaging strategy's joiner)
@@ -283,6 +284,10 @@ class CatchUp:
                 p.ready, p.weight = None, 1.0
         if unread:   # a joiner entering now wrote its record (the keys it lacks) before it took part in this
             self._ready_or_fail()
+            lacking = [m for m, p in self.pending.items() if p.ready == t and not p.read and m != me]
+            if lacking and g.error is None:   # no top-up can be written without the keys: fail the step
+                g._record(ShoalError(f"the ready records of joiners {lacking} were not in the store although they "
+                                     "entered this step (written before the exchange)"))
         p = self.pending.get(me)
         if p is not None and p.ready == t and self.stats.first_weight == 0.0:
             self.stats.first_weight = p.weight
@@ -411,9 +416,12 @@ class CatchUp:
         return any(getattr(r, "after_commit", False) for r in self.replayers)
 
     def _unpace(self) -> None:
+        """``leave()``: the rest of the download goes flat out (no pace, no holding during rounds)."""
         if self.pace is not None:
             self.pace.release()
         self.pace = None
+        if self.fetch is not None:
+            self.fetch.release()
 
     def _abandon(self) -> None:
         """Stop and forget the download given up on (fetch.py): its pace is not lifted, nothing it fetched
@@ -428,6 +436,7 @@ class CatchUp:
         dl = fetch.download
         if dl is not None:
             self.stats.download_bytes, self.stats.download_s = dl.received, dl.seconds
+            self.stats.download_held_s = dl.held_s
             self.stats.by_source, self.stats.failed_sources = dict(dl.by_source), sorted(dl.failed)
         return fetch.result
 

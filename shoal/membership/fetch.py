@@ -4,7 +4,9 @@
 admission: it waits (an averaging strategy's joiner) until the admitting step
 committed, reads the sources' signed records (address, size, sha256), and
 runs a striped :class:`~shoal.membership.stateserve.Download`, paced by the
-run's commits if asked (:mod:`shoal.membership.pace`). Its result lives on
+run's commits if asked (:mod:`shoal.membership.pace`), and for an averaging
+strategy held while the joiner is in a round (it asks for ranges during the
+inner steps only: the round's collectives would share the link with it). Its result lives on
 the object, so a download given up on can never report into a later one.
 
 Abandoning one (the quorum heals blocking, the joiner is admitted again, the
@@ -52,6 +54,7 @@ class Fetch:
         self.group, self.hid, self.members, self.top = group, hid, members, top
         self.after_commit, self.pace, self.before_chunk = after_commit, pace, before_chunk
         self.stopped = threading.Event()
+        self.released = threading.Event()   # release(): no more holding while in a round (leave())
         self.done = threading.Event()
         self.result: tuple[bytes | None, str | None] = (None, None)
         self.download: Download | None = None
@@ -62,6 +65,10 @@ class Fetch:
     def start(self) -> None:
         self.store = self.group.client.store.clone()   # its own store connection: off the training thread's
         self.thread.start()
+
+    def release(self) -> None:
+        """Stop holding requests while the joiner is in a round (``leave()``: nobody runs rounds any more)."""
+        self.released.set()
 
     def stop(self, wait: float) -> bool:
         """Abandon the download (see the module docstring); True if its thread ended within ``wait`` s."""
@@ -82,10 +89,14 @@ class Fetch:
             if self.after_commit:
                 self._await_commit()
             sources = self._sources()
-            dl = Download(self.hid, sources, g.client.token, g.client.run_id, g.client.member_id,   # finer
-                          chunk=min(g.heal_chunk, PACED_CHUNK if self.pace else 1 << 20),   # stripes paced:
-                          timeout=g.timeouts.op)   # a slot overshoots by a chunk a source
+            # Finer stripes paced (a slot overshoots by a chunk a source) or held (a round waits for the
+            # ranges in flight at its begin, a chunk a source).
+            fine = self.pace is not None or self.after_commit
+            dl = Download(self.hid, sources, g.client.token, g.client.run_id, g.client.member_id,
+                          chunk=min(g.heal_chunk, PACED_CHUNK if fine else 1 << 20), timeout=g.timeouts.op)
             dl.before_chunk, dl.pace = self.before_chunk, self.pace
+            if self.after_commit:   # an averaging strategy: no request while this joiner is in a round, whose
+                dl.hold = lambda: bool(g._in_step) and not self.released.is_set()   # collectives use the link
             with self._lock:   # stop() sees this download, or this thread sees stop()
                 self.download = dl
                 if self.stopped.is_set():

@@ -338,7 +338,8 @@ class Download(threading.Thread):
     if every source failed (or the bytes do not match), :attr:`error` says why.
     ``before_chunk(source, received_so_far)``, if set, runs before every request
     (tests park a download there). ``pace`` (a :class:`~shoal.membership.pace.StepPace`), if set,
-    holds every request until one of its slots is open. :meth:`stop` abandons the download: no
+    holds every request until one of its slots is open; ``hold()``, if set, holds every request for as
+    long as it returns True (an averaging strategy's joiner while it is in a round). :meth:`stop` abandons the download: no
     request goes out after it, the connections are closed, and it ends without a :attr:`blob`.
     """
 
@@ -354,6 +355,8 @@ class Download(threading.Thread):
         self.failed: dict[int, str] = {}
         self.before_chunk: Callable[[int, int], None] | None = None
         self.pace: Any = None
+        self.hold: Callable[[], bool] | None = None
+        self.held_s = 0.0   # seconds the requests waited for hold() (summed over the sources' threads)
         self.t0 = time.monotonic()
         self.seconds = 0.0
         self.stopped = threading.Event()
@@ -412,6 +415,16 @@ class Download(threading.Thread):
                     return False
         return not self.stopped.is_set()
 
+    def _unheld(self) -> bool:
+        """Wait while ``hold()`` is True; False if the download was stopped meanwhile."""
+        t0 = time.monotonic()
+        while self.hold is not None and self.hold():
+            if self.stopped.wait(0.01):
+                return False
+        with self._conns_lock:
+            self.held_s += time.monotonic() - t0
+        return not self.stopped.is_set()
+
     def _pull(self, src: Source, buf: bytearray, todo: queue.Queue[tuple[int, int]], left: list[int],
               lock: threading.Lock) -> None:
         job: tuple[int, int] | None = None
@@ -433,6 +446,8 @@ class Download(threading.Thread):
                         if left[0] == 0:
                             break
                     if self.pace is not None and not self._paced(left, lock):
+                        break
+                    if self.hold is not None and not self._unheld():
                         break
                     try:
                         job = todo.get(timeout=0.05)

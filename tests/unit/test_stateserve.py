@@ -205,3 +205,37 @@ def test_a_download_stopped_before_it_started_does_not_connect() -> None:
     with pytest.raises(socket.timeout):
         listener.accept()      # nobody connected
     listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_held_download_asks_for_nothing_until_hold_lifts_then_completes() -> None:
+    # An averaging strategy's joiner holds its requests while it is in a round (Fetch sets hold).
+    server, src = _serve(_tree())
+    dl = Download(3, [src], TOKEN, RUN, member=9, chunk=512)
+    held, asked_while_held, started = threading.Event(), [], []
+
+    def before_chunk(source: int, received: int) -> None:
+        if held.is_set():
+            asked_while_held.append(received)
+        if received > 0 and not started:   # a round begins after the first range
+            started.append(received)
+            held.set()
+            threading.Timer(0.3, held.clear).start()
+
+    dl.before_chunk, dl.hold = before_chunk, held.is_set
+    dl.run()
+    assert dl.error is None and dl.received == src.size and started
+    assert asked_while_held == [] and dl.held_s >= 0.25
+    assert from_bytes(torch.frombuffer(bytearray(dl.blob), dtype=torch.uint8))["cursor"] == {"cursor": 48}
+    server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_download_held_forever_ends_when_stopped() -> None:
+    server, src = _serve(_tree())
+    dl = Download(3, [src], TOKEN, RUN, member=9, chunk=512)
+    dl.hold = lambda: True
+    threading.Timer(0.2, dl.stop).start()
+    dl.run()
+    assert dl.blob is None and dl.error is not None and "stopped" in dl.error and dl.received == 0
+    server.close()
