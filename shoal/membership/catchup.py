@@ -84,6 +84,9 @@ class Pending:
     keys: tuple[str, ...] = ()    # the state keys its replay does not cover (topped up at ``ready``)
     read: bool = False            # its signed "ready" record was read
     weight: float = 1.0           # its share of a member's weight in this step's means (entering between rounds)
+    full_at: int | None = None    # the step from which it weighs 1: its top-up's step (``ready``, or later for a
+    #                               joiner entering between rounds: until then it stays a downloader in every
+    #                               quorum's plan, so its weight is agreed in each)
 
 
 @dataclass
@@ -240,13 +243,13 @@ class CatchUp:
         self._ready_or_fail()
         if me in self.pending and not self.loaded and self.fetch is not None and self.fetch.done.is_set():
             self._catch_up(self.pending[me], t, self.fetch)
-        if self._between_rounds():
-            self._exchange(t)
+        if self._between_rounds() and any(p.full_at is None or p.full_at >= t for p in self.pending.values()):
+            self._exchange(t)   # until every joiner of this quorum weighs 1 (full_at: agreed, the same everywhere)
         if me not in self.pending:
             self._write_topups(t)
         elif self.loaded and self.hid >= 0 and g.error is None:
             p = self.pending[me]
-            if p.ready is not None and p.ready <= t:
+            if p.full_at is not None and p.full_at <= t:
                 self._top_up(p, t)
         g.newcomers = tuple(sorted(set(g.newcomers) | self.out_ranks()))
 
@@ -263,8 +266,11 @@ class CatchUp:
         inner steps may land after a peer's begin_step), so each joiner puts
         its own weight in its slot (the share of a period it trained since it
         loaded, 0 while downloading) and every member reads the same table. It
-        runs at every begin_step while the quorum has joiners, on every member
-        alike (the pending set comes from the quorum's plan).
+        runs at every begin_step until every joiner of the quorum weighs 1, on
+        every member alike (the pending set comes from the quorum's plan, and
+        ``full_at`` from these exchanges). A joiner is topped up, and stops
+        being a downloader in later quorums' plans, only once it weighs 1: until
+        then each quorum it is in agrees on its weight here.
         """
         g = self.group
         me = g.client.member_id
@@ -279,18 +285,20 @@ class CatchUp:
             w = min(1.0, float(weights[g.quorum.rank_of(m)]))
             if w > 0.0:
                 p.ready, p.weight = t if p.ready is None or p.ready > t else p.ready, w   # the first: t
+                if w >= 1.0 and (p.full_at is None or p.full_at > t):
+                    p.full_at = t    # its top-up's step; it stays a downloader until then (see Pending)
                 unread |= not p.read and m != me
             else:
-                p.ready, p.weight = None, 1.0
+                p.ready, p.weight, p.full_at = None, 1.0, None
         if unread:   # a joiner entering now wrote its record (the keys it lacks) before it took part in this
             self._ready_or_fail()
-            lacking = [m for m, p in self.pending.items() if p.ready == t and not p.read and m != me]
+            lacking = [m for m, p in self.pending.items() if p.full_at == t and not p.read and m != me]
             if lacking and g.error is None:   # no top-up can be written without the keys: fail the step
                 g._record(ShoalError(f"the ready records of joiners {lacking} were not in the store although they "
                                      "entered this step (written before the exchange)"))
         p = self.pending.get(me)
-        if p is not None and p.ready == t and self.stats.first_weight == 0.0:
-            self.stats.first_weight = p.weight
+        if p is not None and p.ready == t and self.stats.contributes_at < self.stats.admitted_at:
+            self.stats.first_weight, self.stats.contributes_at = p.weight, time.time()
 
     def _weight(self) -> float:
         """This joiner's weight now: the smallest its replayers give (1.0 for a replayer without one)."""
@@ -338,7 +346,7 @@ class CatchUp:
                     if rec is not None:
                         p.keys, p.read = tuple(str(x) for x in rec["keys"]), True
                         if not agreed:
-                            p.ready = int(rec["from"])
+                            p.ready = p.full_at = int(rec["from"])
         except Exception as e:  # noqa: BLE001 - the coordinator is unreachable: a blip or an outage
             log.debug("reading the joiners' ready records failed (%s)", e)
             return False
@@ -364,14 +372,15 @@ class CatchUp:
             time.sleep(0.01)
 
     def _write_topups(self, t: int) -> None:
-        """The lowest-ranked member holding the run's state writes what joiners entering now still lack."""
+        """The lowest-ranked member holding the run's state writes what joiners that weigh 1 from now on still
+        lack (not for one whose keys it could not read: that step has failed, see :meth:`_exchange`)."""
         g = self.group
         holders = [r for r, m in enumerate(g.quorum.members) if m not in self.pending]
         if not holders or g.rank != holders[0]:
             return
         states = g.hooks.states
         for m, p in self.pending.items():
-            if p.ready == t:
+            if p.full_at == t and p.read:
                 blob = to_bytes({k: states[k].get() for k in p.keys})
                 rec = g.client.book.seal({"b": base64.b64encode(blob.numpy().tobytes()).decode()})
                 g.client.store.set(self._key(p.hid, f"top/{m}/{t}"), rec)
@@ -514,7 +523,8 @@ class CatchUp:
                              f"{self.stats.admitted_step}..{t - 1}; a committed step was not recorded")
         self._replay(blob)
         own: set[str] = set().union(*(r.own(g.hooks.states) for r in self.replayers))
-        p.ready, p.keys, p.read = t + 1, tuple(sorted(set(g.hooks.states) - self._covered_keys - own)), True
+        p.ready = p.full_at = t + 1   # between rounds: the exchange at each begin_step decides instead
+        p.keys, p.read = tuple(sorted(set(g.hooks.states) - self._covered_keys - own)), True
         g.client.store.set(self._key(self.hid, f"ready/{g.client.member_id}"),
                            g.client.book.seal({"from": p.ready, "keys": list(p.keys)}))
         self.stats.caught_up_step, self.loaded = t, True
@@ -545,4 +555,5 @@ class CatchUp:
         for key in p.keys:
             (states[key].heal_load or states[key].load)(got[key])
         self.hid = -1
-        self.stats.contributes_at = time.time()
+        if self.stats.contributes_at < self.stats.admitted_at:   # between rounds: set at its first round
+            self.stats.contributes_at = time.time()

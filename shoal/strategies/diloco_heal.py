@@ -88,6 +88,8 @@ class OuterReplay:
         loaded over the period (1.0 from a fragment's second round on: its pseudo-gradient then spans a period)."""
         if self.entered is None:
             return 1.0
+        # Capped at 1: after a round given up the others' pseudo-gradients span two periods and the joiner's
+        # one and a bit, so it weighs a little more than its share there (rare; the cap keeps it simple).
         return min(1.0, (self.strategy.step - self.entered) / self.strategy.config.inner_steps)
 
     def covers(self, states: dict[str, StateEntry]) -> set[str]:
