@@ -285,7 +285,9 @@ class CatchUp:
             w = min(1.0, float(weights[g.quorum.rank_of(m)]))
             if w > 0.0:
                 p.ready, p.weight = t if p.ready is None or p.ready > t else p.ready, w   # the first: t
-                if w >= 1.0 and (p.full_at is None or p.full_at > t):
+                if w < 1.0:   # not yet (a step with no inner steps since the last one, e.g. an admission's
+                    p.full_at = None   # empty round, keeps its weight); the joiner's own _catch_up set t + 1
+                elif p.full_at is None or p.full_at > t:
                     p.full_at = t    # its top-up's step; it stays a downloader until then (see Pending)
                 unread |= not p.read and m != me
             else:

@@ -56,7 +56,7 @@ class Fake:
         book = SimpleNamespace(seal=lambda rec: dict(rec), open=lambda rec, **kw: rec)
         self.client = SimpleNamespace(member_id=members[rank], store=store, book=book,
                                       key=lambda k: f"run/{k}", down=threading.Event())
-        self.timeouts = SimpleNamespace(heartbeat_timeout=5.0, quorum=5.0)
+        self.timeouts = SimpleNamespace(heartbeat_timeout=5.0, quorum=3.0)
         self.link = SimpleNamespace(failures=SimpleNamespace(aborted=False))
         self.hooks = SimpleNamespace(states={"buffers": StateEntry(get=lambda: buffers.clone(),
                                                                    load=lambda v: buffers.copy_(v))})
@@ -101,12 +101,19 @@ def _members(world: World, members: list[int], store: Store, joiner_buffers: tor
         c = CatchUp(g)
         c.register(replay)
         c.pending = {JOINER: Pending(HID)}
-        if m == JOINER:   # loaded between rounds (what enter_between_rounds leaves), its record written
-            c.hid, c.loaded = HID, True
-            c.pending[JOINER].read, c.pending[JOINER].keys = True, ("buffers",)
-            store.set(f"run/heal/{HID}/ready/{JOINER}", {"from": 0, "keys": ["buffers"]})
+        if m == JOINER:
+            c.hid = HID   # downloading
         out.append((g, c))
     return out
+
+
+def _load_between_rounds(c: CatchUp, store: Store, t: int) -> None:
+    """What enter_between_rounds leaves on the joiner before step ``t``: loaded, its record written, and on
+    its own view (``_catch_up``) "ready from t + 1"."""
+    c.loaded = True
+    p = c.pending[JOINER]
+    p.read, p.keys, p.ready, p.full_at = True, ("buffers",), t + 1, t + 1
+    store.set(f"run/heal/{HID}/ready/{JOINER}", {"from": t + 1, "keys": ["buffers"]})
 
 
 def _begin(members: list[tuple[Fake, CatchUp]], step: int) -> list[tuple[float, tuple[int, ...], int]]:
@@ -138,8 +145,11 @@ def test_weights_agreed_across_a_quorum_change_and_the_top_up_waits_for_weight_1
     # Step 10: still downloading (weight 0): counted out everywhere.
     assert {(s, n) for s, n, _ in _begin(members, 10)} == {(0.0, (2,))}
     # Step 11: loaded 8 of 32 inner steps before the round: weight 0.25, shortfall 0.75 on every member.
+    _load_between_rounds(members[2][1], store, 11)
     replay.w = 0.25
     assert {(s, n) for s, n, _ in _begin(members, 11)} == {(0.75, ())}
+    # Step 12: an empty round right after (an admission's): no inner step since, the same weight.
+    assert {(s, n) for s, n, _ in _begin(members, 12)} == {(0.75, ())}
     assert torch.equal(joiner_buffers, torch.zeros(3))     # no top-up yet: it does not weigh 1
     # A quorum change: member 2 is replaced by member 5, whose Pending is fresh (CatchUp.adopt keeps the
     # others'); the joiner stays a downloader in the plan (hid >= 0), so its weight is still agreed.
@@ -148,12 +158,12 @@ def test_weights_agreed_across_a_quorum_change_and_the_top_up_waits_for_weight_1
     for (g_old, c_old), (g_new, c_new) in zip([members[0], members[2]], [fresh[0], fresh[2]]):
         c_new.pending, c_new.hid, c_new.loaded = c_old.pending, c_old.hid, c_old.loaded   # kept objects
     replay.w = 0.5
-    assert {(s, n) for s, n, _ in _begin(fresh, 12)} == {(0.5, ())}   # the newcomer 5 agrees
-    # Step 13: a full period behind it: weight 1, the holder writes the top-up and the joiner loads it.
+    assert {(s, n) for s, n, _ in _begin(fresh, 13)} == {(0.5, ())}   # the newcomer 5 agrees
+    # Step 14: a full period behind it: weight 1, the holder writes the top-up and the joiner loads it.
     replay.w = 1.0
-    assert {(s, n) for s, n, _ in _begin(fresh, 13)} == {(0.0, ())}
+    assert {(s, n) for s, n, _ in _begin(fresh, 14)} == {(0.0, ())}
     assert torch.equal(joiner_buffers, holder_buffers) and fresh[2][1].hid == -1
-    # Step 14: every joiner weighs 1: nobody runs the exchange any more (all alike, or they would hang).
-    before = [x for _, _, x in _begin(fresh, 13 + 0)]   # a retry of step 13 still exchanges (full_at == t)
-    after = [x for _, _, x in _begin(fresh, 14)]
+    # Step 15: every joiner weighs 1: nobody runs the exchange any more (all alike, or they would hang).
+    before = [x for _, _, x in _begin(fresh, 14)]   # a retry of step 14 still exchanges (full_at == t)
+    after = [x for _, _, x in _begin(fresh, 15)]
     assert after == before
