@@ -298,9 +298,9 @@ class CatchUp:
             if lacking and g.error is None:   # no top-up can be written without the keys: fail the step
                 g._record(ShoalError(f"the ready records of joiners {lacking} were not in the store although they "
                                      "entered this step (written before the exchange)"))
-        p = self.pending.get(me)
-        if p is not None and p.ready == t and self.stats.contributes_at < self.stats.admitted_at:
-            self.stats.first_weight, self.stats.contributes_at = p.weight, time.time()
+        own = self.pending.get(me)
+        if own is not None and own.ready == t and self.stats.contributes_at < self.stats.admitted_at:
+            self.stats.first_weight, self.stats.contributes_at = own.weight, time.time()
 
     def _weight(self) -> float:
         """This joiner's weight now: the smallest its replayers give (1.0 for a replayer without one)."""
