@@ -359,6 +359,11 @@ class Group(metaclass=abc.ABCMeta):
         member's, here (an elastic group's joiner catching up in the background counts zero)."""
         return True, self.size
 
+    def shortfall(self) -> float:
+        """How much weight this step's means lack from members counted with part of one (an elastic group's
+        joiner that entered between two rounds): none here."""
+        return 0.0
+
     def register_replay(self, replayer: Any) -> None:
         """Nothing here: only an elastic group's background heal replays the updates a joiner received."""
 

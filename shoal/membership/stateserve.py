@@ -338,9 +338,10 @@ class Download(threading.Thread):
     if every source failed (or the bytes do not match), :attr:`error` says why.
     ``before_chunk(source, received_so_far)``, if set, runs before every request
     (tests park a download there). ``pace`` (a :class:`~shoal.membership.pace.StepPace`), if set,
-    holds every request until one of its slots is open; ``hold()``, if set, holds every request for as
-    long as it returns True (an averaging strategy's joiner while it is in a round). :meth:`stop` abandons the download: no
-    request goes out after it, the connections are closed, and it ends without a :attr:`blob`.
+    holds every request until one of its slots is open; ``hold()``, if set, holds every request for
+    as long as it returns True (an averaging strategy's joiner while it is in a round). :meth:`stop`
+    abandons the download: no request goes out after it, the connections are closed, and it ends
+    without a :attr:`blob`.
     """
 
     def __init__(self, hid: int, sources: list[Source], token: str, run_id: str, member: int,

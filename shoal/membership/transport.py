@@ -336,6 +336,10 @@ class ElasticCollectives(abc.ABC):
         """(whether this member's data counts in this step's means, how many members' data does)."""
 
     @abc.abstractmethod
+    def shortfall(self) -> float:
+        """How much weight this step's means lack from joiners counted with part of one (0.0 mostly)."""
+
+    @abc.abstractmethod
     def register_replay(self, replayer: Any) -> None:
         """Replay the updates a joiner received while it downloads (the background heal)."""
 

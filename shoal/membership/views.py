@@ -89,6 +89,7 @@ class QuorumParent(Protocol):
     @property
     def size(self) -> int: ...
     def contribution(self) -> tuple[bool, int]: ...
+    def shortfall(self) -> float: ...
     def register_replay(self, replayer: Any) -> None: ...
     def refuse_background_heal(self, why: str, when: Callable[[], bool] | None = None) -> None: ...
     def watch_peers(self) -> None: ...
@@ -223,6 +224,13 @@ class ElasticSubgroup(ElasticCollectives):
                               "(SHOAL_HEAL=background) and a subgroup's means count every member; run with "
                               "SHOAL_HEAL=blocking (the default)")
         return True, self.size
+
+    def shortfall(self) -> float:
+        if self.parent.shortfall() != 0.0:
+            raise ConfigError(f"elastic subgroup {self.name!r}: a joiner that entered between rounds counts with "
+                              "part of a member's weight, and a subgroup's means count every member; run with "
+                              "SHOAL_HEAL=blocking (the default)")
+        return 0.0
 
     def unique_name(self, name: str) -> str:
         """A name not yet taken on the parent (the registry of states and names is the parent's)."""

@@ -137,13 +137,11 @@ class OuterReplay:
 def enter_between_rounds(strategy: Any) -> None:
     """After an inner step: a joiner whose download has finished loads now, so that the rest of the period's
     inner steps go into the next round (:meth:`~shoal.membership.catchup.CatchUp.enter_between_rounds`).
-    Not while a reduction is in flight or waits to be merged (overlap: its mean lands in these parameters)."""
-    catchup = getattr(strategy.group, "catchup", None)
-    if catchup is None or catchup.hid < 0 or catchup.loaded:
-        return
-    if any(f.future is not None or f.merge_at is not None for f in strategy.fragments):
-        return
-    catchup.enter_between_rounds()
+    Only without overlapped reductions (``OuterReplay.enters_between_rounds``): then none is ever in flight
+    or waiting to be merged between two rounds, so nothing lands in the parameters it resets."""
+    catchup = getattr(strategy.group, "catchup", None)   # a static group has no background heal
+    if catchup is not None:
+        catchup.enter_between_rounds()
 
 
 def landing_without_joiner(strategy: Any) -> bool:

@@ -427,8 +427,7 @@ class Rounds:
         g = self.group if group is None else group
         newcomers = g.newcomers
         # A joiner that entered between rounds brings the share of a period it trained (membership.catchup).
-        shortfall = g.shortfall() if hasattr(g, "shortfall") else 0.0
-        live = g.size - len(newcomers) - shortfall
+        live = g.size - len(newcomers) - g.shortfall()
         if len(newcomers) == g.size:
             return
         if g.rank in newcomers:

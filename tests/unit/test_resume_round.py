@@ -213,6 +213,9 @@ class FakeElastic(FakeGroup):
     def refuse_background_heal(self, why: str, when: Any = None) -> None:
         return None
 
+    def shortfall(self) -> float:
+        return 0.0
+
     def unique_name(self, name: str) -> str:
         return name
 
