@@ -5,9 +5,10 @@ Both runs train the same model for the same number of optimizer steps with
 worker is SIGKILLed every ``--kill-every`` seconds (±30 %) for ``--chaos-for``
 seconds and restarted at once (as ``shoal run --elastic`` does); it heals
 from a live peer. Reported: final validation loss of both runs, rounds re-run,
-local steps lost per failure (the killed worker's steps since its last
-round), seconds the survivors' step took when a round had to be re-run,
-seconds from a restart to its first step and the heal itself (with the
+local steps lost per failure (the killed worker's progress that no
+committed round holds: for DiLoCo and streaming DiLoCo each fragment's steps
+since its last launch, weighted by its share of the parameters), seconds
+the survivors' step took when a round had to be re-run, seconds from a restart to its first step and the heal itself (with the
 model's size), steps per second; per kill and per join the survivors' stall
 (their longest gap between committed steps across the kill or around the
 newcomer's admission, minus a median step), the newcomer's seconds from
@@ -62,7 +63,8 @@ import torch.nn.functional as F
 
 import shoal
 from shoal.bench.chaos_stats import (admission_stalls, download_costs, goodput, join_stalls, joins as join_table,
-                                     kill_stalls, median_round_step, median_step, spread, trained_s)
+                                     kill_stalls, median_round_step, median_step, spread, sync_of, trained_s,
+                                     unsynced_steps)
 from shoal.bench.overhead import TinyTransformer
 from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.rates import parse_rate
@@ -113,6 +115,18 @@ def _strategy(name: str, period: int, fragments: int) -> shoal.Strategy:
     if name == "streaming":   # each fragment synchronised once a period, the fragments' rounds spread over it
         return shoal.StreamingDiLoCo(inner_steps=period, fragments=fragments, overlap_steps=0)
     return shoal.strategies.Sync()
+
+
+def sync_schedule(strategy: shoal.Strategy) -> dict[str, Any] | None:
+    """When each of a DiLoCo's fragments is synchronised, and its share of the parameters (what
+    :func:`~shoal.bench.chaos_stats.unsynced_steps` needs); None for a strategy whose rounds sync everything."""
+    frags = getattr(strategy, "fragments", None)
+    if not frags:
+        return None
+    total = sum(f.snapshot.numel() for f in frags)
+    cfg = strategy.config
+    return {"period": cfg.inner_steps, "offsets": [cfg.launch_offset(f.index) for f in frags],
+            "weights": [f.snapshot.numel() / total for f in frags]}
 
 
 def _timeouts(a: argparse.Namespace) -> Timeouts:
@@ -174,7 +188,7 @@ def worker(a: argparse.Namespace) -> None:
     log.write(json.dumps({"event": "joined", "t": time.time(), "started": started, "step": step_of(), "pid": os.getpid(),
                           "heal_s": group.stats.heal_s, "heal_bytes": group.stats.heal_bytes,
                           "healed": group.stats.heals_received,
-                          "params": sum(q.numel() for q in net.parameters())}) + "\n")
+                          "params": sum(q.numel() for q in net.parameters()), "sync": sync_schedule(strategy)}) + "\n")
     # Stop right after a round, so that every worker holds the same parameters.
     after_round = {"localsgd": 1, "diloco": 0, "streaming": 0}.get(a.strategy)
     log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
@@ -327,12 +341,8 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
             logs[rank, life] = _read(os.path.join(out, n))
     vals = [e["val"] for lg in logs.values() for e in lg if e.get("event") == "done"]
     steps = [e for lg in logs.values() for e in lg if "dt" in e]
-    lost = []
-    for k in kills:  # the killed incarnation's local steps past its last committed round
-        lg = [e for e in logs.get((k["rank"], k["life"]), []) if "dt" in e]
-        if lg:
-            last_round = lg[-1]["round"]
-            lost.append(sum(1 for e in lg if e["round"] == last_round) - 1 if len(lg) > 1 else 0)
+    # The killed incarnation's progress no committed round holds (each fragment's since its last launch).
+    lost = [unsynced_steps(lg, sync_of(lg)) for k in kills for lg in [logs.get((k["rank"], k["life"]), [])]]
     joins = [e for (_, life), lg in logs.items() if life > 0 for e in lg if e.get("event") == "joined"]
     normal = median_step(logs)
     per_kill, per_join = kill_stalls(logs, kills, normal), join_stalls(logs, kills, normal)

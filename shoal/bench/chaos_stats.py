@@ -300,8 +300,50 @@ def _excesses(by_pid: dict[int, list[dict[str, Any]]], kills: list[dict[str, Any
     return best
 
 
-def goodput(logs: Logs, samples_per_step: int, wall: float, lost: int = 0) -> float:
-    """Committed samples per second: every incarnation's steps that made progress, less ``lost`` local steps."""
+def sync_of(log: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fragments' synchronisation schedule the incarnation logged when it joined (None: none logged)."""
+    return next((e.get("sync") for e in log if e.get("event") == "joined"), None)
+
+
+def unsynced_steps(log: list[dict[str, Any]], sync: dict[str, Any] | None = None) -> float:
+    """The killed incarnation's progress that no committed round holds, in steps (its work lost with it).
+
+    Without ``sync`` (DDP, local SGD: one round synchronises everything) it is
+    the steps since its last round: those logged with its last ``round``,
+    less the step that ran that round. With ``sync`` (DiLoCo, streaming
+    DiLoCo: ``{"period": H, "offsets": [...], "weights": [...]}``, each
+    fragment synchronised after the steps ``s`` with ``s % H == offset``, in
+    its share ``weight`` of the parameters) a fragment holds its progress up to
+    its last launch before the kill, so the steps lost are each fragment's
+    progress steps since then, weighted by its share. Streaming DiLoCo thus
+    loses about half a period per kill, as DiLoCo does, not just the steps
+    since the last fragment's round. Example (H=8, two fragments launching
+    after steps 4 and 0 of each period, killed after step 11: 7 steps since
+    the launch at 4, 3 since the one at 8)::
+
+        >>> log = [{"t": float(s), "dt": 1.0, "step": s, "discards": 0, "round": s // 4} for s in range(1, 12)]
+        >>> unsynced_steps(log, {"period": 8, "offsets": [4, 0], "weights": [0.5, 0.5]})
+        5.0
+        >>> unsynced_steps(log)   # a round every 4 steps: steps 9..11 since the one at step 8
+        3.0
+    """
+    steps = progress_steps(log)
+    if not steps:
+        return 0.0
+    if sync is None:
+        last = steps[-1]["round"]
+        return float(max(0, sum(1 for e in steps if e["round"] == last) - 1))
+    period, end = int(sync["period"]), int(steps[-1]["step"])
+    lost = 0.0
+    for offset, weight in zip(sync["offsets"], sync["weights"]):
+        launched = end - (end - int(offset)) % period   # its last launch at or before the last step
+        lost += float(weight) * sum(1 for e in steps if e["step"] > launched)
+    return lost
+
+
+def goodput(logs: Logs, samples_per_step: int, wall: float, lost: float = 0.0) -> float:
+    """Committed samples per second: every incarnation's steps that made progress, less ``lost`` local steps
+    (:func:`unsynced_steps` of every killed incarnation)."""
     n = sum(len(committed_times(lg)) for lg in logs.values()) - lost
     return samples_per_step * n / wall if wall > 0 else 0.0
 

@@ -259,3 +259,49 @@ def test_the_bench_summary_reports_the_admission_stall_beside_the_window_and_the
     assert got["joins_admitted_in_their_kills_gap"] == 0
     (row,) = got["per_join_admission"]
     assert (row["rank"], row["life"], row["download_steps"], row["kill_in_gap"]) == (2, 1, 4, False), row
+
+
+def _local(steps: range, period: int, contributes: Any = True) -> list[dict[str, Any]]:
+    """A DiLoCo worker's log: one entry per inner step, its round counter advancing after each ``period``."""
+    return [{"t": float(s), "dt": 1.0, "step": s, "discards": 0, "round": s // period,
+             "contributes": contributes(s) if callable(contributes) else contributes} for s in steps]
+
+
+def test_diloco_loses_the_steps_since_its_last_round_and_streaming_each_fragments_since_its_launch() -> None:
+    from shoal.bench.chaos_stats import unsynced_steps
+    diloco = {"period": 8, "offsets": [0], "weights": [1.0]}
+    assert unsynced_steps(_local(range(1, 12), 8), diloco) == 3.0          # steps 9..11 since the round at 8
+    assert unsynced_steps(_local(range(1, 8), 8), diloco) == 7.0           # the first period: all of it
+    assert unsynced_steps(_local(range(1, 9), 8), diloco) == 0.0           # killed right after its round
+    # Streaming, 4 fragments launching after steps 2, 4, 6, 0 of each period of 8 (a round every 2 steps):
+    # killed after step 13, the fragments hold its progress up to steps 10, 12, 6, 8: 3+1+7+5 steps lost.
+    streaming = {"period": 8, "offsets": [2, 4, 6, 0], "weights": [0.25] * 4}
+    log = _local(range(1, 14), 2)
+    assert unsynced_steps(log, streaming) == 4.0
+    assert unsynced_steps(log) == 1.0   # what the rounds alone say: the step since the last fragment's round
+    # Weighted by each fragment's share of the parameters.
+    assert unsynced_steps(log, {"period": 8, "offsets": [2, 6], "weights": [0.75, 0.25]}) == 0.75 * 3 + 0.25 * 7
+
+
+def test_a_joiner_loses_only_the_steps_it_contributed() -> None:
+    from shoal.bench.chaos_stats import unsynced_steps
+    diloco = {"period": 8, "offsets": [0], "weights": [1.0]}
+    downloading = _local(range(9, 15), 8, contributes=False)              # killed before it contributed
+    assert unsynced_steps(downloading, diloco) == 0.0 and unsynced_steps(downloading) == 0.0
+    entered = _local(range(9, 15), 8, contributes=lambda s: s > 11)        # loaded after step 11: 12..14 count
+    assert unsynced_steps(entered, diloco) == 3.0
+
+
+def test_the_bench_summary_subtracts_each_fragments_unsynced_steps_from_the_goodput(tmp_path) -> None:
+    import json
+
+    from shoal.bench.chaos import _summarise
+    sync = {"period": 8, "offsets": [2, 4, 6, 0], "weights": [0.25] * 4}
+    logs = {(r, 0): [{"event": "joined", "t": 0.0, "started": 0.0, "pid": 10 + r, "heal_s": 0.0, "heal_bytes": 0,
+                      "params": 1, "sync": sync}] + _local(range(1, 17 if r else 14), 2) for r in range(2)}
+    for (rank, life), lg in logs.items():
+        (tmp_path / f"log-{rank}-{life}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lg))
+    kills = [{"rank": 0, "life": 0, "t": 13.5, "pid": 10, "survivors": [11]}]
+    got = _summarise(str(tmp_path), kills, wall=16.0, batch=1, began=0.0)
+    assert got["local_steps_lost_per_failure"] == 4.0, got
+    assert math.isclose(got["goodput_exact"], (13 + 16 - 4.0) / 16.0), got
