@@ -71,6 +71,7 @@ from shoal.membership.stateserve import SnapshotServer, clone_tree, local_addres
 
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
+EARLY_PEEK_S = 0.5   # a source between rounds asks the coordinator for a newer quorum at most this often
 __all__ = ["CatchUp", "CatchUpStats", "OptimizerReplay", "Pending", "Replayer", "MODES", "heal_pace", "heal_rate"]
 
 
@@ -105,7 +106,9 @@ class CatchUpStats:
     first_weight: float = 0.0     # its weight in the first round it contributed to (its share of a period)
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
+    prefetched_bytes: int = 0     # bytes it had received when it was admitted (a download begun before: prefetch)
     served: int = 0               # snapshots this worker offered as a source
+    offered_early: int = 0        # of them, offered between two rounds to a quorum not adopted yet (offer_early)
     admissions: int = 0           # times admitted as a downloader (again after a download that failed)
     slots: int = 0                # paced download (SHOAL_HEAL_PACE): the commits that opened a slot
 
@@ -125,6 +128,10 @@ class CatchUp:
         self.replayers: list[Replayer] = []
         self.refusals: list[tuple[str, Callable[[], bool] | None]] = []   # why (and when) it cannot
         self.fetch: Fetch | None = None         # joiner: this admission's download (fetch.py); None when none
+        self.early: Fetch | None = None         # joiner: a download begun before its admission (prefetch)
+        self._seen = -1                         # source: the newest quorum offer_early has read
+        self._offers: dict[int, int] = {}       # source: heal id -> the step whose begin state it offered
+        self._peeked = 0.0                      # source: when it last asked the coordinator for a newer quorum
         self.pending: dict[int, Pending] = {}   # member id -> joiner still catching up, this quorum
         self.server: SnapshotServer | None = None
         self.stats = CatchUpStats()
@@ -190,9 +197,12 @@ class CatchUp:
         for r, hid in plan.downloading.items():
             kept = old.get(q.members[r])
             self.pending[q.members[r]] = kept if kept is not None and kept.hid == hid else Pending(hid)
-        if self.server is not None:   # a joiner that died or gave up no longer needs its snapshot
-            self.server.keep({(m, p.hid) for m, p in self.pending.items()})
         g, me = self.group, self.group.client.member_id
+        joiners = {q.members[r] for r in plan.needy} if plan.background else set()
+        if self.server is not None:   # a joiner that died or gave up no longer needs its snapshot
+            self.server.keep({(m, p.hid) for m, p in self.pending.items()} | {(m, q.qid) for m in joiners})
+        if self.early is not None and (me not in joiners or self.early.hid != q.qid):
+            self._stop_early()   # begun for another quorum, or this one heals it blocking: never used
         if self.hid >= 0 and g.rank in plan.needy and not plan.background:
             log.warning("giving up the background heal %d: this quorum heals blocking", self.hid)
             self.hid = -1
@@ -202,7 +212,6 @@ class CatchUp:
         if not self._send_admission(plan):
             return True   # the broadcast failed (recorded): this quorum is given up, nobody was admitted
         g.newcomers, g._fresh = plan.newcomers, False
-        joiners = {q.members[r] for r in plan.needy}
         for m in joiners:
             self.pending[m] = Pending(q.qid)
         sources = [q.members[r] for r in plan.ready]
@@ -393,18 +402,90 @@ class CatchUp:
         if self.server is None:
             self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),
                                          idle=g.timeouts.join, rate=self.rate)
-        server, key = self.server, self._key(hid, f"src/{g.client.member_id}")
+        # Offered between the rounds (offer_early) with no step committed since: the same state as now.
+        offered, self._offers = self._offers.get(hid), {h: st for h, st in self._offers.items() if h > hid}
+        if offered == g.step and self.server.admit(hid, joiners):
+            return
+        self._offer(hid, joiners)   # replaces an offer made before a step that committed since
+
+    def _offer(self, hid: int, joiners: set[int]) -> None:
+        """Clone what the replay covers now and serve it as heal ``hid`` to ``joiners``; its record (published
+        once serialised) names the step it is the state at the begin of, which the joiner checks."""
+        g = self.group
+        server, key, step = self.server, self._key(hid, f"src/{g.client.member_id}"), g.step
         states = g.hooks.states   # what the replay keeps current; the rest is topped up, or each member's own
         tree = clone_tree({k: states[k].get() for k in sorted(self._covered())})   # the step boundary
         book, client = g.client.book, g.client
+        self._offers[hid] = step
 
         def published(size: int, sha: str) -> None:   # on the serialising thread: its own store connection
-            client.store.clone().set(key, book.seal({"addr": server.address, "size": size, "sha": sha}))
+            client.store.clone().set(key, book.seal({"addr": server.address, "size": size, "sha": sha,
+                                                     "step": step}))
 
         server.offer(hid, tree, joiners, published)
         self.stats.served += 1
 
+    def offer_early(self) -> bool:
+        """A source between two rounds (an averaging strategy's inner step): if the coordinator published a
+        quorum with newcomers that this member has not adopted yet, serve them its snapshot now, so their
+        download runs during the inner steps left before that quorum's first round, when the links are idle.
+
+        What it serves is what it would clone at that round's begin (:meth:`_serve`): the replay covers only
+        the global copies and the outer optimizer's state, which no inner step changes, and the quorum is
+        adopted at the next round's begin, or a newer one, whose joiners then download afresh. Where a step
+        commits first (a join with no loss: the old quorum runs its round, whose vote tells of the newcomer),
+        the offer is of an earlier step than the admission's: the record names its step, :meth:`_serve` offers
+        again and the joiner drops what it fetched (:meth:`~shoal.membership.fetch.Fetch.want`). Asks the
+        coordinator at most every ``EARLY_PEEK_S`` (not during its outage). True if it offered now."""
+        g = self.group
+        q = g.quorum
+        if (time.monotonic() - self._peeked < EARLY_PEEK_S or q is None or g._in_step or self.hid >= 0
+                or g._fresh or g.client.down.is_set() or not self._between_rounds() or not self.column()[1]):
+            return False
+        self._peeked = time.monotonic()
+        latest = g.client.latest_or(q.qid)
+        if latest <= max(q.qid, self._seen):
+            return False
+        self._seen = latest   # each published quorum is read once
+        try:
+            nxt = g.client.quorum(latest)
+        except Exception as e:  # noqa: BLE001 - unreadable (the coordinator is down, a bad record): no offer
+            log.debug("could not read quorum %d to offer its joiners a snapshot early (%s)", latest, e)
+            return False
+        newcomers = {m for m in nxt.members if m not in q.members}
+        if g.client.member_id not in nxt.members or not newcomers:
+            return False
+        if self.server is None:
+            self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),
+                                         idle=g.timeouts.join, rate=self.rate)
+        self._offer(nxt.qid, newcomers)
+        self.stats.offered_early += 1
+        log.info("offered the joiners %s of quorum %d a snapshot before its first round", sorted(newcomers), nxt.qid)
+        return True
+
     # --- the joiner -------------------------------------------------------------------------
+    def prefetch(self, q: Any) -> None:
+        """A worker that holds none of the run's state, about to wait for quorum ``q``'s other members to reach
+        its first step: start downloading the snapshot they may offer before that step (:meth:`offer_early`).
+        Only where it would be admitted in the background into an averaging strategy's rounds (a replayer
+        that enters between rounds); the admission keeps the download if it is of that quorum's heal, else
+        it is stopped unused (:meth:`adopt`)."""
+        g = self.group
+        if self.early is not None and self.early.hid == q.qid:
+            return
+        self._stop_early()
+        others = [m for m in q.members if m != g.client.member_id]
+        if not (g._fresh and self.hid < 0 and others and self._between_rounds() and self.column()[1]):
+            return
+        self.early = Fetch(g, q.qid, others, g.step, True, None, self.before_chunk, early=True)
+        self.early.start()
+        log.info("waiting for quorum %d: fetching its snapshot early from whoever of %s offers it", q.qid, others)
+
+    def _stop_early(self) -> None:
+        early, self.early = self.early, None
+        if early is not None:
+            early.stop(wait=min(2.0, self.group.timeouts.op))
+
     def _admit(self, hid: int, sources: list[int], top: int) -> None:
         g = self.group
         g.step = top
@@ -413,6 +494,16 @@ class CatchUp:
         self.stats.admitted_step, self.stats.admitted_at = top, time.time()
         self.stats.admissions += 1
         self._abandon()   # an earlier download given up on (admitted again): stopped, never used
+        early, self.early = self.early, None
+        # Begun before this admission: kept if it fetches (or, still choosing its sources, will fetch only) the
+        # state at this step's begin; a snapshot offered before a step that committed since is stale.
+        if early is not None and early.hid == hid and early.want(top):
+            self.fetch, self.stats.prefetched_bytes = early, early.received
+            log.info("admitted at step %d as a non-contributor; heal %d already under way (%d bytes)", top, hid,
+                     early.received)
+            return
+        if early is not None:
+            early.stop(wait=min(2.0, g.timeouts.op))
         after = self._after_commit()
         if self.pace_fraction is not None and not after:
             self.pace = StepPace(self.pace_fraction)   # step-synchronous only: DiLoCo downloads in its idle inner steps
@@ -458,6 +549,7 @@ class CatchUp:
         g = self.group
         deadline = time.monotonic() + g.timeouts.quorum
         self._unpace()   # nobody commits steps any more: the rest of the download goes flat out
+        self._stop_early()   # begun for a quorum this worker never entered
         fetch = self.fetch
         if self.hid >= 0 and not self.loaded:
             done = fetch is not None and fetch.done.wait(g.timeouts.quorum)

@@ -2,12 +2,18 @@
 
 :class:`~shoal.membership.catchup.CatchUp` starts one :class:`Fetch` per
 admission: it waits (an averaging strategy's joiner) until the admitting step
-committed, reads the sources' signed records (address, size, sha256), and
+committed, reads the sources' signed records (address, size, sha256, and the
+step whose begin state they offer: the admitted one), and
 runs a striped :class:`~shoal.membership.stateserve.Download`, paced by the
 run's commits if asked (:mod:`shoal.membership.pace`), and for an averaging
 strategy held while the joiner is in a round (it asks for ranges during the
 inner steps only: the round's collectives would share the link with it). Its result lives on
 the object, so a download given up on can never report into a later one.
+
+An averaging strategy's joiner may begin one before its admission, while it
+waits for the survivors' next round (``early``, :meth:`CatchUp.prefetch`):
+it takes whichever step its sources offer, and the admission keeps it only if
+that is the admitted step's state (:meth:`Fetch.want`).
 
 Abandoning one (the quorum heals blocking, the joiner is admitted again, the
 catch-up fails) is :meth:`Fetch.stop`: no request goes out after it, the
@@ -50,9 +56,15 @@ class Fetch:
     """
 
     def __init__(self, group: Any, hid: int, members: list[int], top: int, after_commit: bool,
-                 pace: StepPace | None, before_chunk: Callable[[int, int], None] | None = None) -> None:
+                 pace: StepPace | None, before_chunk: Callable[[int, int], None] | None = None,
+                 early: bool = False) -> None:
         self.group, self.hid, self.members, self.top = group, hid, members, top
         self.after_commit, self.pace, self.before_chunk = after_commit, pace, before_chunk
+        self.early = early   # begun before the admission (CatchUp.prefetch): no admitting step to wait for
+        # The step whose begin state it fetches: ``top`` once admitted; an early one takes whichever the sources
+        # offer until the admission says which (want()); ``step`` is the one it chose (None: not yet).
+        self.wanted: int | None = None if early else top
+        self.step: int | None = None
         self.stopped = threading.Event()
         self.released = threading.Event()   # release(): no more holding while in a round (leave())
         self.done = threading.Event()
@@ -65,6 +77,20 @@ class Fetch:
     def start(self) -> None:
         self.store = self.group.client.store.clone()   # its own store connection: off the training thread's
         self.thread.start()
+
+    @property
+    def received(self) -> int:
+        """Bytes received so far (0 before the sources are known)."""
+        dl = self.download
+        return dl.received if dl is not None else 0
+
+    def want(self, step: int) -> bool:
+        """The admission's step: True if this download fetches the state at its begin, or will (its sources
+        not chosen yet: from now on only records of that step count); False if it chose another step's."""
+        with self._lock:
+            if self.step is None:
+                self.wanted = step
+            return self.step is None or self.step == step
 
     def release(self) -> None:
         """Stop holding requests while the joiner is in a round (``leave()``: nobody runs rounds any more)."""
@@ -86,7 +112,7 @@ class Fetch:
     def _run(self) -> None:
         g = self.group
         try:
-            if self.after_commit:
+            if self.after_commit and not self.early:
                 self._await_commit()
             sources = self._sources()
             # Finer stripes paced (a slot overshoots by a chunk a source) or held (a round waits for the
@@ -128,21 +154,24 @@ class Fetch:
         """The sources' published (address, size, sha256), waiting until all or, 2 s after the first, some."""
         g, store = self.group, self.store
         deadline, first = time.monotonic() + g.timeouts.join, None
-        found: dict[int, Source] = {}
+        found: dict[int, tuple[int, Source]] = {}   # member -> (the step its snapshot is of, where)
         while time.monotonic() < deadline and not self.stopped.is_set():
             for m in self.members:
+                if m in found and (self.wanted is None or found[m][0] == self.wanted):
+                    continue   # read again a record of another step: its source re-offers (CatchUp._serve)
                 k = str(g.client.key(f"heal/{self.hid}/src/{m}"))
-                if m not in found and store.check([k]):
+                if store.check([k]):
                     rec = g.client.book.open(store.get(k), writer=m, kind="heal source")
                     if rec is not None:
-                        found[m] = Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"]))
-                        first = first or time.monotonic()
-            if len(found) == len(self.members) or (first is not None and time.monotonic() - first > 2.0):
-                break
+                        found[m] = (int(rec["step"]), Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"])))
+            with self._lock:   # the choice and want() exclude each other: an admission's step is never missed
+                usable = {m: v for m, v in found.items() if self.wanted is None or v[0] == self.wanted}
+                first = (first or time.monotonic()) if usable else None
+                if usable and (len(usable) == len(self.members) or time.monotonic() - first > 2.0):
+                    self.step, sha = Counter((st, s.sha) for st, s in usable.values()).most_common(1)[0][0]
+                    return [s for st, s in usable.values() if (st, s.sha) == (self.step, sha)]
             time.sleep(0.01)
         if self.stopped.is_set():
             raise ShoalError(f"the download of heal {self.hid} was given up on")
-        if not found:
-            raise ShoalError(f"no source of heal {self.hid} published its snapshot within {g.timeouts.join} s")
-        sha = Counter(s.sha for s in found.values()).most_common(1)[0][0]
-        return [s for s in found.values() if s.sha == sha]
+        raise ShoalError(f"no source of heal {self.hid} published its snapshot of step {self.wanted} within "
+                         f"{g.timeouts.join} s")

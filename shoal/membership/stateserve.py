@@ -221,6 +221,14 @@ class SnapshotServer:
 
         threading.Thread(target=work, name="shoal-heal-snapshot", daemon=True).start()
 
+    def admit(self, hid: int, joiners: set[int]) -> bool:
+        """Let ``joiners`` too fetch heal ``hid`` if it is served here (offered before the admission); False if not."""
+        with self._lock:
+            snap = self._snaps.get(hid)
+            if snap is not None:
+                snap.joiners |= set(joiners)
+            return snap is not None
+
     def drop(self, hid: int) -> None:
         with self._lock:
             self._snaps.pop(hid, None)

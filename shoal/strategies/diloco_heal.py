@@ -18,6 +18,10 @@ optimizer starts afresh (each worker's own in DiLoCo; what it accumulated on
 its own model while downloading is dropped), and the small rest (the codec's
 counters, the module's buffers) comes with the top-up.
 
+A restart that asked to join before the survivors' next round may begin
+its download before that round: the survivors offer it their snapshot from
+their inner steps (the global copies and outer state do not change there).
+
 It loads as soon as its download has finished, after whichever inner step
 that is (:func:`enter_between_rounds`), not at the next round's begin: the
 inner steps it trains from there go into the next round's mean, weighted by
@@ -136,12 +140,15 @@ class OuterReplay:
 
 def enter_between_rounds(strategy: Any) -> None:
     """After an inner step: a joiner whose download has finished loads now, so that the rest of the period's
-    inner steps go into the next round (:meth:`~shoal.membership.catchup.CatchUp.enter_between_rounds`).
+    inner steps go into the next round (:meth:`~shoal.membership.catchup.CatchUp.enter_between_rounds`); a
+    source offers its snapshot to the newcomers of a quorum published since its last round
+    (:meth:`~shoal.membership.catchup.CatchUp.offer_early`), who download it while they wait for that round.
     Only without overlapped reductions (``OuterReplay.enters_between_rounds``): then none is ever in flight
     or waiting to be merged between two rounds, so nothing lands in the parameters it resets."""
     catchup = getattr(strategy.group, "catchup", None)   # a static group has no background heal
     if catchup is not None:
         catchup.enter_between_rounds()
+        catchup.offer_early()   # a source: a joiner waiting for the next round may fetch the snapshot now
 
 
 def landing_without_joiner(strategy: Any) -> bool:

@@ -8,6 +8,11 @@ deterministically (``before_chunk``): it asks for no byte before the run has
 committed ``--park`` rounds after its admission, so the survivors' commits
 during the download are there whatever the machine's speed.
 
+With ``--early`` the crashed rank instead SIGKILLs itself right after a
+round (between two rounds: no collective of it fails), and the survivors
+hold their next round until its restart is in a published quorum and they
+have sent it bytes of the snapshot they offered it from their inner steps.
+
 A survivor that committed a round without it waits once, between two
 rounds, until the restarted worker is in a published quorum (else it could
 finish first). Every member logs every committed round (an ``on_commit`` hook: the round's
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from dataclasses import asdict
 from typing import Any
@@ -33,6 +39,7 @@ from torch import nn
 
 import shoal
 from shoal.elastic import ElasticGroup, Timeouts
+from shoal.membership.catchup import EARLY_PEEK_S
 from shoal.testing import FaultPlan
 from harness import parked_striped, save_and_leave
 
@@ -49,6 +56,28 @@ def synced_state(strategy: Any, model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def hold_for_early(group: ElasticGroup, strategy: Any, early: dict[str, bool]) -> None:
+    """A survivor before an inner step after the crash (--early), in the quorum it dissolves: first until
+    the coordinator raised that quorum's abort flag (the next round then leaves it) and published a quorum
+    with a newcomer (the restart); then on through the inner steps, whose ends offer the newcomer the
+    snapshot (CatchUp.offer_early, at most every EARLY_PEEK_S), and before the step that runs the next round
+    until this member has sent it bytes. Bounded: a member that never offers early fails the test's checks."""
+    q, t0 = group.quorum, time.monotonic()
+    while not group.client.abort.raised(q.prefix) and time.monotonic() < t0 + 60:
+        time.sleep(0.02)
+    while not early["newcomer"] and time.monotonic() < t0 + 60:
+        latest = group.client.latest()
+        early["newcomer"] = latest > q.qid and any(m not in q.members for m in group.client.quorum(latest).members)
+        time.sleep(0.02)
+    time.sleep(EARLY_PEEK_S)   # the next inner step's end asks the coordinator again
+    if (strategy.step + 1) % PERIOD in {f.offset for f in strategy.fragments}:   # this step's end runs a round
+        server = group.catchup.server
+        while (server is None or server.served == 0) and time.monotonic() < t0 + 30:
+            time.sleep(0.02)
+            server = group.catchup.server
+        early["served"] = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -61,13 +90,17 @@ def main() -> None:
     ap.add_argument("--overlap", type=int, default=0)
     ap.add_argument("--powersgd", action="store_true", help="a codec with state of each worker's own (heals blocking)")
     ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--early", action="store_true",
+                    help="rank --crash-rank SIGKILLs itself between two rounds instead; the survivors hold their "
+                         "next round until the restart is in a published quorum and they have served it bytes "
+                         "before that round (its download begins before its admission)")
     ap.add_argument("--load-at-phase", type=int, default=-1,
                     help="the joiner, once its download may run, waits for it before the inner step at this "
                          "phase of the period (so it loads between two rounds, at a known step); -1: never waits")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
-    plan = FaultPlan().crash(rank=a.crash_rank, step=a.crash_round, nth=0)
+    plan = FaultPlan() if a.early else FaultPlan().crash(rank=a.crash_rank, step=a.crash_round, nth=0)
     # op 15 s, not 5: on a loaded 2-core box (the suite under xdist, or several of these runs at once) a
     # subgroup's gloo build or a 48-byte all-gather was seen to take over 5 s on all three members, which
     # failed a round after the admission (the test checks that the catch-up costs no retry). A kill
@@ -107,8 +140,13 @@ def main() -> None:
     x = torch.randn(512, 16, generator=g)
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
     pick = torch.Generator().manual_seed(1000 * rank + life)   # each worker its own stream of samples
+    early = {"newcomer": False, "served": False}
     while not (strategy.step >= a.steps and strategy.step % PERIOD == 0
                and (full["rounds"] >= 4 or strategy.step >= a.max_steps)):
+        if a.early and rank == a.crash_rank and life == 0 and strategy.step == 2 * PERIOD:
+            os.kill(os.getpid(), signal.SIGKILL)   # between two rounds: no collective of it fails
+        if a.early and life == 0 and not early["served"] and strategy.step >= 2 * PERIOD:
+            hold_for_early(group, strategy, early)
         if alone["seen"] and not alone["waited"]:   # once, between two rounds: until the restart is in a quorum
             alone["waited"] = True
             q, t0 = group.quorum, time.monotonic()

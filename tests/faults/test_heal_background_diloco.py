@@ -120,3 +120,30 @@ def test_diloco_with_a_codec_of_per_worker_state_refuses_and_heals_blocking(tmp_
     for r in final[1:]:
         for a, b in zip(final[0]["synced"], r["synced"]):
             assert torch.equal(a, b), why
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_restart_before_the_next_round_downloads_before_its_admission(fragments: int, tmp_path: Any) -> None:
+    # Rank 2 dies between two rounds; its restart is published in a quorum before the survivors' next round,
+    # which the survivors hold until they have sent it bytes. The survivors offer it the snapshot from their
+    # inner steps (the global copies and outer state no inner step changes), its download starts while it
+    # waits for that round, and its admission keeps it: the state at the admitting step's begin. It then
+    # replays the admitting round, enters, and all three end bitwise equal.
+    out = harness.run(str(tmp_path), 3, ["--early", "--park", "0", "--fragments", str(fragments)],
+                      env=ENV, hard_limit=130, restarts=1, script="diloco_heal_worker.py")
+    why = out.logs
+    assert [r for r, _ in out.deaths] == [2], why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    *survivors, joiner = final
+    cu = joiner["catchup"]
+    assert all(s["catchup"]["offered_early"] == 1 for s in survivors), why
+    assert cu["admitted_step"] >= 0 and cu["admissions"] == 1, why   # in the background, once
+    assert 0 < cu["prefetched_bytes"] <= cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
+    assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
+    ref = survivors[0]
+    for r in final[1:]:
+        assert r["step"] == ref["step"] and len(r["synced"]) == len(ref["synced"]), why
+        for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
+            assert torch.equal(a, b), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"

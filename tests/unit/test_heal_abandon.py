@@ -77,7 +77,7 @@ def test_a_paced_download_given_up_on_asks_for_nothing_more_and_its_thread_ends(
     for m in (1, 2):
         server, src = _serve(tree, hid=HID, joiners=frozenset({ME}))
         raw.set(f"{RUN}/heal/{HID}/src/{m}", RecordBook(raw, RUN, m, None).seal(
-            {"addr": src.address, "size": src.size, "sha": src.sha}))
+            {"addr": src.address, "size": src.size, "sha": src.sha, "step": 5}))   # the state at step 5's begin
         servers.append(server)
     group = _Group(_Store(raw))
     c = CatchUp(group)

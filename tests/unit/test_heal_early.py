@@ -1,0 +1,122 @@
+"""A joiner's download begun before its admission (CatchUp.prefetch) is kept only if it is of the admitted state.
+
+Sources of an averaging strategy offer their snapshot from their inner steps, to the newcomers of a
+quorum they have not adopted yet (CatchUp.offer_early): what they hold at the begin of the step they
+are at. A step that commits before the admission (the old quorum ran one more round) makes that
+offer stale; the sources then offer again under the same heal id, naming the new step. A joiner's
+early download takes whichever step its sources offer; its admission names the step, and keeps the
+download only if it is (or, still choosing its sources, will be) of that step's state. One joiner's
+CatchUp over a stand-in group (test_heal_abandon's); real snapshot servers on loopback."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_heal_abandon import HID, ME, _Group, _Store
+from test_stateserve import RUN, _serve, _tree
+
+from shoal.comm.objects import from_bytes
+from shoal.membership.catchup import CatchUp
+from shoal.membership.coordinator import Quorum
+from shoal.membership.records import RecordBook
+
+
+class _Outer:
+    after_commit = True           # an averaging strategy (DiLoCo): downloads in its inner steps
+    enters_between_rounds = True  # without overlapped reductions
+
+
+def _publish(raw: Any, tree: Any, step: int, members: tuple[int, ...] = (1, 2)) -> list[Any]:
+    servers = []
+    for m in members:
+        server, src = _serve(tree, hid=HID, joiners=frozenset({ME}))
+        raw.set(f"{RUN}/heal/{HID}/src/{m}", RecordBook(raw, RUN, m, None).seal(
+            {"addr": src.address, "size": src.size, "sha": src.sha, "step": step}))
+        servers.append(server)
+    return servers
+
+
+def _joiner(raw: Any) -> CatchUp:
+    group = _Group(_Store(raw))
+    group._fresh, group._in_step, group.step = True, False, 0   # holds nothing yet, waits for its first quorum
+    c = CatchUp(group)
+    c.enabled = True
+    c.replayers.append(_Outer())   # type: ignore[arg-type]
+    return c
+
+
+def _other(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 32, generator=g)}, "cursor": {"cursor": 48}}
+
+
+@pytest.mark.timeout(60)
+def test_an_early_download_of_the_admitted_steps_state_is_kept() -> None:
+    raw = dist.HashStore()
+    servers = _publish(raw, _tree(), step=5)
+    c = _joiner(raw)
+    c.prefetch(Quorum(HID, (1, 2, ME), "run/q3/"))
+    early = c.early
+    assert early is not None and early.done.wait(30) and early.result[1] is None   # before any admission
+    c._admit(HID, [1, 2], top=5)
+    assert c.fetch is early and c.early is None and c.stats.prefetched_bytes == early.received > 0
+    got = from_bytes(torch.frombuffer(bytearray(early.result[0]), dtype=torch.uint8))
+    assert torch.equal(got["model"]["w"], _tree()["model"]["w"])
+    for s in servers:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_early_download_of_an_earlier_steps_state_is_dropped_and_the_admitted_one_fetched() -> None:
+    raw = dist.HashStore()
+    stale = _publish(raw, _other(1), step=4)   # offered before a round that then committed in the old quorum
+    c = _joiner(raw)
+    c.prefetch(Quorum(HID, (1, 2, ME), "run/q3/"))
+    early = c.early
+    assert early is not None and early.done.wait(30) and early.step == 4
+    fresh = _publish(raw, _tree(), step=5)     # at the admission the sources offer again: step 5's begin
+    c._admit(HID, [1, 2], top=5)
+    assert c.fetch is not early and c.stats.prefetched_bytes == 0
+    assert c.fetch is not None and c.fetch.done.wait(30) and c.fetch.result[1] is None and c.fetch.step == 5
+    got = from_bytes(torch.frombuffer(bytearray(c.fetch.result[0]), dtype=torch.uint8))
+    assert torch.equal(got["model"]["w"], _tree()["model"]["w"])
+    for s in stale + fresh:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_early_download_still_choosing_its_sources_takes_only_the_admitted_steps() -> None:
+    raw = dist.HashStore()
+    servers = _publish(raw, _other(1), step=4, members=(1,))   # one stale offer; the other source none yet
+    c = _joiner(raw)
+    c.prefetch(Quorum(HID, (1, 2, ME), "run/q3/"))
+    early = c.early
+    assert early is not None
+    time.sleep(0.3)   # waiting for its second source (all of them, or 2 s after the first)
+    c._admit(HID, [1, 2], top=5)   # admitted at step 5 before it chose: it keeps going, for step 5 only
+    assert c.fetch is early
+    servers += _publish(raw, _tree(), step=5)   # both sources (re-)offer step 5's begin
+    assert early.done.wait(30) and early.result[1] is None and early.step == 5
+    got = from_bytes(torch.frombuffer(bytearray(early.result[0]), dtype=torch.uint8))
+    assert torch.equal(got["model"]["w"], _tree()["model"]["w"])
+    for s in servers:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_early_download_is_stopped_when_the_quorum_heals_blocking_or_another_forms() -> None:
+    raw = dist.HashStore()
+    c = _joiner(raw)
+    c.prefetch(Quorum(HID, (1, 2, ME), "run/q3/"))   # nobody offers: it waits for its sources
+    first = c.early
+    c.prefetch(Quorum(HID + 1, (1, 2, ME), "run/q4/"))   # superseded before its barrier
+    assert first is not None and first.done.is_set() and "given up" in str(first.result[1])
+    second = c.early
+    assert second is not None and second.hid == HID + 1
+    c.group._fresh = False
+    c.prefetch(Quorum(HID + 2, (1, 2, ME), "run/q5/"))   # holds the state now (healed blocking): nothing to fetch
+    assert c.early is None and second.done.is_set() and "given up" in str(second.result[1])
