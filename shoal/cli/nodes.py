@@ -55,6 +55,12 @@ _LOST_S = 60.0   # node 0 stops waiting for a launcher whose beat stalled this l
 _ACK_S = 10.0    # after a failure, node 0 serves this long for the others to read it
 
 
+def _address_in_use(e: BaseException) -> bool:
+    """Whether a failed bind failed because another socket holds the address (torch's DistNetworkError
+    carries the errno's name in its text only)."""
+    return "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
+
+
 def route_address(host: str, port: int) -> str:
     """The local address this machine uses to reach ``host`` (no packet is sent)."""
     try:
@@ -167,10 +173,19 @@ class NodeRendezvous:
             except Exception as e:  # torch raises RuntimeError/DistNetworkError with its own words
                 if s.node_rank != 0 and time.monotonic() < deadline and not self.interrupted():
                     continue
-                what = (f"serve the rendezvous on port {s.master_port} (is it in use?)" if s.node_rank == 0 else
-                        f"reach node 0's launcher at {s.master_addr}:{s.master_port} within {s.join_timeout_s:g} s "
-                        "(is `shoal run --node-rank 0` started there, and the port open?)")
-                raise ShoalError(f"node {s.node_rank} could not {what}: {e}") from e
+                raise ShoalError(f"node {s.node_rank} could not {self._what_failed(e)}: {e}") from e
+
+    def _what_failed(self, e: BaseException) -> str:
+        """What :meth:`_connect` could not do, and the likely fix: a master port that another process holds
+        (torch says only EADDRINUSE) is named as such, so its owner gives every launcher another port."""
+        s = self.spec
+        if s.node_rank == 0 and _address_in_use(e):
+            return (f"serve the rendezvous: port {s.master_port} is taken by another process on this machine; "
+                    "stop that process, or give every launcher of the run another --master-port")
+        if s.node_rank == 0:
+            return f"serve the rendezvous on port {s.master_port}"
+        return (f"reach node 0's launcher at {s.master_addr}:{s.master_port} within {s.join_timeout_s:g} s "
+                "(is `shoal run --node-rank 0` started there, and the port open?)")
 
     def _start_probe(self, addr: str) -> int:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
