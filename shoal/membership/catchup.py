@@ -330,7 +330,7 @@ class CatchUp:
         blob, error = fetch.result
         if blob is None or error is not None:
             return False
-        self._catch_up(self.pending[me], g.step, fetch)
+        self._catch_up(self.pending[me], g.step, fetch, in_step=False)
         self.stats.entered_between_rounds = self.loaded
         return self.loaded
 
@@ -382,9 +382,24 @@ class CatchUp:
                 return
             time.sleep(0.01)
 
+    def _stored(self, what: str, call: Callable[[], Any], wait: float) -> tuple[bool, Any]:
+        """``(True, call())`` once the coordinator's store answers ``call``; a blip is tried again for up to
+        ``wait`` s, an outage the client declared is not waited for: then ``(False, None)``, logged."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return True, call()
+            except Exception as e:  # noqa: BLE001 - the coordinator is unreachable: a blip or an outage
+                if self.group.client.down.is_set() or time.monotonic() > deadline:
+                    log.warning("the coordinator's store did not answer %s (%s)", what, e)
+                    return False, None
+            time.sleep(0.01)
+
     def _write_topups(self, t: int) -> None:
         """The lowest-ranked member holding the run's state writes what joiners that weigh 1 from now on still
-        lack (not for one whose keys it could not read: that step has failed, see :meth:`_exchange`)."""
+        lack (not for one whose keys it could not read: that step has failed, see :meth:`_exchange`). A write
+        the coordinator does not take fails the step (every member then discards it; the next one writes
+        again), as the joiner would otherwise wait for it and the others count it in."""
         g = self.group
         holders = [r for r, m in enumerate(g.quorum.members) if m not in self.pending]
         if not holders or g.rank != holders[0]:
@@ -393,8 +408,14 @@ class CatchUp:
         for m, p in self.pending.items():
             if p.full_at == t and p.read:
                 blob = to_bytes({k: states[k].get() for k in p.keys})
-                rec = g.client.book.seal({"b": base64.b64encode(blob.numpy().tobytes()).decode()})
-                g.client.store.set(self._key(p.hid, f"top/{m}/{t}"), rec)
+                body = {"b": base64.b64encode(blob.numpy().tobytes()).decode()}
+                key = self._key(p.hid, f"top/{m}/{t}")
+                ok, _ = self._stored(f"the top-up of joiner {m}", lambda: g.client.store.set(
+                    key, g.client.book.seal(body)), g.timeouts.heartbeat_timeout)
+                if not ok:
+                    g._record(CommTimeoutError(f"the coordinator at {g.client.address} did not take the top-up of "
+                                               f"joiner {m} (heal {p.hid}): this step fails on every member"))
+                    return
 
     # --- a source -------------------------------------------------------------------------
     def _serve(self, hid: int, joiners: set[int]) -> None:
@@ -404,7 +425,7 @@ class CatchUp:
                                          idle=g.timeouts.join, rate=self.rate)
         # Offered between the rounds (offer_early) with no step committed since: the same state as now.
         offered, self._offers = self._offers.get(hid), {h: st for h, st in self._offers.items() if h > hid}
-        if offered == g.step and self.server.admit(hid, joiners):
+        if offered == g.step and self.server.admit(hid, joiners, g.step):
             return
         self._offer(hid, joiners)   # replaces an offer made before a step that committed since
 
@@ -422,42 +443,48 @@ class CatchUp:
             client.store.clone().set(key, book.seal({"addr": server.address, "size": size, "sha": sha,
                                                      "step": step}))
 
-        server.offer(hid, tree, joiners, published)
+        server.offer(hid, tree, joiners, published, step)
         self.stats.served += 1
 
     def offer_early(self) -> bool:
-        """A source between two rounds (an averaging strategy's inner step): if the coordinator published a
-        quorum with newcomers that this member has not adopted yet, serve them its snapshot now, so their
-        download runs during the inner steps left before that quorum's first round, when the links are idle.
+        """A source between two rounds (an averaging strategy's inner step) whose quorum is dissolved (a member
+        lost: its abort flag): if the coordinator published a quorum with newcomers, serve them its snapshot
+        now, so their download runs during the inner steps left before that quorum's first round, when the
+        links are idle.
 
         What it serves is what it would clone at that round's begin (:meth:`_serve`): the replay covers only
-        the global copies and the outer optimizer's state, which no inner step changes, and the quorum is
-        adopted at the next round's begin, or a newer one, whose joiners then download afresh. Where a step
-        commits first (a join with no loss: the old quorum runs its round, whose vote tells of the newcomer),
-        the offer is of an earlier step than the admission's: the record names its step, :meth:`_serve` offers
-        again and the joiner drops what it fetched (:meth:`~shoal.membership.fetch.Fetch.want`). Asks the
-        coordinator at most every ``EARLY_PEEK_S`` (not during its outage). True if it offered now."""
+        the global copies and the outer optimizer's state, which no inner step changes, and a dissolved
+        quorum commits no step: the next round leaves it (``renew_if_dissolved``) and adopts that quorum, or a
+        newer one whose joiners then download afresh. A join with no loss is not offered early: the old quorum
+        runs its round first (only its vote tells of the newcomer), which would make the offer stale. Should a
+        step commit anyway, the record names the step, :meth:`_serve` offers again and the joiner drops what
+        it fetched (:meth:`~shoal.membership.fetch.Fetch.want`). Asks the coordinator at most every
+        ``EARLY_PEEK_S`` while the quorum is dissolved (not during its outage). True if it offered now."""
         g = self.group
         q = g.quorum
         if (time.monotonic() - self._peeked < EARLY_PEEK_S or q is None or g._in_step or self.hid >= 0
-                or g._fresh or g.client.down.is_set() or not self._between_rounds() or not self.column()[1]):
+                or g._fresh or g.client.down.is_set() or not g.client.abort.raised(q.prefix)
+                or not self._between_rounds() or not self.column()[1]):
             return False
         self._peeked = time.monotonic()
         latest = g.client.latest_or(q.qid)
         if latest <= max(q.qid, self._seen):
             return False
-        self._seen = latest   # each published quorum is read once
         try:
             nxt = g.client.quorum(latest)
         except Exception as e:  # noqa: BLE001 - unreadable (the coordinator is down, a bad record): no offer
             log.debug("could not read quorum %d to offer its joiners a snapshot early (%s)", latest, e)
             return False
+        self._seen = latest   # each published quorum is read once
         newcomers = {m for m in nxt.members if m not in q.members}
         if g.client.member_id not in nxt.members or not newcomers:
             return False
         if self.server is None:
             self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),
                                          idle=g.timeouts.join, rate=self.rate)
+        for h in [h for h in self._offers if q.qid < h < nxt.qid]:   # an earlier quorum's, never adopted
+            self.server.drop(h)
+            del self._offers[h]
         self._offer(nxt.qid, newcomers)
         self.stats.offered_early += 1
         log.info("offered the joiners %s of quorum %d a snapshot before its first round", sorted(newcomers), nxt.qid)
@@ -496,8 +523,9 @@ class CatchUp:
         self._abandon()   # an earlier download given up on (admitted again): stopped, never used
         early, self.early = self.early, None
         # Begun before this admission: kept if it fetches (or, still choosing its sources, will fetch only) the
-        # state at this step's begin; a snapshot offered before a step that committed since is stale.
-        if early is not None and early.hid == hid and early.want(top):
+        # state at this step's begin and has not failed; a snapshot offered before a step that committed since
+        # is stale.
+        if early is not None and early.hid == hid and early.want(top, sources):
             self.fetch, self.stats.prefetched_bytes = early, early.received
             log.info("admitted at step %d as a non-contributor; heal %d already under way (%d bytes)", top, hid,
                      early.received)
@@ -603,11 +631,15 @@ class CatchUp:
                 self.pace.committed(time.monotonic(), open_slot=not self.group.quorum_pending)
                 self.stats.slots = self.pace.slots
 
-    def _catch_up(self, p: Pending, t: int, fetch: Fetch) -> None:
+    def _catch_up(self, p: Pending, t: int, fetch: Fetch, in_step: bool = True) -> None:
+        """Load the finished download and replay; first its signed "ready" record (the keys to top up) goes to
+        the store. A record the coordinator does not take leaves everything as it was, to try again: at a
+        step's begin (``in_step``) that step fails on every member, between two rounds the next inner step
+        tries again (an outage is not waited for)."""
         g = self.group
         blob, error = self._downloaded(fetch)
-        self.fetch, self.pace = None, None   # it ended: nothing to stop
         if blob is None or error is not None:
+            self.fetch, self.pace = None, None   # it ended: nothing to stop
             log.warning("background heal %d failed (%s); asking for a new quorum to heal again", self.hid, error)
             g._record(PeerLostError(f"this joiner's download of the run's state failed: {error}"))
             self.hid, g._fresh = -1, True   # still counted out in this (lost) step; needy in the next quorum
@@ -615,12 +647,20 @@ class CatchUp:
         if len(self.records) != t - self.stats.admitted_step:
             raise ShoalError(f"background heal: {len(self.records)} updates recorded for steps "
                              f"{self.stats.admitted_step}..{t - 1}; a committed step was not recorded")
-        self._replay(blob)
         own: set[str] = set().union(*(r.own(g.hooks.states) for r in self.replayers))
+        keys = tuple(sorted(set(g.hooks.states) - self._covered() - own))
+        key, body = self._key(self.hid, f"ready/{g.client.member_id}"), {"from": t + 1, "keys": list(keys)}
+        ok, _ = self._stored("this joiner's ready record", lambda: g.client.store.set(key, g.client.book.seal(body)),
+                             0.0 if not in_step else g.timeouts.heartbeat_timeout)
+        if not ok:
+            if in_step:
+                g._record(CommTimeoutError(f"the coordinator at {g.client.address} did not take this joiner's "
+                                           f"ready record (heal {self.hid}): this step fails on every member"))
+            return
+        self.fetch, self.pace = None, None   # it ended: nothing to stop
+        self._replay(blob)
         p.ready = p.full_at = t + 1   # between rounds: the exchange at each begin_step decides instead
-        p.keys, p.read = tuple(sorted(set(g.hooks.states) - self._covered_keys - own)), True
-        g.client.store.set(self._key(self.hid, f"ready/{g.client.member_id}"),
-                           g.client.book.seal({"from": p.ready, "keys": list(p.keys)}))
+        p.keys, p.read = keys, True
         self.stats.caught_up_step, self.loaded = t, True
         log.info("caught up at step %d (%d steps replayed); contributing from step %d", t,
                  self.stats.replayed, p.ready)
@@ -630,12 +670,25 @@ class CatchUp:
         g = self.group
         st, k = g.client.store, self._key(self.hid, f"top/{g.client.member_id}/{t}")
         deadline = time.monotonic() + g.timeouts.quorum
-        while not st.check([k]):
+        while True:
+            try:
+                if st.check([k]):
+                    break
+                why = "did not arrive (Timeouts.quorum)"
+            except Exception as e:  # noqa: BLE001 - the coordinator is unreachable: a blip, or an outage
+                why = f"could not be read: the coordinator at {g.client.address} did not answer ({e})"
+                if g.client.down.is_set():
+                    deadline = 0.0
             if g.link.failures.aborted or time.monotonic() > deadline:
-                g._record(CommTimeoutError(f"the top-up of heal {self.hid} did not arrive (Timeouts.quorum)"))
+                g._record(CommTimeoutError(f"the top-up of heal {self.hid} {why}"))
                 return
             time.sleep(0.002)
-        rec = g.client.book.open(st.get(k), kind="heal top-up")
+        ok, raw = self._stored("this joiner's top-up", lambda: st.get(k), g.timeouts.heartbeat_timeout)
+        if not ok:
+            g._record(CommTimeoutError(f"the top-up of heal {self.hid} could not be read: the coordinator at "
+                                       f"{g.client.address} did not answer"))
+            return
+        rec = g.client.book.open(raw, kind="heal top-up")
         states = g.hooks.states
         got: Any = None
         if rec is not None:

@@ -65,6 +65,9 @@ class Fetch:
         # offer until the admission says which (want()); ``step`` is the one it chose (None: not yet).
         self.wanted: int | None = None if early else top
         self.step: int | None = None
+        # Whether its end tells the sources it is done with their snapshot (a source's leave() waits for that
+        # word): an early one only once its admission kept it (want), as one dropped there is nobody's.
+        self._marks, self._ended = not early, False
         self.stopped = threading.Event()
         self.released = threading.Event()   # release(): no more holding while in a round (leave())
         self.done = threading.Event()
@@ -84,13 +87,25 @@ class Fetch:
         dl = self.download
         return dl.received if dl is not None else 0
 
-    def want(self, step: int) -> bool:
-        """The admission's step: True if this download fetches the state at its begin, or will (its sources
-        not chosen yet: from now on only records of that step count); False if it chose another step's."""
+    def want(self, step: int, sources: list[int]) -> bool:
+        """The admission's step and sources: True if this download fetches the state at that step's begin, or
+        will (its sources not chosen yet: from now on only those sources' records of that step count), and
+        has not failed; False if it chose another step's or failed (then it is stopped by the caller)."""
         with self._lock:
             if self.step is None:
-                self.wanted = step
-            return self.step is None or self.step == step
+                self.wanted, self.members = step, [m for m in self.members if m in sources]
+            ok = (self.step is None or self.step == step) and not (self.done.is_set() and self.result[1] is not None)
+            late = ok and self._ended   # it ended before: its word is said here
+            self._marks = self._marks or ok
+        if late:
+            self._mark()
+        return ok
+
+    def _mark(self) -> None:
+        try:   # the sources stop waiting for this joiner when they leave (CatchUp.finish)
+            self.store.set(str(self.group.client.key(f"heal/{self.hid}/fetched/{self.group.client.member_id}")), "1")
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody waits any more
+            pass
 
     def release(self) -> None:
         """Stop holding requests while the joiner is in a round (``leave()``: nobody runs rounds any more)."""
@@ -119,7 +134,8 @@ class Fetch:
             # ranges in flight at its begin, a chunk a source).
             fine = self.pace is not None or self.after_commit
             dl = Download(self.hid, sources, g.client.token, g.client.run_id, g.client.member_id,
-                          chunk=min(g.heal_chunk, PACED_CHUNK if fine else 1 << 20), timeout=g.timeouts.op)
+                          chunk=min(g.heal_chunk, PACED_CHUNK if fine else 1 << 20), timeout=g.timeouts.op,
+                          step=-1 if self.step is None else self.step)
             dl.before_chunk, dl.pace = self.before_chunk, self.pace
             if self.after_commit:   # an averaging strategy: no request while this joiner is in a round, whose
                 dl.hold = lambda: bool(g._in_step) and not self.released.is_set()   # collectives use the link
@@ -131,10 +147,10 @@ class Fetch:
             self.result = (dl.blob, dl.error)
         except Exception as e:  # noqa: BLE001 - reported to the training thread, which fails the step
             self.result = (None, f"{type(e).__name__}: {e}")
-        try:   # the sources stop waiting for this joiner when they leave (CatchUp.finish)
-            self.store.set(str(g.client.key(f"heal/{self.hid}/fetched/{g.client.member_id}")), "1")
-        except Exception:  # noqa: BLE001 - the coordinator is gone: nobody waits any more
-            pass
+        with self._lock:
+            self._ended, marks = True, self._marks
+        if marks:
+            self._mark()
         self.done.set()
 
     def _await_commit(self) -> None:
@@ -162,15 +178,16 @@ class Fetch:
                 k = str(g.client.key(f"heal/{self.hid}/src/{m}"))
                 if store.check([k]):
                     rec = g.client.book.open(store.get(k), writer=m, kind="heal source")
-                    if rec is not None:
-                        found[m] = (int(rec["step"]), Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"])))
+                    if rec is not None and isinstance(rec.get("step"), int):   # a record naming no step: unusable
+                        found[m] = (rec["step"], Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"])))
             with self._lock:   # the choice and want() exclude each other: an admission's step is never missed
                 usable = {m: v for m, v in found.items() if self.wanted is None or v[0] == self.wanted}
                 first = (first or time.monotonic()) if usable else None
                 if usable and (len(usable) == len(self.members) or time.monotonic() - first > 2.0):
                     self.step, sha = Counter((st, s.sha) for st, s in usable.values()).most_common(1)[0][0]
                     return [s for st, s in usable.values() if (st, s.sha) == (self.step, sha)]
-            time.sleep(0.01)
+            # Before its admission a joiner may wait a whole period for an offer: a lighter poll of the store.
+            time.sleep(0.1 if self.wanted is None else 0.01)
         if self.stopped.is_set():
             raise ShoalError(f"the download of heal {self.hid} was given up on")
         raise ShoalError(f"no source of heal {self.hid} published its snapshot of step {self.wanted} within "

@@ -174,6 +174,7 @@ class _Snap:
     data: bytes | None = None
     joiners: set[int] = field(default_factory=set)
     used: float = field(default_factory=time.monotonic)
+    step: int = -1   # the step whose begin state it is (-1: not said); a re-offer under its heal id replaces it
 
 
 class SnapshotServer:
@@ -191,16 +192,21 @@ class SnapshotServer:
         self.token, self.run_id, self.idle = token, run_id, idle
         self.pacer = Pacer(rate)
         self._snaps: dict[int, _Snap] = {}
+        self.finished: set[tuple[int, int, int]] = set()   # (heal id, step, joiner) of the snapshots it fetched
         self._lock = threading.Lock()
         self._sock = socket.create_server((host, 0))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self.served = 0          # bytes sent, all joiners together
         threading.Thread(target=self._accept, name="shoal-heal-serve", daemon=True).start()
 
-    def offer(self, hid: int, tree: Any, joiners: set[int], published: Callable[[int, str], None]) -> None:
-        """Serve ``tree`` as heal ``hid`` to ``joiners`` once serialised in a thread, then ``published(size, sha)``."""
+    def offer(self, hid: int, tree: Any, joiners: set[int], published: Callable[[int, str], None],
+              step: int = -1) -> None:
+        """Serve ``tree`` (the state at step ``step``'s begin) as heal ``hid`` to ``joiners`` once serialised in a
+        thread, then ``published(size, sha)``; it replaces an earlier offer of that heal (of another step)."""
+        mine = _Snap(joiners=set(joiners), step=step)
         with self._lock:
-            self._snaps[hid] = _Snap(joiners=set(joiners))
+            self._snaps[hid] = mine
+            self.finished = {f for f in self.finished if f[0] != hid}
         cuda = [t.device for t in tree_tensors(tree) if t.is_cuda]
         side = SideStream(cuda[0] if cuda else torch.device("cpu"))
         ready = side.ready()    # behind the clones, on the training thread's stream (None on the CPU)
@@ -212,22 +218,24 @@ class SnapshotServer:
                 log.exception("could not serialise the snapshot of heal %d", hid)
                 self.drop(hid)
                 return
-            with self._lock:
-                snap = self._snaps.get(hid)
-                if snap is None:
+            with self._lock:   # replaced meanwhile by a re-offer (or dropped): this one is never published
+                if self._snaps.get(hid) is not mine:
                     return
-                snap.data = data
+                mine.data = data
             published(len(data), hashlib.sha256(data).hexdigest())
 
         threading.Thread(target=work, name="shoal-heal-snapshot", daemon=True).start()
 
-    def admit(self, hid: int, joiners: set[int]) -> bool:
-        """Let ``joiners`` too fetch heal ``hid`` if it is served here (offered before the admission); False if not."""
+    def admit(self, hid: int, joiners: set[int], step: int) -> bool:
+        """Let ``joiners`` too fetch heal ``hid`` of step ``step`` if it was offered here (before the admission):
+        True if it is served, or every one of them has fetched it already; False: it must be offered."""
         with self._lock:
+            left = {m for m in joiners if (hid, step, m) not in self.finished}
             snap = self._snaps.get(hid)
-            if snap is not None:
-                snap.joiners |= set(joiners)
-            return snap is not None
+            if snap is not None and snap.step == step:
+                snap.joiners |= left
+                return True
+            return not left
 
     def drop(self, hid: int) -> None:
         with self._lock:
@@ -238,6 +246,7 @@ class SnapshotServer:
         with self._lock:
             for hid in [h for h, s in self._snaps.items() if not any((m, h) in wanted for m in s.joiners)]:
                 del self._snaps[hid]
+            self.finished = {f for f in self.finished if (f[2], f[0]) in wanted}
 
     def owed(self) -> list[tuple[int, int]]:
         """(heal id, joiner) for every joiner that has not said it is done with a snapshot held here."""
@@ -274,8 +283,8 @@ class SnapshotServer:
                 conn.sendall(b"K")
                 while True:
                     kind, hid, a, n = _REQ.unpack(_recv(conn, _REQ.size))
-                    if kind == b"D":
-                        self._done(hid, member)
+                    if kind == b"D":   # a: the joiner, n: the step of the snapshot it fetched
+                        self._done(hid, member, n)
                         continue
                     self._send_range(conn, hid, a, n)
             except (OSError, ConnectionError, struct.error):
@@ -298,10 +307,13 @@ class SnapshotServer:
             conn.sendall(piece)
         self.served += n
 
-    def _done(self, hid: int, member: int) -> None:
+    def _done(self, hid: int, member: int, step: int) -> None:
+        """``member`` fetched heal ``hid`` of step ``step``: a late word about a snapshot replaced since (of
+        another step) leaves the new one alone."""
         with self._lock:
             snap = self._snaps.get(hid)
-            if snap is not None:
+            if snap is not None and snap.step == step:
+                self.finished.add((hid, step, member))
                 snap.joiners.discard(member)
                 if not snap.joiners:
                     del self._snaps[hid]
@@ -353,9 +365,10 @@ class Download(threading.Thread):
     """
 
     def __init__(self, hid: int, sources: list[Source], token: str, run_id: str, member: int,
-                 chunk: int = 1 << 20, timeout: float = 60.0) -> None:
+                 chunk: int = 1 << 20, timeout: float = 60.0, step: int = -1) -> None:
         super().__init__(name="shoal-heal-download", daemon=True)
         self.hid, self.sources, self.token, self.run_id, self.member = hid, sources, token, run_id, member
+        self.step = step   # the step whose begin state the sources offer (their records say), -1: not said
         self.chunk, self.timeout = chunk, timeout
         self.blob: bytes | None = None
         self.error: str | None = None
@@ -477,7 +490,7 @@ class Download(threading.Thread):
                         self.received += n
                         self.by_source[src.member] += n
                 try:
-                    conn.sendall(_REQ.pack(b"D", self.hid, self.member, 0))
+                    conn.sendall(_REQ.pack(b"D", self.hid, self.member, self.step))
                 except OSError:
                     pass
         except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:

@@ -124,3 +124,82 @@ def test_a_store_that_stays_silent_fails_the_step_after_heartbeat_timeout() -> N
     assert time.monotonic() - t0 >= group.timeouts.heartbeat_timeout
     assert len(group.errors) == 1 and isinstance(group.errors[0], CommTimeoutError)
     assert catchup.pending[JOINER].ready is None
+
+
+class _Link:
+    class failures:   # noqa: N801 - a stand-in for the link's failure record
+        aborted = False
+
+
+class _Writer(_Group):
+    """The lowest-ranked holder of the state: it writes the top-ups (rank 0 of members (ME, 2, JOINER))."""
+
+    def __init__(self, store: _Flaky) -> None:
+        super().__init__(store)
+        self.quorum.members = (ME, 2, JOINER)
+        self.rank, self.link = 0, _Link()
+
+        class _Hooks:
+            states: dict[str, Any] = {}
+        self.hooks = _Hooks()
+
+
+def _writer() -> tuple[_Writer, _Flaky, CatchUp]:
+    store = _Flaky(dist.HashStore())
+    group = _Writer(store)
+    catchup = CatchUp(group)
+    catchup.pending = {JOINER: Pending(HID, ready=STEP, read=True, full_at=STEP)}   # weighs 1 from this step
+    return group, store, catchup
+
+
+def test_a_top_up_the_coordinator_does_not_take_fails_the_step_instead_of_the_worker() -> None:
+    group, store, catchup = _writer()
+    store.blip.set()
+    group.client.down.set()
+    catchup._write_topups(STEP)        # raised out of begin_step before: the worker died on a coordinator outage
+    assert len(group.errors) == 1 and isinstance(group.errors[0], CommTimeoutError), group.errors
+    assert "did not take the top-up" in str(group.errors[0])
+    group.errors.clear()
+    store.blip.clear()
+    group.client.down.clear()
+    catchup._write_topups(STEP)        # the coordinator is back: written, nothing fails
+    assert group.errors == [] and store._store.check([f"{RUN}/heal/{HID}/top/{JOINER}/{STEP}"])
+
+
+def test_a_joiner_whose_top_up_cannot_be_read_fails_the_step_at_once_in_an_outage() -> None:
+    group, store, catchup = _writer()
+    catchup.hid = HID
+    store.blip.set()
+    group.client.down.set()
+    t0 = time.monotonic()
+    catchup._top_up(Pending(HID, keys=()), STEP)   # raised before; an outage is not waited out (Timeouts.quorum)
+    assert time.monotonic() - t0 < group.timeouts.quorum
+    assert len(group.errors) == 1 and "could not be read" in str(group.errors[0]), group.errors
+
+
+class _Done:
+    """A finished download (what CatchUp reads of a Fetch)."""
+    download, result = None, (b"state", None)
+
+
+class _Own:
+    def own(self, states: Any) -> set[str]:
+        return set()
+
+    def covers(self, states: Any) -> set[str]:
+        return set()
+
+
+def test_a_ready_record_the_coordinator_does_not_take_leaves_the_joiner_as_it_was_to_try_again() -> None:
+    group, store, catchup = _writer()
+    catchup.replayers.append(_Own())   # type: ignore[arg-type]
+    catchup.hid, catchup.fetch = HID, _Done()   # type: ignore[assignment]
+    catchup.stats.admitted_step = STEP
+    mine = Pending(HID)
+    store.blip.set()
+    group.client.down.set()
+    catchup._catch_up(mine, STEP, catchup.fetch, in_step=False)   # between two rounds: tried at the next step
+    assert group.errors == [] and not catchup.loaded and catchup.fetch is not None and mine.ready is None
+    catchup._catch_up(mine, STEP, catchup.fetch, in_step=True)    # at a step's begin: that step fails
+    assert len(group.errors) == 1 and "ready record" in str(group.errors[0]), group.errors
+    assert not catchup.loaded and catchup.fetch is not None and mine.ready is None

@@ -80,6 +80,7 @@ def test_an_early_download_of_an_earlier_steps_state_is_dropped_and_the_admitted
     assert early is not None and early.done.wait(30) and early.step == 4
     fresh = _publish(raw, _tree(), step=5)     # at the admission the sources offer again: step 5's begin
     c._admit(HID, [1, 2], top=5)
+    c.group.step = 6   # the admitting round committed: an averaging strategy's download starts now
     assert c.fetch is not early and c.stats.prefetched_bytes == 0
     assert c.fetch is not None and c.fetch.done.wait(30) and c.fetch.result[1] is None and c.fetch.step == 5
     got = from_bytes(torch.frombuffer(bytearray(c.fetch.result[0]), dtype=torch.uint8))
@@ -120,3 +121,58 @@ def test_an_early_download_is_stopped_when_the_quorum_heals_blocking_or_another_
     c.group._fresh = False
     c.prefetch(Quorum(HID + 2, (1, 2, ME), "run/q5/"))   # holds the state now (healed blocking): nothing to fetch
     assert c.early is None and second.done.is_set() and "given up" in str(second.result[1])
+
+
+def _fetched(raw: Any, member: int = ME) -> bool:
+    return raw.check([f"{RUN}/heal/{HID}/fetched/{member}"])
+
+
+@pytest.mark.timeout(60)
+def test_only_the_download_the_admission_keeps_tells_the_sources_it_is_done() -> None:
+    # A source's leave() waits until its joiners said they are done with its snapshot; an early download the
+    # admission drops must not say so for the one the joiner then fetches under the same heal id.
+    raw = dist.HashStore()
+    stale = _publish(raw, _other(1), step=4)
+    c = _joiner(raw)
+    c.prefetch(Quorum(HID, (1, 2, ME), "run/q3/"))
+    assert c.early is not None and c.early.done.wait(30) and not _fetched(raw)   # ended, not kept yet
+    fresh = _publish(raw, _tree(), step=5)
+    c._admit(HID, [1, 2], top=5)   # dropped: another step's
+    assert not _fetched(raw)
+    c.group.step = 6
+    assert c.fetch is not None and c.fetch.done.wait(30) and _fetched(raw)
+    raw2 = dist.HashStore()
+    kept = _publish(raw2, _tree(), step=5)
+    c2 = _joiner(raw2)
+    c2.prefetch(Quorum(HID, (1, 2, ME), "run/q3/"))
+    assert c2.early is not None and c2.early.done.wait(30) and not _fetched(raw2)
+    c2._admit(HID, [1, 2], top=5)   # kept: its word is said now
+    assert _fetched(raw2)
+    for s in stale + fresh + kept:
+        s.close()
+
+
+def _offered(server: Any, hid: int, tree: Any, step: int) -> None:
+    import threading
+    ready = threading.Event()
+    server.offer(hid, tree, {ME}, lambda size, sha: ready.set(), step)
+    assert ready.wait(30)
+
+
+@pytest.mark.timeout(60)
+def test_a_source_serves_the_admitted_step_once_and_a_late_word_about_a_replaced_snapshot_is_ignored() -> None:
+    from shoal.membership.stateserve import SnapshotServer
+    from test_stateserve import TOKEN
+    server = SnapshotServer(TOKEN, RUN, "127.0.0.1")
+    _offered(server, HID, _tree(), step=5)            # offered early, at step 5's begin
+    assert server.admit(HID, {ME, 11}, step=5)         # admitted at step 5: served as it is, to both
+    assert sorted(server.owed()) == [(HID, ME), (HID, 11)]
+    server._done(HID, ME, 5)
+    server._done(HID, 11, 5)                            # both fetched it: dropped ...
+    assert server.holding() == []
+    assert server.admit(HID, {ME, 11}, step=5)         # ... and not offered again (nothing would fetch it)
+    assert not server.admit(HID, {ME}, step=6)         # a step committed since: it must be offered again
+    _offered(server, HID, _other(1), step=6)
+    server._done(HID, ME, 5)                            # a late word about the replaced snapshot
+    assert server.holding() == [HID] and server.owed() == [(HID, ME)]
+    server.close()
