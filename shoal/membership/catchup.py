@@ -325,8 +325,8 @@ class CatchUp:
         me = g.client.member_id
         fetch = self.fetch
         if (self.hid < 0 or self.loaded or g._in_step or fetch is None or not fetch.done.is_set()
-                or me not in self.pending or not self._between_rounds()):
-            return False
+                or me not in self.pending or not self._between_rounds() or g.client.down.is_set()):
+            return False   # (during a coordinator outage its ready record could not be written: later)
         blob, error = fetch.result
         if blob is None or error is not None:
             return False
@@ -425,9 +425,9 @@ class CatchUp:
                                          idle=g.timeouts.join, rate=self.rate)
         # Offered between the rounds (offer_early) with no step committed since: the same state as now.
         offered, self._offers = self._offers.get(hid), {h: st for h, st in self._offers.items() if h > hid}
-        if offered == g.step and self.server.admit(hid, joiners, g.step):
-            return
-        self._offer(hid, joiners)   # replaces an offer made before a step that committed since
+        left = self.server.admit(hid, joiners, g.step) if offered == g.step else joiners
+        if left:   # to those that have not fetched it; it replaces an offer made before a step committed since
+            self._offer(hid, left)
 
     def _offer(self, hid: int, joiners: set[int]) -> None:
         """Clone what the replay covers now and serve it as heal ``hid`` to ``joiners``; its record (published
@@ -589,9 +589,17 @@ class CatchUp:
                 log.error("left before catching up (%s): this worker's model and optimizer are NOT the run's "
                           "state (group.catchup.caught_up is False)", error)
         while self.server is not None and time.monotonic() < deadline:
-            owed = self.server.owed()
-            if all(g.client.store.check([self._key(h, f"fetched/{m}")]) for h, m in owed):
-                return
+            # Joiners of this quorum only: one offered a snapshot early for a quorum never adopted may never
+            # say it is done (its download was dropped). Their 'done' also ends an offer (owed() shrinks).
+            owed = [(h, m) for h, m in self.server.owed() if m in self.pending]
+            try:
+                if all(g.client.store.check([self._key(h, f"fetched/{m}")]) for h, m in owed):
+                    return
+            except Exception as e:  # noqa: BLE001 - the coordinator is unreachable: wait on the joiners' word
+                if g.client.down.is_set():
+                    log.warning("leaving without knowing whether joiners %s fetched their snapshots (the "
+                                "coordinator does not answer: %s)", sorted({m for _, m in owed}), e)
+                    return
             time.sleep(0.01)
 
     @property
@@ -683,12 +691,13 @@ class CatchUp:
                 g._record(CommTimeoutError(f"the top-up of heal {self.hid} {why}"))
                 return
             time.sleep(0.002)
-        ok, raw = self._stored("this joiner's top-up", lambda: st.get(k), g.timeouts.heartbeat_timeout)
+        # Opening it may read its writer's key from the store too (not read before): both under the guard.
+        ok, rec = self._stored("this joiner's top-up", lambda: g.client.book.open(st.get(k), kind="heal top-up"),
+                               g.timeouts.heartbeat_timeout)
         if not ok:
             g._record(CommTimeoutError(f"the top-up of heal {self.hid} could not be read: the coordinator at "
                                        f"{g.client.address} did not answer"))
             return
-        rec = g.client.book.open(raw, kind="heal top-up")
         states = g.hooks.states
         got: Any = None
         if rec is not None:

@@ -337,8 +337,9 @@ class ElasticGroup(ElasticCollectives):
         """Bring the quorum's needy members to the run's state (see :mod:`shoal.membership.heal`)."""
         t0 = time.monotonic()
         finished = self._fresh and run_counter(self.client, "finished", 0) > 0   # read before the gather: one verdict
-        plan = plan_heal(self, self.step, self._fresh, self._healed_since_commit, *self.catchup.column(),
-                         run_finished=finished)
+        # "Fresh" in the plan: holds none of the run's state, also a background joiner still downloading.
+        plan = plan_heal(self, self.step, not self.catchup.caught_up, self._healed_since_commit,
+                         *self.catchup.column(), run_finished=finished)
         if plan is None:
             return
         if plan.run_over:

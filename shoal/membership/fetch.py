@@ -68,6 +68,7 @@ class Fetch:
         # Whether its end tells the sources it is done with their snapshot (a source's leave() waits for that
         # word): an early one only once its admission kept it (want), as one dropped there is nobody's.
         self._marks, self._ended = not early, False
+        self._deadline = float("inf")   # waiting for the sources' records until then (_sources; want() renews it)
         self.stopped = threading.Event()
         self.released = threading.Event()   # release(): no more holding while in a round (leave())
         self.done = threading.Event()
@@ -94,8 +95,10 @@ class Fetch:
         with self._lock:
             if self.step is None:
                 self.wanted, self.members = step, [m for m in self.members if m in sources]
-            ok = (self.step is None or self.step == step) and not (self.done.is_set() and self.result[1] is not None)
+            ok = (self.step is None or self.step == step) and not (self._ended and self.result[1] is not None)
             late = ok and self._ended   # it ended before: its word is said here
+            if ok and self.step is None:   # it may have waited a whole period for an offer: a full wait from here
+                self._deadline = time.monotonic() + self.group.timeouts.join
             self._marks = self._marks or ok
         if late:
             self._mark()
@@ -169,9 +172,11 @@ class Fetch:
     def _sources(self) -> list[Source]:
         """The sources' published (address, size, sha256), waiting until all or, 2 s after the first, some."""
         g, store = self.group, self.store
-        deadline, first = time.monotonic() + g.timeouts.join, None
+        first = None
+        with self._lock:
+            self._deadline = time.monotonic() + g.timeouts.join
         found: dict[int, tuple[int, Source]] = {}   # member -> (the step its snapshot is of, where)
-        while time.monotonic() < deadline and not self.stopped.is_set():
+        while time.monotonic() < self._deadline and not self.stopped.is_set():
             for m in self.members:
                 if m in found and (self.wanted is None or found[m][0] == self.wanted):
                     continue   # read again a record of another step: its source re-offers (CatchUp._serve)

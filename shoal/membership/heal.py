@@ -110,8 +110,13 @@ def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = 
         return None
     steps, news, recents = table[0::cols].tolist(), table[1::cols].tolist(), table[2::cols].tolist()
     hids, capables = table[3::cols].tolist(), table[4::cols].tolist()
-    loading = {r: int(h) for r, h in enumerate(hids) if h >= 0}
-    top = max(steps)
+    # A member that holds none of the run's state (fresh, or a downloader that has not loaded yet) does not set
+    # the run's step: after a vote that split during a coordinator outage it may be ahead of every holder, and
+    # it must then be healed, never be the source. A downloader stays one only at that step: its recorded
+    # updates cover the steps since its admission, not some other member's (else it is healed afresh).
+    holders = [r for r in range(group.size) if not news[r]]
+    top = max(steps[r] for r in holders) if holders else max(steps)
+    loading = {r: int(h) for r, h in enumerate(hids) if h >= 0 and steps[r] == top}
     ready = [r for r in range(group.size) if steps[r] == top and not news[r] and r not in loading]
     if not ready or not all(capables):
         # Nobody holds the run's state (whoever was downloading starts from scratch with the rest), or

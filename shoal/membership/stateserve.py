@@ -194,6 +194,7 @@ class SnapshotServer:
         self._snaps: dict[int, _Snap] = {}
         self.finished: set[tuple[int, int, int]] = set()   # (heal id, step, joiner) of the snapshots it fetched
         self._lock = threading.Lock()
+        self._publish = threading.Lock()   # one snapshot's record at a time (see offer)
         self._sock = socket.create_server((host, 0))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self.served = 0          # bytes sent, all joiners together
@@ -216,26 +217,31 @@ class SnapshotServer:
                 data = serialise_snapshot(tree, side, ready)
             except Exception:  # noqa: BLE001 - nothing to serve: the joiner times out and asks again
                 log.exception("could not serialise the snapshot of heal %d", hid)
-                self.drop(hid)
+                with self._lock:
+                    if self._snaps.get(hid) is mine:   # not a re-offer made meanwhile
+                        del self._snaps[hid]
                 return
-            with self._lock:   # replaced meanwhile by a re-offer (or dropped): this one is never published
-                if self._snaps.get(hid) is not mine:
-                    return
-                mine.data = data
-            published(len(data), hashlib.sha256(data).hexdigest())
+            # Replaced meanwhile by a re-offer (or dropped): this one is never published. Its record is written
+            # under _publish, so an earlier offer's record never lands after a later one's.
+            with self._publish:
+                with self._lock:
+                    if self._snaps.get(hid) is not mine:
+                        return
+                    mine.data = data
+                published(len(data), hashlib.sha256(data).hexdigest())
 
         threading.Thread(target=work, name="shoal-heal-snapshot", daemon=True).start()
 
-    def admit(self, hid: int, joiners: set[int], step: int) -> bool:
-        """Let ``joiners`` too fetch heal ``hid`` of step ``step`` if it was offered here (before the admission):
-        True if it is served, or every one of them has fetched it already; False: it must be offered."""
+    def admit(self, hid: int, joiners: set[int], step: int) -> set[int]:
+        """Let ``joiners`` too fetch heal ``hid`` of step ``step`` if it was offered here (before the admission);
+        the joiners it must still be offered to: none if it is served, else those that have not fetched it."""
         with self._lock:
             left = {m for m in joiners if (hid, step, m) not in self.finished}
             snap = self._snaps.get(hid)
             if snap is not None and snap.step == step:
                 snap.joiners |= left
-                return True
-            return not left
+                return set()
+            return left
 
     def drop(self, hid: int) -> None:
         with self._lock:

@@ -203,3 +203,47 @@ def test_a_ready_record_the_coordinator_does_not_take_leaves_the_joiner_as_it_wa
     catchup._catch_up(mine, STEP, catchup.fetch, in_step=True)    # at a step's begin: that step fails
     assert len(group.errors) == 1 and "ready record" in str(group.errors[0]), group.errors
     assert not catchup.loaded and catchup.fetch is not None and mine.ready is None
+
+
+class _Owed:
+    """A snapshot server whose joiners have not said they are done."""
+
+    def __init__(self, owed: list[tuple[int, int]]) -> None:
+        self._owed = owed
+
+    def owed(self) -> list[tuple[int, int]]:
+        return self._owed
+
+
+def test_a_source_leaving_in_an_outage_does_not_raise_and_skips_joiners_of_quorums_never_adopted() -> None:
+    group, store, catchup = _writer()
+    catchup.server = _Owed([(HID, JOINER)])   # type: ignore[assignment]
+    store.blip.set()
+    group.client.down.set()
+    t0 = time.monotonic()
+    catchup.finish()                  # raised out of leave() before: the launcher saw a crash
+    assert time.monotonic() - t0 < group.timeouts.quorum
+    store.blip.clear()
+    group.client.down.clear()
+    catchup.server = _Owed([(HID + 1, 99)])   # type: ignore[assignment]   # offered early to a quorum never adopted
+    t0 = time.monotonic()
+    catchup.finish()                  # waited Timeouts.quorum before for a word that never comes
+    assert time.monotonic() - t0 < group.timeouts.quorum / 2
+
+
+class _Between:
+    enters_between_rounds = True
+
+
+def test_a_joiner_between_two_rounds_does_not_call_the_store_during_an_outage() -> None:
+    group, store, catchup = _writer()
+    group._in_step = False
+    catchup.replayers.append(_Between())   # type: ignore[arg-type]
+    catchup.pending[ME] = Pending(HID)
+    catchup.hid, catchup.fetch = HID, _Done()   # type: ignore[assignment]
+    catchup.fetch.done = threading.Event()      # type: ignore[attr-defined]
+    catchup.fetch.done.set()                    # type: ignore[attr-defined]
+    store.blip.set()
+    group.client.down.set()
+    calls = store.calls
+    assert catchup.enter_between_rounds() is False and store.calls == calls   # each inner step would block

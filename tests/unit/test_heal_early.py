@@ -165,14 +165,62 @@ def test_a_source_serves_the_admitted_step_once_and_a_late_word_about_a_replaced
     from test_stateserve import TOKEN
     server = SnapshotServer(TOKEN, RUN, "127.0.0.1")
     _offered(server, HID, _tree(), step=5)            # offered early, at step 5's begin
-    assert server.admit(HID, {ME, 11}, step=5)         # admitted at step 5: served as it is, to both
+    assert server.admit(HID, {ME, 11}, step=5) == set()   # admitted at step 5: served as it is, to both
     assert sorted(server.owed()) == [(HID, ME), (HID, 11)]
     server._done(HID, ME, 5)
     server._done(HID, 11, 5)                            # both fetched it: dropped ...
     assert server.holding() == []
-    assert server.admit(HID, {ME, 11}, step=5)         # ... and not offered again (nothing would fetch it)
-    assert not server.admit(HID, {ME}, step=6)         # a step committed since: it must be offered again
+    assert server.admit(HID, {ME, 11}, step=5) == set()   # ... and not offered again (nothing would fetch it)
+    assert server.admit(HID, {ME, 12}, step=5) == {12}     # only to a joiner that has not fetched it
+    assert server.admit(HID, {ME}, step=6) == {ME}         # a step committed since: it must be offered again
     _offered(server, HID, _other(1), step=6)
     server._done(HID, ME, 5)                            # a late word about the replaced snapshot
     assert server.holding() == [HID] and server.owed() == [(HID, ME)]
     server.close()
+
+
+class _FailsLate:
+    """Pickles only once ``gate`` is set, and then fails (an earlier offer still serialising, then failing)."""
+
+    def __init__(self, gate: Any) -> None:
+        self.gate = gate
+
+    def __reduce__(self) -> Any:
+        self.gate.wait(10)
+        raise RuntimeError("cannot serialise this")
+
+
+@pytest.mark.timeout(60)
+def test_an_earlier_offers_failure_or_late_end_never_touches_the_offer_that_replaced_it() -> None:
+    import threading
+
+    from shoal.membership.stateserve import SnapshotServer
+    from test_stateserve import TOKEN
+    server = SnapshotServer(TOKEN, RUN, "127.0.0.1")
+    gate, records = threading.Event(), []
+    server.offer(HID, {"x": _FailsLate(gate)}, {ME}, lambda size, sha: records.append(("early", sha)), 4)
+    _offered(server, HID, _tree(), step=5)   # offered again (a step committed since): serialised, published
+    gate.set()                                # the earlier one fails now: it must not drop the new one
+    time.sleep(0.3)
+    assert server.holding() == [HID] and server._snaps[HID].step == 5 and records == []
+    server.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_early_download_kept_at_its_admission_waits_for_its_sources_a_full_while_from_there() -> None:
+    # It may have waited at the quorum's barrier for most of Timeouts.join: kept at the admission, it waits for
+    # the sources' records (offered then) a full Timeouts.join again, instead of failing at once.
+    raw = dist.HashStore()
+    c = _joiner(raw)
+    c.group.timeouts = type(c.group.timeouts)(heartbeat_interval=0.05, probe=0.1, heartbeat_timeout=0.5, op=1.0,
+                                              quorum=1.2, join=1.5)
+    c.prefetch(Quorum(HID, (1, 2, ME), "run/q3/"))
+    early = c.early
+    time.sleep(1.0)   # nobody offers early (a join with no loss): it waits
+    c._admit(HID, [1, 2], top=5)
+    assert c.fetch is early
+    time.sleep(0.8)   # past the first wait's end
+    servers = _publish(raw, _tree(), step=5)   # the sources' offer at the admission
+    assert early.done.wait(30) and early.result[1] is None and early.step == 5, early.result
+    for s in servers:
+        s.close()

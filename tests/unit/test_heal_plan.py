@@ -93,3 +93,29 @@ def test_members_that_read_the_store_at_different_moments_agree_the_run_is_over(
     plans = [plan_heal(_Table(rows, rank=r), rows[r][0], bool(rows[r][1]), False,  # type: ignore[arg-type]
                        run_finished=bool(rows[r][5])) for r in range(2)]
     assert all(p is not None and not p.run_over for p in plans), plans
+
+
+def _plans(rows: list[tuple[int, ...]]) -> list[Any]:
+    plans = [plan_heal(_Table(rows, rank=r), rows[r][0], bool(rows[r][1]), bool(rows[r][2]), rows[r][3],  # type: ignore[arg-type]
+                       bool(rows[r][4])) for r in range(len(rows))]
+    assert all(p == plans[0] for p in plans), plans   # the same plan on every member
+    return plans
+
+
+def test_a_downloader_ahead_of_every_holder_after_a_split_vote_is_healed_never_the_source() -> None:
+    # Member 2 downloads heal 9 and has loaded nothing (it reports itself fresh); a vote that split during a
+    # coordinator outage committed a step on it alone. It must not set the run's step: the holders' step 6
+    # is the top, member 0 the source, and member 2 is healed afresh (in the background: it is needy again).
+    # Planned from the highest step, member 2 would have been the source of a blocking heal of the others.
+    (plan, *_) = _plans([(6, 0, 0, -1, 1), (6, 0, 0, -1, 1), (7, 1, 0, 9, 1)])
+    assert (plan.top, plan.src, plan.needy, plan.ready, plan.downloading) == (6, 0, (2,), (0, 1), {}), plan
+    assert plan.background and not plan.from_scratch
+
+
+def test_a_downloader_behind_the_run_is_healed_afresh_not_kept_downloading() -> None:
+    # Its recorded updates cover the steps since its admission; at another step than the run's they do not
+    # lead to the run's state, so it downloads a new snapshot instead of replaying a wrong count.
+    (plan, *_) = _plans([(6, 0, 0, -1, 1), (6, 0, 0, -1, 1), (5, 1, 0, 9, 1)])
+    assert (plan.top, plan.needy, plan.downloading) == (6, (2,), {}), plan
+    (kept, *_) = _plans([(6, 0, 0, -1, 1), (6, 0, 0, -1, 1), (6, 1, 0, 9, 1)])   # at the run's step: kept
+    assert (kept.needy, kept.downloading, kept.background) == ((), {2: 9}, True), kept
