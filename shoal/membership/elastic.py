@@ -118,6 +118,7 @@ class ElasticGroup(ElasticCollectives):
         self.stats = ElasticStats()
         self._snapshots: dict[str, Any] = {}
         self._in_step = False
+        self._entering = False       # past a new quorum's barrier, not in the step yet (its heal's collectives)
         self._after = 0              # adopt a quorum newer than this one at the next begin_step
         self._fresh = True           # holds no state received from the run yet
         self._healed_since_commit = False  # loaded a heal since this member's last committed step
@@ -221,7 +222,7 @@ class ElasticGroup(ElasticCollectives):
         self.error = None
         self.catchup.at_begin()   # may record a failure (a download that failed); adds joiners catching up to newcomers
         self._snapshots = snapshot(hooks.states)
-        self._in_step = True
+        self._in_step, self._entering = True, False
 
     def commit(self) -> bool:
         """End the step: the same verdict on every member (True: apply it; False: drop it).
@@ -316,6 +317,7 @@ class ElasticGroup(ElasticCollectives):
             self.trace("unmet", qid=q.qid, why=why)
             return False
         self.trace("barrier", qid=q.qid)
+        self._entering = True   # the quorum's members are all here: its build, heal and step use the links now
         self.quorum, self.seat = q, Seat(q.rank_of(self.client.member_id), len(q.members))
         self.error = None
         try:

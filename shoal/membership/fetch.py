@@ -141,7 +141,9 @@ class Fetch:
                           step=-1 if self.step is None else self.step)
             dl.before_chunk, dl.pace = self.before_chunk, self.pace
             if self.after_commit:   # an averaging strategy: no request while this joiner is in a round, whose
-                dl.hold = lambda: bool(g._in_step) and not self.released.is_set()   # collectives use the link
+                # ... nor once past a new quorum's barrier (its build, heal plan and admission): an early
+                # download, begun while the joiner waited there, would queue their small messages behind its bytes.
+                dl.hold = lambda: bool(g._in_step or getattr(g, "_entering", False)) and not self.released.is_set()
             with self._lock:   # stop() sees this download, or this thread sees stop()
                 self.download = dl
                 if self.stopped.is_set():

@@ -224,3 +224,23 @@ def test_an_early_download_kept_at_its_admission_waits_for_its_sources_a_full_wh
     assert early.done.wait(30) and early.result[1] is None and early.step == 5, early.result
     for s in servers:
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_early_download_asks_for_nothing_once_the_joiner_is_past_its_quorums_barrier() -> None:
+    # From the barrier to the step's begin the quorum builds its group, plans the heal and broadcasts the
+    # admission: small messages that would queue behind the download's bytes on the joiner's link.
+    raw = dist.HashStore()
+    servers = _publish(raw, _tree(), step=5)
+    c = _joiner(raw)
+    asked: list[int] = []
+    c.before_chunk = lambda source, received: asked.append(source)
+    c.group._entering = True   # past the barrier (set by ElasticGroup._enter), not in the step yet
+    c.prefetch(Quorum(HID, (1, 2, ME), "run/q3/"))
+    early = c.early
+    time.sleep(0.5)
+    assert early is not None and asked == [] and not early.done.is_set()
+    c.group._entering = False
+    assert early.done.wait(30) and early.result[1] is None and asked
+    for s in servers:
+        s.close()
