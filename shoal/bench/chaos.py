@@ -124,7 +124,7 @@ def sync_schedule(strategy: shoal.Strategy) -> dict[str, Any] | None:
     if not frags:
         return None
     total = sum(f.snapshot.numel() for f in frags)
-    cfg = strategy.config
+    cfg: Any = getattr(strategy, "config")   # a DiLoCoConfig
     return {"period": cfg.inner_steps, "offsets": [cfg.launch_offset(f.index) for f in frags],
             "weights": [f.snapshot.numel() / total for f in frags]}
 

@@ -434,6 +434,8 @@ class CatchUp:
         once serialised) names the step it is the state at the begin of, which the joiner checks."""
         g = self.group
         server, key, step = self.server, self._key(hid, f"src/{g.client.member_id}"), g.step
+        if server is None:   # pragma: no cover - _serve and offer_early start it first
+            raise ShoalError("a snapshot offered before this member's snapshot server was started")
         states = g.hooks.states   # what the replay keeps current; the rest is topped up, or each member's own
         tree = clone_tree({k: states[k].get() for k in sorted(self._covered())})   # the step boundary
         book, client = g.client.book, g.client
@@ -682,13 +684,13 @@ class CatchUp:
             try:
                 if st.check([k]):
                     break
-                why = "did not arrive (Timeouts.quorum)"
+                missing = "did not arrive (Timeouts.quorum)"
             except Exception as e:  # noqa: BLE001 - the coordinator is unreachable: a blip, or an outage
-                why = f"could not be read: the coordinator at {g.client.address} did not answer ({e})"
+                missing = f"could not be read: the coordinator at {g.client.address} did not answer ({e})"
                 if g.client.down.is_set():
                     deadline = 0.0
             if g.link.failures.aborted or time.monotonic() > deadline:
-                g._record(CommTimeoutError(f"the top-up of heal {self.hid} {why}"))
+                g._record(CommTimeoutError(f"the top-up of heal {self.hid} {missing}"))
                 return
             time.sleep(0.002)
         # Opening it may read its writer's key from the store too (not read before): both under the guard.

@@ -190,7 +190,7 @@ class Fetch:
             with self._lock:   # the choice and want() exclude each other: an admission's step is never missed
                 usable = {m: v for m, v in found.items() if self.wanted is None or v[0] == self.wanted}
                 first = (first or time.monotonic()) if usable else None
-                if usable and (len(usable) == len(self.members) or time.monotonic() - first > 2.0):
+                if first is not None and (len(usable) == len(self.members) or time.monotonic() - first > 2.0):
                     self.step, sha = Counter((st, s.sha) for st, s in usable.values()).most_common(1)[0][0]
                     return [s for st, s in usable.values() if (st, s.sha) == (self.step, sha)]
             # Before its admission a joiner may wait a whole period for an offer: a lighter poll of the store.
