@@ -8,8 +8,9 @@ from a live peer. Reported: final validation loss of both runs, rounds re-run,
 local steps lost per failure (the killed worker's progress that no
 committed round holds: for DiLoCo and streaming DiLoCo each fragment's steps
 since its last launch, weighted by its share of the parameters), seconds
-the survivors' step took when a round had to be re-run, seconds from a restart to its first step and the heal itself (with the
-model's size), steps per second; per kill and per join the survivors' stall
+the survivors' step took when a round had to be re-run, seconds from a
+restart to its first step and the heal itself (with the model's size),
+steps per second; per kill and per join the survivors' stall
 (their longest gap between committed steps across the kill or around the
 newcomer's admission, minus a median step), the newcomer's seconds from
 process start to its first committed step, and the goodput (committed

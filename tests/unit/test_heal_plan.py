@@ -96,8 +96,8 @@ def test_members_that_read_the_store_at_different_moments_agree_the_run_is_over(
 
 
 def _plans(rows: list[tuple[int, ...]]) -> list[Any]:
-    plans = [plan_heal(_Table(rows, rank=r), rows[r][0], bool(rows[r][1]), bool(rows[r][2]), rows[r][3],  # type: ignore[arg-type]
-                       bool(rows[r][4])) for r in range(len(rows))]
+    plans = [plan_heal(_Table(rows, rank=r), rows[r][0], bool(rows[r][1]),  # type: ignore[arg-type]
+                       bool(rows[r][2]), rows[r][3], bool(rows[r][4])) for r in range(len(rows))]
     assert all(p == plans[0] for p in plans), plans   # the same plan on every member
     return plans
 
