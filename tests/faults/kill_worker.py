@@ -99,11 +99,14 @@ def main() -> None:
     # only the peer watch (a window of `probe` seconds, then the coordinator's probe) does.
     timeouts = Timeouts(op=10.0, heartbeat_interval=0.1, probe=1.0, heartbeat_timeout=60.0, quorum=90.0, join=120.0)
     group = ElasticGroup(timeouts=timeouts, min_workers=2, host_id=f"h{rank // 2}")
-    first_chunk: dict[str, int | None] = {"step": None}   # the joiner: its step at its first download request
+    # The joiner at its first download request: its step, whether it was admitted yet (a download begun while it
+    # waited for its round, CatchUp.prefetch) and whether it was in a round or past a quorum's barrier.
+    first_chunk: dict[str, Any] = {"step": None}
 
     def before_chunk(source: int, received: int) -> None:
         if first_chunk["step"] is None:
-            first_chunk["step"] = group.step
+            first_chunk.update(step=group.step, admitted=group.catchup.stats.admitted_step >= 0,
+                               in_round=bool(group._in_step or group._entering))
     group.catchup.before_chunk = before_chunk
     torch.manual_seed(100 + 10 * rank)   # different on purpose: the start state must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -153,6 +156,7 @@ def main() -> None:
     result = {"discarded": discarded, "detected": detected, "sizes": sizes, "stats": vars(group.stats),
               "suspected": group.watcher.suspected,
               "catchup": asdict(group.catchup.stats), "first_chunk_step": first_chunk["step"],
+              "first_chunk": first_chunk,
               "synced": [t.clone() for t in synced_state(strategy, model, inner)], "rank": rank, "life": life,
               "step": step_of(strategy)}
     save_and_leave(a.out, rank, life, result, group)
