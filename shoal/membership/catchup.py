@@ -506,8 +506,9 @@ class CatchUp:
         others = [m for m in q.members if m != g.client.member_id]
         if not (g._fresh and self.hid < 0 and others and self._between_rounds() and self.column()[1]):
             return
-        self.early = Fetch(g, q.qid, others, g.step, True, None, self.before_chunk, early=True)
-        self.early.start()
+        early = Fetch(g, q.qid, others, g.step, True, None, self.before_chunk, early=True)
+        early.start()        # its store connection may fail (a blip): then there is no early download to stop
+        self.early = early
         log.info("waiting for quorum %d: fetching its snapshot early from whoever of %s offers it", q.qid, others)
 
     def _stop_early(self) -> None:

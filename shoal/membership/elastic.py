@@ -311,6 +311,7 @@ class ElasticGroup(ElasticCollectives):
         # Both waits give up once the group cannot form, e.g. a member lost there (shoal.membership.rendezvous).
         rv = Rendezvous(self.client, self.link, q, deadline, self.timeouts.probe)
         self.client.abort.watch(q.prefix)
+        self._entering = False     # not past this quorum's barrier yet (an earlier one's failed entry cleared)
         self.catchup.prefetch(q)   # a joiner of an averaging strategy: its download may start while it waits here
         why = rv.meet()
         if why is not None:
