@@ -21,10 +21,10 @@ How a join goes (``t`` is the run's committed step)::
     steps t0 .. t-1                 survivors train and commit; the joiner fetches the snapshot striped
                                     over every source (paced by the commits: SHOAL_HEAL_PACE, pace.py), and
                                     records each committed step's averaged gradients (as a zero-weight member)
-    begin_step(t), download done    joiner: load the snapshot (checked as any heal), replay the
-                                    t - t0 recorded steps (optimizer steps): its model and optimizer
-                                    now equal the survivors' at t; it publishes "contributes from
-                                    t+1" with the state keys the replay does not cover
+    begin_step(t), download done    joiner: publish "contributes from t+1" with the state keys the
+                                    replay does not cover, then load the snapshot (checked as any
+                                    heal) and replay the t - t0 recorded steps (optimizer steps): its
+                                    model and optimizer now equal the survivors' at t
     begin_step(t+1)                 every member reads that record (signed, in the store): from this
                                     step on the joiner contributes; the lowest-ranked source writes
                                     the uncovered states (the sampler's cursor, the discard streak:

@@ -98,8 +98,11 @@ def plan_heal(group: ElasticCollectives, step: int, fresh: bool, recent: bool = 
     same verdict on a run that is over (``run_finished``: this member read a
     finished part in the store; any member's reading counts for all, so
     members that read the store at different moments never disagree).
-    A member still downloading a background heal (:mod:`shoal.membership.catchup`)
-    is neither needy nor a source.
+    ``fresh``: the member holds none of the run's state (new, or a background
+    joiner that has not loaded its download yet); such members never set the
+    run's step. A member still downloading a background heal
+    (:mod:`shoal.membership.catchup`) at the run's step is neither needy nor a
+    source; at another step it is healed afresh.
     """
     cols = 6
     mine = torch.tensor([step, int(fresh), int(recent), downloading, int(capable), int(run_finished)],
