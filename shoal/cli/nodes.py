@@ -53,6 +53,7 @@ _PROBE_S = 5.0   # a TCP connect to a peer's advertised address
 _TRY_S = 5.0     # one try to reach node 0 (and the store's timeout once the run is under way)
 _LOST_S = 60.0   # node 0 stops waiting for a launcher whose beat stalled this long
 _ACK_S = 10.0    # after a failure, node 0 serves this long for the others to read it
+_STARTED = "started"   # the meeting's verdict (in the "refused" key) once a launcher found it complete
 
 
 def _address_in_use(e: BaseException) -> bool:
@@ -245,11 +246,22 @@ class NodeRendezvous:
                               "/etc/hosts often maps the own hostname to 127.0.1.1): start it with --advertise-addr "
                               "set to its network address, or give --master-addr as an IP address")
         self._check_reachable(nodes)
+        self._start_or_stop()
         store.set_timeout(timedelta(seconds=_TRY_S))  # a vanished node 0 must not block the supervisor for long
         self.joined = True
         world = sum(int(str(n["nproc"])) for n in nodes)
         offset = sum(int(str(n["nproc"])) for n in nodes[:s.node_rank])
         return NodeLayout(world, offset, addr, interface_of(addr), nodes)
+
+    def _start_or_stop(self) -> None:
+        """The meeting is complete here: start, unless a refusal came first. One compare-and-set decides for
+        every launcher (the first write wins: ``_STARTED`` here, a refusal's message in :meth:`fail`), so a
+        launcher that met the others just before a refusal never starts a run that one of them, which read
+        the refusal while it still waited, has left."""
+        assert self.store is not None  # set by join()
+        verdict = bytes(self.store.compare_set(self._key("refused"), "", _STARTED)).decode()
+        if verdict != _STARTED:
+            raise ShoalError(f"the run stopped before it started: {verdict.partition(':')[2] or verdict}")
 
     def _check_run(self, n: dict[str, object]) -> None:
         s = self.spec
@@ -330,7 +342,8 @@ class NodeRendezvous:
             return None
         try:
             if self.store.check([self._key(key)]):
-                return bytes(self.store.get(self._key(key))).decode()
+                said = bytes(self.store.get(self._key(key))).decode()
+                return None if said == _STARTED else said   # the meeting decided to start: no refusal counts
         except Exception:
             return "node 0's launcher is gone (its store does not answer)"
         return None
