@@ -72,6 +72,7 @@ from shoal.membership.stateserve import SnapshotServer, clone_tree, local_addres
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
 EARLY_PEEK_S = 0.5   # a source between rounds asks the coordinator for a newer quorum at most this often
+JOIN_MARGIN = 2      # ... and dissolves its quorum for a join only this many inner steps or more before a round
 __all__ = ["CatchUp", "CatchUpStats", "OptimizerReplay", "Pending", "Replayer", "MODES", "heal_pace", "heal_rate"]
 
 
@@ -109,6 +110,7 @@ class CatchUpStats:
     prefetched_bytes: int = 0     # bytes it had received when it was admitted (a download begun before: prefetch)
     served: int = 0               # snapshots this worker offered as a source
     offered_early: int = 0        # of them, offered between two rounds to a quorum not adopted yet (offer_early)
+    dissolved_for_join: int = 0   # quorums this worker dissolved between rounds to admit newcomers (offer_early)
     admissions: int = 0           # times admitted as a downloader (again after a download that failed)
     slots: int = 0                # paced download (SHOAL_HEAL_PACE): the commits that opened a slot
 
@@ -448,25 +450,31 @@ class CatchUp:
         server.offer(hid, tree, joiners, published, step)
         self.stats.served += 1
 
-    def offer_early(self) -> bool:
-        """A source between two rounds (an averaging strategy's inner step) whose quorum is dissolved (a member
-        lost: its abort flag): if the coordinator published a quorum with newcomers, serve them its snapshot
-        now, so their download runs during the inner steps left before that quorum's first round, when the
-        links are idle.
+    def offer_early(self, steps_left: int = 0) -> bool:
+        """A source between two rounds (an averaging strategy's inner step): if the coordinator published a
+        quorum with newcomers, serve them its snapshot now, so their download runs during the inner steps left
+        before that quorum's first round, when the links are idle. ``steps_left``: the inner steps this member
+        runs before its next round.
 
         What it serves is what it would clone at that round's begin (:meth:`_serve`): the replay covers only
         the global copies and the outer optimizer's state, which no inner step changes, and a dissolved
-        quorum commits no step: the next round leaves it (``renew_if_dissolved``) and adopts that quorum, or a
-        newer one whose joiners then download afresh. A join with no loss is not offered early: the old quorum
-        runs its round first (only its vote tells of the newcomer), which would make the offer stale. Should a
+        quorum (its abort flag raised) commits no step: the next round leaves it (``renew_if_dissolved``) and
+        adopts that quorum, or a newer one whose joiners then download afresh. A quorum lost no member when
+        the newer one holds all of its members and more (a join): the first member to see it dissolves it
+        (:meth:`_dissolve_for_join`), so that the next round admits the newcomers instead of running once
+        more without them (which would make the offer stale and the newcomers wait a period). Not within
+        ``JOIN_MARGIN`` inner steps of the next round: a faster member may already be in that round, which
+        the flag would make it discard; the round's vote then tells of the newcomers, as before. Should a
         step commit anyway, the record names the step, :meth:`_serve` offers again and the joiner drops what
         it fetched (:meth:`~shoal.membership.fetch.Fetch.want`). Asks the coordinator at most every
-        ``EARLY_PEEK_S`` while the quorum is dissolved (not during its outage). True if it offered now."""
+        ``EARLY_PEEK_S`` (not during its outage). True if it offered now."""
         g = self.group
         q = g.quorum
         if (time.monotonic() - self._peeked < EARLY_PEEK_S or q is None or g._in_step or self.hid >= 0
-                or g._fresh or g.client.down.is_set() or not g.client.abort.raised(q.prefix)
-                or not self._between_rounds() or not self.column()[1]):
+                or g._fresh or g.client.down.is_set() or not self._between_rounds() or not self.column()[1]):
+            return False
+        dissolved = g.client.abort.raised(q.prefix)
+        if not dissolved and (steps_left < JOIN_MARGIN or g._after >= q.qid):
             return False
         self._peeked = time.monotonic()
         latest = g.client.latest_or(q.qid)
@@ -477,10 +485,13 @@ class CatchUp:
         except Exception as e:  # noqa: BLE001 - unreadable (the coordinator is down, a bad record): no offer
             log.debug("could not read quorum %d to offer its joiners a snapshot early (%s)", latest, e)
             return False
-        self._seen = latest   # each published quorum is read once
         newcomers = {m for m in nxt.members if m not in q.members}
         if g.client.member_id not in nxt.members or not newcomers:
+            self._seen = latest   # each published quorum is read once (none to offer it to)
             return False
+        if not dissolved and not self._dissolve_for_join(q, nxt, newcomers):
+            return False   # a member lost: the coordinator raises the flag itself; read again once it has
+        self._seen = latest
         if self.server is None:
             self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),
                                          idle=g.timeouts.join, rate=self.rate)
@@ -490,6 +501,25 @@ class CatchUp:
         self._offer(nxt.qid, newcomers)
         self.stats.offered_early += 1
         log.info("offered the joiners %s of quorum %d a snapshot before its first round", sorted(newcomers), nxt.qid)
+        return True
+
+    def _dissolve_for_join(self, q: Any, nxt: Any, newcomers: set[int]) -> bool:
+        """Raise quorum ``q``'s abort flag because quorum ``nxt`` adds ``newcomers`` to all of its members;
+        False (nothing raised) if ``nxt`` lacks one of them or the store did not answer."""
+        g = self.group
+        latest = nxt.qid
+        if not set(q.members) <= set(nxt.members):
+            return False
+        try:
+            g.client.store.set(q.prefix + "abort", f"newcomers {sorted(newcomers)} in quorum {latest}")
+        except Exception as e:  # noqa: BLE001 - a blip: the next peek tries again, or the round's vote tells
+            log.debug("could not dissolve quorum %d for the joiners of quorum %d (%s)", q.qid, latest, e)
+            return False
+        g.client.abort.saw(q.prefix)
+        self.stats.dissolved_for_join += 1
+        g.trace("dissolve-for-join", qid=q.qid, latest=latest, newcomers=sorted(newcomers), step=g.step)
+        log.info("quorum %d dissolved between rounds: quorum %d adds %s; its next round admits them", q.qid, latest,
+                 sorted(newcomers))
         return True
 
     # --- the joiner -------------------------------------------------------------------------

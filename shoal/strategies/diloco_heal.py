@@ -18,9 +18,13 @@ optimizer starts afresh (each worker's own in DiLoCo; what it accumulated on
 its own model while downloading is dropped), and the small rest (the codec's
 counters, the module's buffers) comes with the top-up.
 
-A restart that asked to join before the survivors' next round may begin
-its download before that round: the survivors offer it their snapshot from
+A worker that asked to join before the survivors' next round begins its
+download before that round: the survivors offer it their snapshot from
 their inner steps (the global copies and outer state do not change there).
+Where the survivors' quorum lost no member (a newcomer, or a restart that
+asked after the survivors' quorum without it had formed), the first
+survivor to see the newer quorum dissolves theirs, so that the next round
+admits the newcomer, not the round after it (a period later).
 
 It loads as soon as its download has finished, after whichever inner step
 that is (:func:`enter_between_rounds`), not at the next round's begin: the
@@ -142,13 +146,20 @@ def enter_between_rounds(strategy: Any) -> None:
     """After an inner step: a joiner whose download has finished loads now, so that the rest of the period's
     inner steps go into the next round (:meth:`~shoal.membership.catchup.CatchUp.enter_between_rounds`); a
     source offers its snapshot to the newcomers of a quorum published since its last round
-    (:meth:`~shoal.membership.catchup.CatchUp.offer_early`), who download it while they wait for that round.
+    (:meth:`~shoal.membership.catchup.CatchUp.offer_early`, which dissolves a quorum that lost no member so that
+    its next round admits them), who download it while they wait for that round.
     Only without overlapped reductions (``OuterReplay.enters_between_rounds``): then none is ever in flight
     or waiting to be merged between two rounds, so nothing lands in the parameters it resets."""
     catchup = getattr(strategy.group, "catchup", None)   # a static group has no background heal
     if catchup is not None:
         catchup.enter_between_rounds()
-        catchup.offer_early()   # a source: a joiner waiting for the next round may fetch the snapshot now
+        catchup.offer_early(steps_to_round(strategy))   # a source: a joiner waiting for the next round may fetch now
+
+
+def steps_to_round(strategy: Any) -> int:
+    """The inner steps this member runs before its next round (0: a round runs at the end of this step)."""
+    period = strategy.config.inner_steps
+    return min((f.offset - strategy.step) % period for f in strategy.fragments)
 
 
 def landing_without_joiner(strategy: Any) -> bool:

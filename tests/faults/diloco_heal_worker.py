@@ -15,7 +15,10 @@ have sent it bytes of the snapshot they offered it from their inner steps.
 
 A survivor that committed a round without it waits once, between two
 rounds, until the restarted worker is in a published quorum (else it could
-finish first). Every member logs every committed round (an ``on_commit`` hook: the round's
+finish first); with ``--served-before-round`` the restart asks to join
+only then, and the survivor holds its next round until it has sent the
+restart bytes of the snapshot it offered early (its quorum lost no member
+since: the survivors dissolve it for the join). Every member logs every committed round (an ``on_commit`` hook: the round's
 kind, quorum size, and this step's newcomers, i.e. the members that counted
 zero). Everyone stops right after a round once ``--steps`` inner steps ran and
 four rounds in a row had all ``--world`` members contributing (a count that
@@ -70,12 +73,19 @@ def hold_for_early(group: ElasticGroup, strategy: Any, early: dict[str, bool]) -
         early["newcomer"] = latest > q.qid and any(m not in q.members for m in group.client.quorum(latest).members)
         time.sleep(0.02)
     time.sleep(EARLY_PEEK_S)   # the next inner step's end asks the coordinator again
-    if (strategy.step + 1) % PERIOD in {f.offset for f in strategy.fragments}:   # this step's end runs a round
+    early["served"] = hold_until_served(group, strategy, t0 + 30)
+
+
+def hold_until_served(group: ElasticGroup, strategy: Any, deadline: float) -> bool:
+    """Before the inner step whose end runs a round (True), until this member has sent its snapshot's bytes to
+    a joiner (bounded: a member that never offers early fails the test's checks); else nothing (False)."""
+    if (strategy.step + 1) % PERIOD not in {f.offset for f in strategy.fragments}:
+        return False
+    server = group.catchup.server
+    while (server is None or server.served == 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
         server = group.catchup.server
-        while (server is None or server.served == 0) and time.monotonic() < t0 + 30:
-            time.sleep(0.02)
-            server = group.catchup.server
-        early["served"] = True
+    return True
 
 
 def main() -> None:
@@ -94,12 +104,19 @@ def main() -> None:
                     help="rank --crash-rank SIGKILLs itself between two rounds instead; the survivors hold their "
                          "next round until the restart is in a published quorum and they have served it bytes "
                          "before that round (its download begins before its admission)")
+    ap.add_argument("--served-before-round", action="store_true",
+                    help="a survivor that waited for the restart to be in a published quorum then holds the step "
+                         "that runs its next round until it has sent the restart bytes (it was offered early)")
     ap.add_argument("--load-at-phase", type=int, default=-1,
                     help="the joiner, once its download may run, waits for it before the inner step at this "
                          "phase of the period (so it loads between two rounds, at a known step); -1: never waits")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
+    t0 = time.monotonic()
+    while a.served_before_round and life > 0 and not os.path.exists(os.path.join(a.out, "alone")) \
+            and time.monotonic() < t0 + 60:
+        time.sleep(0.02)   # asks to join only once the survivors committed a round without it
     plan = FaultPlan() if a.early else FaultPlan().crash(rank=a.crash_rank, step=a.crash_round, nth=0)
     # op 15 s, not 5: on a loaded 2-core box (the suite under xdist, or several of these runs at once) a
     # subgroup's gloo build or a 48-byte all-gather was seen to take over 5 s on all three members, which
@@ -149,9 +166,12 @@ def main() -> None:
             hold_for_early(group, strategy, early)
         if alone["seen"] and not alone["waited"]:   # once, between two rounds: until the restart is in a quorum
             alone["waited"] = True
+            open(os.path.join(a.out, "alone"), "w").close()   # --served-before-round: the restart asks now
             q, t0 = group.quorum, time.monotonic()
             while q is not None and group.client.latest() <= q.qid and time.monotonic() < t0 + 60:
                 time.sleep(0.02)
+        if a.served_before_round and alone["waited"] and life == 0 and not early["served"]:
+            early["served"] = hold_until_served(group, strategy, time.monotonic() + 30)
         cu = group.catchup
         if (a.load_at_phase >= 0 and cu.hid >= 0 and not cu.loaded and cu.fetch is not None
                 and group.step >= cu.stats.admitted_step + a.park and strategy.step % PERIOD == a.load_at_phase):

@@ -173,12 +173,15 @@ def run_launcher(out_dir: str, world: int, launcher_args: list[str], args: list[
 
 def parked_striped(group: Any, park: int) -> Callable[[int, int], None]:
     """A joiner's ``before_chunk`` part: no range before ``park`` commits since its admission (the survivors
-    commit while it downloads, whatever the speed), and a source's second range only once another source
-    asked for its first (striped: a fast loopback source could fetch every range of a small state first)."""
+    commit while it downloads, whatever the speed; with ``park`` > 0 a download begun before the admission,
+    CatchUp.prefetch, waits for it too), and a source's second range only once another source asked for its
+    first (striped: a fast loopback source could fetch every range of a small state first)."""
     asked: set[int] = set()
 
     def wait(source: int, received: int) -> None:
-        while group.step < group.catchup.stats.admitted_step + park:
+        unparked = time.monotonic() + 90.0   # a stopped early download's thread must end too
+        while ((park > 0 and group.catchup.stats.admitted_step < 0) or
+               group.step < group.catchup.stats.admitted_step + park) and time.monotonic() < unparked:
             time.sleep(0.005)
         asked.add(source)
         deadline = time.monotonic() + 20.0

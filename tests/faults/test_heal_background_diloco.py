@@ -148,3 +148,35 @@ def test_a_restart_before_the_next_round_downloads_before_its_admission(fragment
         assert r["step"] == ref["step"] and len(r["synced"]) == len(ref["synced"]), why
         for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
             assert torch.equal(a, b), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
+
+
+@pytest.mark.timeout(150)
+def test_a_restart_published_after_the_survivors_renewed_is_admitted_at_their_next_round(tmp_path: Any) -> None:
+    # Rank 2 dies in a round; the survivors rerun it in a quorum of two and only then is its restart published.
+    # That quorum lost no member, yet it must not run its next round without the restart: the first survivor
+    # to see the newer quorum dissolves theirs between rounds and offers the snapshot, the restart downloads
+    # before that round (which it holds until it served bytes), and that round admits it: no second round
+    # of two, no empty round to adopt it. All three end bitwise equal.
+    out = harness.run(str(tmp_path), 3, ["--park", "0", "--served-before-round"], env=ENV, hard_limit=130,
+                      restarts=1, script="diloco_heal_worker.py")
+    why = out.logs
+    assert [r for r, _ in out.deaths] == [2], why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    *survivors, joiner = final
+    cu = joiner["catchup"]
+    assert 1 <= sum(s["catchup"]["dissolved_for_join"] for s in survivors) <= 2, why
+    assert all(s["catchup"]["offered_early"] == 1 and s["catchup"]["served"] == 1 for s in survivors), why
+    assert cu["admitted_step"] >= 0 and cu["admissions"] == 1, why
+    assert 0 < cu["prefetched_bytes"] <= cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
+    for s in survivors:
+        assert [e["kind"] for e in s["log"] if e["step"] > 0].count("adopt") == 0, why   # but the first quorum's
+        assert len([e for e in s["log"] if e["size"] == 2]) == 1, why   # the rerun of the round it died in
+        assert min(e["step"] for e in s["log"] if e["size"] == 3 and e["step"] > 0 and e["counted"] == 2) \
+            == cu["admitted_step"], why
+    assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
+    ref = survivors[0]
+    for r in final[1:]:
+        assert r["step"] == ref["step"] and len(r["synced"]) == len(ref["synced"]), why
+        for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
+            assert torch.equal(a, b), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
