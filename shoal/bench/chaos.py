@@ -209,7 +209,8 @@ def worker(a: argparse.Namespace) -> None:
             log.write(json.dumps({"event": "contributing", "t": time.time(), "heal_bytes": group.stats.heal_bytes,
                                   "download_bytes": cu.download_bytes, "by_source": cu.by_source,
                                   "slots": cu.slots, "download_s": cu.download_s, "held_s": cu.download_held_s,
-                                  "between_rounds": cu.entered_between_rounds}) + "\n")
+                                  "between_rounds": cu.entered_between_rounds,
+                                  "prefetched_bytes": cu.prefetched_bytes}) + "\n")
     log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net)}) + "\n")
     log.close()
     group.leave()

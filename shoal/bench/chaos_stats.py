@@ -384,5 +384,7 @@ def joins(logs: Logs, normal: float) -> list[dict[str, Any]]:
                     # the download's seconds, of which held while the joiner was in a round (averaging
                     # strategies), and whether it loaded between two rounds (its first round then weighs k/H)
                     "download_s": got.get("download_s"), "held_s": got.get("held_s"),
-                    "between_rounds": got.get("between_rounds")})
+                    "between_rounds": got.get("between_rounds"),
+                    # bytes it had when admitted: downloaded early, while it waited for the survivors' round
+                    "prefetched_bytes": got.get("prefetched_bytes", 0)})
     return out
