@@ -214,11 +214,13 @@ class NodeRendezvous:
     def join(self) -> NodeLayout:
         """Meet the other launchers; raise ConfigError naming any disagreement or unreachable machine.
 
-        A launcher that finds a disagreement records it, so the others stop waiting and say it too.
+        A launcher that finds a disagreement records it, so the others stop waiting and say it too; so
+        does one that stops meeting for any other reason (its wait ran out, a signal): a launcher that
+        found every verdict written before it left must not start the run without it (:meth:`_start_or_stop`).
         """
         try:
             return self._join()
-        except ConfigError as e:
+        except ShoalError as e:   # ConfigError included
             self.fail(f"2:node {self.spec.node_rank}: {e}", key="refused")  # a run under way goes on
             raise
 
@@ -259,7 +261,10 @@ class NodeRendezvous:
         launcher that met the others just before a refusal never starts a run that one of them, which read
         the refusal while it still waited, has left."""
         assert self.store is not None  # set by join()
-        verdict = bytes(self.store.compare_set(self._key("refused"), "", _STARTED)).decode()
+        try:
+            verdict = bytes(self.store.compare_set(self._key("refused"), "", _STARTED)).decode()
+        except Exception as e:  # noqa: BLE001 - torch's own error: say which launcher went away
+            raise ShoalError(f"node 0's launcher went away as the machines finished meeting: {e}") from e
         if verdict != _STARTED:
             raise ShoalError(f"the run stopped before it started: {verdict.partition(':')[2] or verdict}")
 

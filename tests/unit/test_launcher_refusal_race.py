@@ -1,7 +1,8 @@
 """A refusal that reaches the launchers while they finish meeting: all of them start, or none.
 
 A second launcher claiming a taken node rank is refused and records why; launchers still meeting
-stop for it. Node 1 read that refusal while it waited for node 0's reachability verdict and left;
+stop for it. Node 1 read that refusal while it waited for node 0's reachability verdict and left (or
+left for a signal, which it now records the same way);
 node 0 then found every verdict written and started alone, waiting for a node that never came
 (seen once in tests/dist/test_multinode.py under load). One compare-and-set now decides: the first
 launcher to find the meeting complete writes "started" where a refusal would go; whichever came first
@@ -46,31 +47,40 @@ def _pair() -> tuple[NodeRendezvous, NodeRendezvous]:
 
 
 @pytest.mark.timeout(60)
-def test_a_node_that_left_for_a_refusal_is_not_left_alone_by_one_that_met_it() -> None:
+@pytest.mark.parametrize("why", ["a refusal", "a signal"])
+def test_a_node_that_left_is_not_left_alone_by_one_that_met_it(why: str) -> None:
+    # Node 1 leaves while it waits for node 0's reachability verdict: it read another launcher's refusal,
+    # or it got a signal (its wait running out is the same path).
     node0, node1 = _pair()
-    left = threading.Event()
+    left, signalled = threading.Event(), threading.Event()
+    node1.interrupted = signalled.is_set
     check0, wait1 = node0._check_reachable, node1._still_waiting
 
     def node0_checks_late(nodes: Any) -> None:   # node 0 reaches its verdict only once node 1 has left
         left.wait(20)
         check0(nodes)
 
-    def node1_reads_the_refusal(deadline: float, what: str) -> None:
-        if "check the addresses" in what and node1.failure("refused") is None:
-            node1.fail(f"2:{REFUSAL}", key="refused")   # what the refused second launcher records
+    def node1_leaves(deadline: float, what: str) -> None:
+        if "check the addresses" in what:
+            if why == "a signal":
+                signalled.set()
+            elif node1.failure("refused") is None:
+                node1.fail(f"2:{REFUSAL}", key="refused")   # what the refused second launcher records
         try:
             wait1(deadline, what)
-        finally:
-            if node1.failure("refused") is not None:
-                left.set()
-    node0._check_reachable, node1._still_waiting = node0_checks_late, node1_reads_the_refusal  # type: ignore
+        except ShoalError:
+            left.set()
+            raise
+    node0._check_reachable, node1._still_waiting = node0_checks_late, node1_leaves  # type: ignore
     out: dict[int, Any] = {}
     threads = [_run(node0, out), _run(node1, out)]
     for t in threads:
         t.join(40)
-    assert isinstance(out[1], ShoalError) and "stopped before it started" in str(out[1]), out
+    said = "stopped before it started" if why == "a refusal" else "interrupted while waiting"
+    assert isinstance(out[1], ShoalError) and said in str(out[1]), out
     # Node 0 found the meeting complete (node 1's verdict was written before it left) yet does not start.
-    assert isinstance(out[0], ShoalError) and REFUSAL in str(out[0]), out
+    assert isinstance(out[0], ShoalError) and "the run stopped before it started: node" in str(out[0]), out
+    assert (REFUSAL if why == "a refusal" else "node 1: interrupted") in str(out[0]), out
     assert not node0.joined and not node1.joined
     node0.store = node1.store = None
 
