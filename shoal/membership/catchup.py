@@ -466,20 +466,22 @@ class CatchUp:
         ``JOIN_MARGIN`` inner steps of the next round: a faster member may already be in that round, which
         the flag would make it discard; the round's vote then tells of the newcomers, as before. Should a
         step commit anyway, the record names the step, :meth:`_serve` offers again and the joiner drops what
-        it fetched (:meth:`~shoal.membership.fetch.Fetch.want`). Asks the coordinator at most every
-        ``EARLY_PEEK_S`` (not during its outage). True if it offered now."""
+        it fetched (:meth:`~shoal.membership.fetch.Fetch.want`). The newest quorum id comes from the
+        heartbeat thread (``MemberClient.peek_latest``: no store call here); a newer quorum's record is read
+        at most every ``EARLY_PEEK_S`` (not during the coordinator's outage). True if it offered now."""
         g = self.group
         q = g.quorum
         if (time.monotonic() - self._peeked < EARLY_PEEK_S or q is None or g._in_step or self.hid >= 0
                 or g._fresh or g.client.down.is_set() or not self._between_rounds() or not self.column()[1]):
             return False
+        g.client.peek_latest.set()   # from now on the heartbeat thread reads the newest quorum id for us
         dissolved = g.client.abort.raised(q.prefix)
         if not dissolved and (steps_left < JOIN_MARGIN or g._after >= q.qid):
             return False
-        self._peeked = time.monotonic()
-        latest = g.client.latest_or(q.qid)
+        latest = g.client.latest_seen
         if latest <= max(q.qid, self._seen):
             return False
+        self._peeked = time.monotonic()
         try:
             nxt = g.client.quorum(latest)
         except Exception as e:  # noqa: BLE001 - unreadable (the coordinator is down, a bad record): no offer

@@ -33,6 +33,7 @@ from shoal.membership.records import RecordBook
 # Heartbeats that must fail in a row (and over at least ``heartbeat_timeout``) before this worker takes the
 # coordinator for gone: one slow connect or store call on a loaded host is no outage.
 _OUTAGE_FAILS = 3
+LATEST_EVERY_S = 0.5   # the heartbeat thread reads the newest quorum id at most this often (peek_latest)
 
 
 class AbortWatch:
@@ -113,6 +114,12 @@ class MemberClient:
         self.store = connect(address, timeouts.quorum)
         self.member_id = 0
         self.abort = AbortWatch()   # the heartbeat thread watches the current quorum's <prefix>abort
+        # Once ``peek_latest`` is set (an averaging strategy's background heal), the heartbeat thread also reads
+        # the newest quorum id, at most every LATEST_EVERY_S, into ``latest_seen``: the training thread then
+        # learns of a newcomer between rounds without a store round trip of its own.
+        self.peek_latest = threading.Event()
+        self.latest_seen = -1
+        self._latest_at = 0.0
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
         self._link: LivenessLink | None = None   # closed by this process's death: the coordinator sees it at once
@@ -241,6 +248,8 @@ class MemberClient:
                     st = connect(self.address, wait)
                 st.add(self.key(f"hb/{member_id}"), 1)
                 self.abort.poll(st)
+                if self.peek_latest.is_set() and time.monotonic() - self._latest_at >= LATEST_EVERY_S:
+                    self.latest_seen, self._latest_at = int(st.add(self.key("q/latest"), 0)), time.monotonic()
                 last_ok, fails = time.monotonic(), 0
             except Exception as e:  # noqa: BLE001 - a blip, or the coordinator is gone (see _outage)
                 st, fails = None, fails + 1

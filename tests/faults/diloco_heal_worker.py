@@ -72,7 +72,9 @@ def hold_for_early(group: ElasticGroup, strategy: Any, early: dict[str, bool]) -
         latest = group.client.latest()
         early["newcomer"] = latest > q.qid and any(m not in q.members for m in group.client.quorum(latest).members)
         time.sleep(0.02)
-    time.sleep(EARLY_PEEK_S)   # the next inner step's end asks the coordinator again
+    while group.client.latest_seen <= q.qid and time.monotonic() < t0 + 60:
+        time.sleep(0.02)   # its heartbeat thread read the newer quorum id (what offer_early looks at)
+    time.sleep(EARLY_PEEK_S)   # the next inner step's end reads that quorum
     early["served"] = hold_until_served(group, strategy, t0 + 30)
 
 
@@ -170,6 +172,9 @@ def main() -> None:
             q, t0 = group.quorum, time.monotonic()
             while q is not None and group.client.latest() <= q.qid and time.monotonic() < t0 + 60:
                 time.sleep(0.02)
+            while (a.served_before_round and q is not None and group.client.latest_seen <= q.qid
+                   and time.monotonic() < t0 + 60):
+                time.sleep(0.02)   # its heartbeat thread has read it too (what offer_early looks at)
         if a.served_before_round and alone["waited"] and life == 0 and not early["served"]:
             early["served"] = hold_until_served(group, strategy, time.monotonic() + 30)
         cu = group.catchup

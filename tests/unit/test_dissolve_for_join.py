@@ -45,13 +45,12 @@ class _Client:
     def __init__(self, quorums: dict[int, Quorum]) -> None:
         self.store, self.down, self.abort, self.quorums = _FlakyStore(), threading.Event(), AbortWatch(), quorums
         self.abort.watch(Q.prefix)
+        self.peek_latest = threading.Event()
+        self.latest_seen = max(quorums)   # what the heartbeat thread read (MemberClient.peek_latest)
         self.reads = 0
 
-    def latest_or(self, default: int) -> int:
-        self.reads += 1
-        return max(self.quorums)
-
     def quorum(self, qid: int) -> Quorum:
+        self.reads += 1
         return self.quorums[qid]
 
 
@@ -98,6 +97,7 @@ def _flag(group: _Group) -> bool:
 def test_a_join_with_no_loss_dissolves_the_quorum_and_offers_the_newcomer() -> None:
     c, group, offered = _source(Quorum(4, (1, 2, 3, 9), "run/q4/"))
     assert c.offer_early(steps_left=JOIN_MARGIN)
+    assert group.client.peek_latest.is_set()   # the heartbeat thread reads the newest quorum id from now on
     assert _flag(group) and group.client.abort.raised(Q.prefix)   # the next round leaves this quorum
     assert offered == [(4, {9})] and c.stats.dissolved_for_join == 1 and c.stats.offered_early == 1
     assert [ev for ev, _ in group.traced] == ["dissolve-for-join"]
@@ -110,7 +110,7 @@ def test_near_the_next_round_a_join_waits_for_that_rounds_vote() -> None:
     # A faster member may already be in that round: the flag would make it discard it.
     c, group, offered = _source(Quorum(4, (1, 2, 3, 9), "run/q4/"))
     assert not c.offer_early(steps_left=JOIN_MARGIN - 1)
-    assert not _flag(group) and offered == [] and group.client.reads == 0   # nor asked the coordinator
+    assert not _flag(group) and offered == [] and group.client.reads == 0   # nor read the quorum
 
 
 def test_a_quorum_that_lost_a_member_is_left_to_the_coordinators_flag() -> None:
@@ -157,3 +157,37 @@ def test_a_newer_quorum_without_newcomers_or_without_this_member_is_not_offered(
     c, group, offered = _source(Quorum(4, members, "run/q4/"))
     assert not c.offer_early(steps_left=JOIN_MARGIN + 5)
     assert not _flag(group) and offered == []
+
+
+@pytest.mark.timeout(60)
+def test_the_heartbeat_thread_reads_the_newest_quorum_id_only_once_asked() -> None:
+    # The training thread peeks between every two inner steps; a store round trip there would cost it the
+    # link's latency each time (tens of ms over a WAN), so the heartbeat thread reads the id for it.
+    import time
+    import uuid
+
+    from shoal.membership.client import MemberClient
+    from shoal.membership.coordinator import Coordinator
+
+    timeouts = Timeouts(op=2.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=1.0, quorum=5.0, join=10.0)
+    coord = Coordinator(port=0, initial_workers=2, token="dissolve-token").start()
+    run = uuid.uuid4().hex[:8]
+    clients = [MemberClient(coord.address, run, timeouts, min_workers=2, token="dissolve-token") for _ in range(2)]
+    try:
+        for c in clients:
+            c.join()
+        deadline = time.monotonic() + 20
+        while clients[0].latest_or(0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        latest = clients[0].latest_or(0)
+        assert latest >= 1
+        time.sleep(0.3)
+        assert clients[0].latest_seen == -1   # not asked: no extra store call per beat
+        clients[0].peek_latest.set()
+        while clients[0].latest_seen != latest and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert clients[0].latest_seen == latest
+    finally:
+        for c in clients:
+            c.leave()
+        coord.stop()
