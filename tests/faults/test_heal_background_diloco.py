@@ -37,6 +37,15 @@ PERIOD = 4          # diloco_heal_worker.PERIOD
 LOAD_AT_PHASE = 1   # the joiner loads at the end of the inner step that starts at this phase of the period
 
 
+def _assert_equal(final: list[dict[str, Any]], why: str) -> None:
+    """Every worker at rank 0's step, with bitwise rank 0's parameters, global copies and outer state."""
+    ref = final[0]
+    for r in final[1:]:
+        assert r["step"] == ref["step"] and len(r["synced"]) == len(ref["synced"]), why
+        for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
+            assert torch.equal(a, b), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
+
+
 def _check(out: harness.Outcome, fragments: int, between: bool) -> None:
     why = out.logs
     assert [r for r, _ in out.deaths] == [2], why
@@ -85,12 +94,8 @@ def _check(out: harness.Outcome, fragments: int, between: bool) -> None:
         assert not any(m for s, m in mine.items() if s <= caught), why
         assert all(m for s, m in mine.items() if s > caught), why
         assert all(e["short"] == 0.0 for s in survivors for e in s["log"]), why
-    ref = survivors[0]
-    assert len(ref["synced"]) == (6 if fragments == 1 else 0) + fragments + 6, why   # params, globals, momenta
-    for r in final[1:]:
-        assert r["step"] == ref["step"] and len(r["synced"]) == len(ref["synced"]), why
-        for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
-            assert torch.equal(a, b), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
+    assert len(survivors[0]["synced"]) == (6 if fragments == 1 else 0) + fragments + 6, why   # params, globals, momenta
+    _assert_equal(final, why)
 
 
 @pytest.mark.timeout(150)
@@ -143,11 +148,7 @@ def test_a_restart_before_the_next_round_downloads_before_its_admission(fragment
     assert cu["admitted_step"] >= 0 and cu["admissions"] == 1, why   # in the background, once
     assert 0 < cu["prefetched_bytes"] <= cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
     assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
-    ref = survivors[0]
-    for r in final[1:]:
-        assert r["step"] == ref["step"] and len(r["synced"]) == len(ref["synced"]), why
-        for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
-            assert torch.equal(a, b), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
+    _assert_equal(final, why)
 
 
 @pytest.mark.timeout(150)
@@ -175,8 +176,4 @@ def test_a_restart_published_after_the_survivors_renewed_is_admitted_at_their_ne
         assert min(e["step"] for e in s["log"] if e["size"] == 3 and e["step"] > 0 and e["counted"] == 2) \
             == cu["admitted_step"], why
     assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
-    ref = survivors[0]
-    for r in final[1:]:
-        assert r["step"] == ref["step"] and len(r["synced"]) == len(ref["synced"]), why
-        for i, (a, b) in enumerate(zip(ref["synced"], r["synced"])):
-            assert torch.equal(a, b), f"synced tensor {i} differs between rank 0 and rank {r['rank']}\n{why}"
+    _assert_equal(final, why)
