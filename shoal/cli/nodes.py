@@ -222,7 +222,30 @@ class NodeRendezvous:
             return self._join()
         except ShoalError as e:   # ConfigError included
             self.fail(f"2:node {self.spec.node_rank}: {e}", key="refused")  # a run under way goes on
+            self.acknowledge()   # done with the meeting: node 0 need not wait for this one
+            if self.spec.node_rank == 0:
+                self._linger()   # its store holds why: the others read it before it goes
             raise
+        except RuntimeError as e:   # torch's store errors (DistNetworkError): node 0's launcher went away
+            if self.store is None:
+                raise
+            raise ShoalError("the run stopped before it started: node 0's launcher went away while the machines "
+                             f"met (its store does not answer: {str(e).splitlines()[0] if str(e) else e!r})") from e
+
+    def _linger(self) -> None:
+        """Node 0, stopping before the run started: keep serving until every machine that registered has read
+        why (its ``ack``), at most ``_ACK_S``, so that none of them meets a closed store instead."""
+        if self.store is None:
+            return
+        deadline = time.monotonic() + _ACK_S
+        try:
+            while time.monotonic() < deadline:
+                others = [r for r in range(1, self.spec.nnodes) if self.store.check([self._key(f"node/{r}")])]
+                if all(self.store.check([self._key(f"ack/{r}")]) for r in others):
+                    return
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - its own store: nothing more to wait for
+            return
 
     def _join(self) -> NodeLayout:
         s = self.spec
@@ -266,6 +289,7 @@ class NodeRendezvous:
         except Exception as e:  # noqa: BLE001 - torch's own error: say which launcher went away
             raise ShoalError(f"node 0's launcher went away as the machines finished meeting: {e}") from e
         if verdict != _STARTED:
+            self.acknowledge()
             raise ShoalError(f"the run stopped before it started: {verdict.partition(':')[2] or verdict}")
 
     def _check_run(self, n: dict[str, object]) -> None:
@@ -289,6 +313,7 @@ class NodeRendezvous:
         s = self.spec
         other = self.failure("refused") or self.failure()
         if other is not None:
+            self.acknowledge()   # node 0 may stop serving once every machine read it
             raise ShoalError(f"the run stopped before it started: {other.partition(':')[2] or other}")
         if self.interrupted():
             raise ShoalError("interrupted while waiting for the other machines")
