@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The whole suite; tests/cuda skips itself without CUDA (collected here so that it always imports)
-# and runs on a GPU machine. `make test-cuda` runs only that part. Three pytest processes by default,
+# and runs on a GPU machine. `make test-cuda` runs only that part. Two pytest processes by default,
 # each taking whole files (most tests wait on their own worker processes). Most of the CPU is start-ups
 # of processes that import torch (~1.2 s of CPU each) and, at their first optimizer step, torch._dynamo
 # (~1.1 s more). run_workers and the fault harness fork their workers, and the CLI tests their `shoal run`
@@ -34,9 +34,10 @@ $(STAMP): pyproject.toml
 # forking the fault harness's workers took the loaded suite from 22 min 26 s to 18 min 34 s (load 7-15).
 # The race that made two processes flaky (a member leaving right after an unvoted collective aborted
 # a slower one) is fixed by the orderly leave (docs/elastic.md, Leaving). TEST_JOBS=0 runs one process.
-# Three processes since 2026-11-28: the suite had grown to 12 min 20 s of pytest with two (fresh clone, 1044
-# tests, 5 min 40 s of CPU: it mostly waits on its workers); with three, 9 min 28 s (10 min 15 s with the venv).
-TEST_JOBS ?= 3
+# Tried on 2026-11-28 (fresh clones, ~1050 tests): two processes 12 min 20 s of pytest; three 9:28, 10:36 and
+# 10:44, and the last run failed two timing tests of the heartbeat and the probe (a connect to an in-process
+# coordinator past 5 s) that pass alone: three is not reliably under 10 minutes and is flakier, so two it stays.
+TEST_JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
 
