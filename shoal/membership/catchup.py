@@ -71,7 +71,7 @@ from shoal.membership.stateserve import SnapshotServer, clone_tree, local_addres
 
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
-EARLY_PEEK_S = 0.5   # a source between rounds asks the coordinator for a newer quorum at most this often
+EARLY_PEEK_S = 0.5   # a source between rounds reads a newer quorum's record at most this often
 JOIN_MARGIN = 2      # ... and dissolves its quorum for a join only this many inner steps or more before a round
 __all__ = ["CatchUp", "CatchUpStats", "OptimizerReplay", "Pending", "Replayer", "MODES", "heal_pace", "heal_rate"]
 
@@ -133,7 +133,7 @@ class CatchUp:
         self.early: Fetch | None = None         # joiner: a download begun before its admission (prefetch)
         self._seen = -1                         # source: the newest quorum offer_early has read
         self._offers: dict[int, int] = {}       # source: heal id -> the step whose begin state it offered
-        self._peeked = 0.0                      # source: when it last asked the coordinator for a newer quorum
+        self._peeked = 0.0                      # source: when it last read a newer quorum's record
         self.pending: dict[int, Pending] = {}   # member id -> joiner still catching up, this quorum
         self.server: SnapshotServer | None = None
         self.stats = CatchUpStats()
@@ -460,7 +460,7 @@ class CatchUp:
         the global copies and the outer optimizer's state, which no inner step changes, and a dissolved
         quorum (its abort flag raised) commits no step: the next round leaves it (``renew_if_dissolved``) and
         adopts that quorum, or a newer one whose joiners then download afresh. A quorum lost no member when
-        the newer one holds all of its members and more (a join): the first member to see it dissolves it
+        the newer one holds all of its members and more (a join): a member that sees it dissolves it
         (:meth:`_dissolve_for_join`), so that the next round admits the newcomers instead of running once
         more without them (which would make the offer stale and the newcomers wait a period). Not within
         ``JOIN_MARGIN`` inner steps of the next round: a faster member may already be in that round, which
@@ -492,7 +492,7 @@ class CatchUp:
             self._seen = latest   # each published quorum is read once (none to offer it to)
             return False
         if not dissolved and not self._dissolve_for_join(q, nxt, newcomers):
-            return False   # a member lost: the coordinator raises the flag itself; read again once it has
+            return False   # a member lost: its flag comes from the peer watch or the coordinator; read again until then
         self._seen = latest
         if self.server is None:
             self.server = SnapshotServer(g.client.token, g.client.run_id, local_address(g.client.address),

@@ -270,6 +270,9 @@ class MemberClient:
         from shoal.membership.reclaim import reclaim   # the re-announcement protocol (its own module)
 
         self.lost_prefix, self._lost_at = self.abort.prefix, time.monotonic()
+        # A restarted coordinator numbers its quorums anew from what the members claim: an id read from the old
+        # one may never be published by it (offer_early would wait on that record), so read it afresh later.
+        self.latest_seen, self._latest_at = -1, 0.0
         self.down.set()
         log.warning("lost the coordinator at %s (%s): training goes on with the current quorum; a membership "
                     "change (a lost peer, a joiner) waits for it to come back (restart it at the same address "

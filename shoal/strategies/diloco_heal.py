@@ -18,12 +18,12 @@ optimizer starts afresh (each worker's own in DiLoCo; what it accumulated on
 its own model while downloading is dropped), and the small rest (the codec's
 counters, the module's buffers) comes with the top-up.
 
-A worker that asked to join before the survivors' next round begins its
+A worker that asked to join before the survivors' next round may begin its
 download before that round: the survivors offer it their snapshot from
 their inner steps (the global copies and outer state do not change there).
 Where the survivors' quorum lost no member (a newcomer, or a restart that
-asked after the survivors' quorum without it had formed), the first
-survivor to see the newer quorum dissolves theirs, so that the next round
+asked after the survivors' quorum without it had formed), a survivor
+that sees the newer quorum dissolves theirs, so that the next round
 admits the newcomer, not the round after it (a period later).
 
 It loads as soon as its download has finished, after whichever inner step

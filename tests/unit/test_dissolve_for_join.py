@@ -191,3 +191,24 @@ def test_the_heartbeat_thread_reads_the_newest_quorum_id_only_once_asked() -> No
         for c in clients:
             c.leave()
         coord.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_outage_forgets_the_newest_quorum_id_read_from_the_lost_coordinator() -> None:
+    # A restarted coordinator numbers its quorums anew from what the members claim: an id read from the old
+    # one may never be published by the new one, and offer_early would then wait on that record.
+    import uuid
+
+    from shoal.membership.client import MemberClient
+    from shoal.membership.coordinator import Coordinator
+
+    coord = Coordinator(port=0, initial_workers=1, token="dissolve-token").start()
+    c = MemberClient(coord.address, uuid.uuid4().hex[:8], Timeouts(), token="dissolve-token")
+    try:
+        c.latest_seen = 7
+        stop = threading.Event()
+        stop.set()   # the heartbeat thread is stopping: _outage returns at once after its bookkeeping
+        c._outage(c.member_id, stop, RuntimeError("connection reset by peer"))
+        assert c.down.is_set() and c.latest_seen == -1
+    finally:
+        coord.stop()
