@@ -222,7 +222,7 @@ class NodeRendezvous:
             return self._join()
         except ShoalError as e:   # ConfigError included
             self.fail(f"2:node {self.spec.node_rank}: {e}", key="refused")  # a run under way goes on
-            self.acknowledge()   # done with the meeting: node 0 need not wait for this one
+            self.acknowledge()   # read why, or done with the meeting: node 0 need not wait for this one
             if self.spec.node_rank == 0:
                 self._linger()   # its store holds why: the others read it before it goes
             raise
@@ -271,25 +271,23 @@ class NodeRendezvous:
                               "/etc/hosts often maps the own hostname to 127.0.1.1): start it with --advertise-addr "
                               "set to its network address, or give --master-addr as an IP address")
         self._check_reachable(nodes)
-        self._start_or_stop()
+        self._start_or_stop(store)
         store.set_timeout(timedelta(seconds=_TRY_S))  # a vanished node 0 must not block the supervisor for long
         self.joined = True
         world = sum(int(str(n["nproc"])) for n in nodes)
         offset = sum(int(str(n["nproc"])) for n in nodes[:s.node_rank])
         return NodeLayout(world, offset, addr, interface_of(addr), nodes)
 
-    def _start_or_stop(self) -> None:
+    def _start_or_stop(self, store: dist.TCPStore) -> None:
         """The meeting is complete here: start, unless a refusal came first. One compare-and-set decides for
         every launcher (the first write wins: ``_STARTED`` here, a refusal's message in :meth:`fail`), so a
         launcher that met the others just before a refusal never starts a run that one of them, which read
         the refusal while it still waited, has left."""
-        assert self.store is not None  # set by join()
         try:
-            verdict = bytes(self.store.compare_set(self._key("refused"), "", _STARTED)).decode()
+            verdict = bytes(store.compare_set(self._key("refused"), "", _STARTED)).decode()
         except Exception as e:  # noqa: BLE001 - torch's own error: say which launcher went away
             raise ShoalError(f"node 0's launcher went away as the machines finished meeting: {e}") from e
         if verdict != _STARTED:
-            self.acknowledge()
             raise ShoalError(f"the run stopped before it started: {verdict.partition(':')[2] or verdict}")
 
     def _check_run(self, n: dict[str, object]) -> None:
@@ -313,7 +311,6 @@ class NodeRendezvous:
         s = self.spec
         other = self.failure("refused") or self.failure()
         if other is not None:
-            self.acknowledge()   # node 0 may stop serving once every machine read it
             raise ShoalError(f"the run stopped before it started: {other.partition(':')[2] or other}")
         if self.interrupted():
             raise ShoalError("interrupted while waiting for the other machines")

@@ -509,18 +509,17 @@ class CatchUp:
         """Raise quorum ``q``'s abort flag because quorum ``nxt`` adds ``newcomers`` to all of its members;
         False (nothing raised) if ``nxt`` lacks one of them or the store did not answer."""
         g = self.group
-        latest = nxt.qid
         if not set(q.members) <= set(nxt.members):
             return False
         try:
-            g.client.store.set(q.prefix + "abort", f"newcomers {sorted(newcomers)} in quorum {latest}")
+            g.client.store.set(q.prefix + "abort", f"newcomers {sorted(newcomers)} in quorum {nxt.qid}")
         except Exception as e:  # noqa: BLE001 - a blip: the next peek tries again, or the round's vote tells
-            log.debug("could not dissolve quorum %d for the joiners of quorum %d (%s)", q.qid, latest, e)
+            log.debug("could not dissolve quorum %d for the joiners of quorum %d (%s)", q.qid, nxt.qid, e)
             return False
         g.client.abort.saw(q.prefix)
         self.stats.dissolved_for_join += 1
-        g.trace("dissolve-for-join", qid=q.qid, latest=latest, newcomers=sorted(newcomers), step=g.step)
-        log.info("quorum %d dissolved between rounds: quorum %d adds %s; its next round admits them", q.qid, latest,
+        g.trace("dissolve-for-join", qid=q.qid, latest=nxt.qid, newcomers=sorted(newcomers), step=g.step)
+        log.info("quorum %d dissolved between rounds: quorum %d adds %s; its next round admits them", q.qid, nxt.qid,
                  sorted(newcomers))
         return True
 
