@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO, Iterator, TextIO
+
+from shoal.comm.ports import pick_port
 
 _POLL_S = 0.05
 
@@ -35,9 +36,9 @@ class _Worker:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """MASTER_PORT of a launch on this machine: below the ephemeral range (shoal.comm.ports), so that no
+    connection opened meanwhile takes it before rank 0's store binds it."""
+    return pick_port("127.0.0.1")
 
 
 def _exit_code(raw: int) -> int:

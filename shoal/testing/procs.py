@@ -26,7 +26,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -34,16 +33,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from shoal.comm.ports import pick_port
+
 
 class WorkerError(RuntimeError):
     """One or more worker processes failed or timed out."""
 
 
 def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on loopback that was free a moment ago, below the ephemeral range (shoal.comm.ports): no
+    connection another test opens meanwhile can be given it."""
+    return pick_port("127.0.0.1")
 
 
 # What the fork server imports once, so that no worker forked from it imports it again. torch._dynamo:

@@ -11,7 +11,6 @@ holds for every launcher. Two NodeRendezvous on loopback, driven into that order
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any
 
@@ -19,14 +18,9 @@ import pytest
 
 from shoal.cli.nodes import NodeLayout, NodeRendezvous, NodeSpec
 from shoal.errors import ConfigError, ShoalError
+from shoal.testing import free_port
 
 REFUSAL = "node 1: two launchers claim --node-rank 1 in run 'shoal': give each machine its own node rank"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(rdv: NodeRendezvous, out: dict[int, Any]) -> threading.Thread:
@@ -41,7 +35,7 @@ def _run(rdv: NodeRendezvous, out: dict[int, Any]) -> threading.Thread:
 
 
 def _pair() -> tuple[NodeRendezvous, NodeRendezvous]:
-    port = _free_port()
+    port = free_port()
     return (NodeRendezvous(NodeSpec(2, 0, "127.0.0.1", port, join_timeout_s=20), 1),
             NodeRendezvous(NodeSpec(2, 1, "127.0.0.1", port, join_timeout_s=20), 1))
 

@@ -19,14 +19,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
-    import gc, os, socket, weakref
+    import gc, os, weakref
     import torch.distributed as dist
     import shoal
     from shoal.comm import lifetime
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from shoal.testing import free_port
+    port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     gc.disable()                          # the cycle below stays until someone collects it
     group = shoal.init(backend="gloo")

@@ -1,0 +1,56 @@
+"""MASTER_PORT and the test helpers' ports come from below the kernel's ephemeral range (shoal.comm.ports)."""
+
+from __future__ import annotations
+
+import random
+import socket
+from typing import Any
+
+from shoal.comm import ports
+from shoal.testing import free_port
+
+
+def test_a_picked_port_is_below_the_ephemeral_range_and_binds() -> None:
+    low, _ = ports.ephemeral_range()
+    for _ in range(20):
+        port = ports.pick_port()
+        assert max(1024, low - 12000) <= port < low, (port, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))   # free when picked (nothing else on this box binds it meanwhile)
+    assert free_port() < low   # what the tests and the launcher use
+
+
+class _Scripted(random.Random):
+    """Draws the given ports in turn."""
+
+    def __init__(self, draws: list[int]) -> None:
+        super().__init__(0)
+        self.draws = list(draws)
+
+    def randrange(self, *args: Any, **kwargs: Any) -> int:   # type: ignore[override]
+        return self.draws.pop(0)
+
+
+def test_a_port_in_use_is_skipped(monkeypatch: Any) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        monkeypatch.setattr(ports, "ephemeral_range", lambda: (taken + 1, 60999))
+        assert ports.pick_port(rng=_Scripted([taken, taken - 1])) == taken - 1
+
+
+def test_without_room_below_the_range_the_kernel_picks(monkeypatch: Any) -> None:
+    low, high = ports.ephemeral_range()
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1100, 60999))   # 76 ports below: too few
+    port = ports.pick_port(rng=_Scripted([]))   # no draw at all
+    assert low <= port <= high, (port, low, high)   # the kernel's pick, from its ephemeral range
+
+
+def test_the_range_is_read_from_the_kernel_or_defaults(tmp_path: Any) -> None:
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    assert ports.ephemeral_range(str(f)) == (40000, 50000)
+    f.write_text("garbage\n")
+    assert ports.ephemeral_range(str(f)) == (32768, 60999)
+    assert ports.ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
