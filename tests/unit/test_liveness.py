@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from typing import Iterator
 
 import pytest
@@ -31,7 +32,8 @@ _MEMBER = textwrap.dedent("""
     import sys, time
     from shoal.membership.client import MemberClient
     from shoal.membership.coordinator import Timeouts
-    t = Timeouts(op=2.0, heartbeat_interval=0.05, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
+    hb = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
+    t = Timeouts(op=2.0, heartbeat_interval=hb, probe=4.0, heartbeat_timeout=20.0, quorum=30.0, join=60.0)
     c = MemberClient(sys.argv[1], "live", t, min_workers=2, token=sys.argv[2])
     c.join()
     assert c._link is not None and c._link.up.wait(10), "no liveness link"
@@ -49,14 +51,14 @@ def _wait(pred, timeout: float) -> bool:
     return False
 
 
-def _three(coord: Coordinator) -> tuple[MemberClient, MemberClient, subprocess.Popen]:
-    a = MemberClient(coord.address, "live", _T, min_workers=2, token=TOKEN)
-    b = MemberClient(coord.address, "live", _T, min_workers=2, token=TOKEN)
+def _three(coord: Coordinator, t: Timeouts = _T) -> tuple[MemberClient, MemberClient, subprocess.Popen]:
+    a = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
+    b = MemberClient(coord.address, "live", t, min_workers=2, token=TOKEN)
     a.join()
     b.join()
     env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, "-c", _MEMBER, coord.address, TOKEN], stdout=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen([sys.executable, "-c", _MEMBER, coord.address, TOKEN, str(t.heartbeat_interval)],
+                         stdout=subprocess.PIPE, text=True, env=env)
     return a, b, p
 
 
@@ -108,22 +110,30 @@ def _pair(t: Timeouts, min_workers: int, b_env: dict[str, str] | None = None
 
 @pytest.mark.timeout(90)
 def test_a_second_member_killed_during_the_probe_leaves_with_the_first() -> None:
-    # Two members die 60 ms apart (two workers of one host): the second's link ends while the probe the
-    # first one's started is under way. The second joins that probe and must beat after its link's end to
-    # count as alive, so both leave in one quorum (before: it counted as alive from a beat between the
-    # probe's start and its death, stayed in the next quorum, and cost a second one).
+    # Two members die apart (two workers of one host): the second's link ends while the probe the first
+    # one's started is under way. The second joins that probe and must beat after its link's end to count
+    # as alive, so both leave in one quorum (before: it counted as alive from a beat between the probe's
+    # start and its death, stayed in the next quorum, and cost a second one).
+    # Timed off the first one's beats, every 0.5 s: it dies right after a beat, so the probe judges it
+    # silent about 2 beats (1 s) later; the second dies 1.2 beats after it, so it beat in between (what
+    # the old rule counted as alive) and its link ends inside that probe with 0.4 s to spare. With 50 ms
+    # beats and a fixed 60 ms gap the spare was a few tens of ms, which a loaded box missed.
+    t = replace(_T, heartbeat_interval=0.5)
     coord = Coordinator(port=0, initial_workers=4, token=TOKEN).start()
-    a, b, p = _three(coord)
+    a, b, p = _three(coord, t)
     env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p2 = subprocess.Popen([sys.executable, "-c", _MEMBER, coord.address, TOKEN], stdout=subprocess.PIPE,
-                          text=True, env=env)
+    p2 = subprocess.Popen([sys.executable, "-c", _MEMBER, coord.address, TOKEN, str(t.heartbeat_interval)],
+                          stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert p.stdout is not None and p2.stdout is not None
-        dead = {int(p.stdout.readline()), int(p2.stdout.readline())}
+        first, second = int(p.stdout.readline()), int(p2.stdout.readline())
         q1 = a.wait_quorum(after=0, timeout=30)
-        assert set(q1.members) == {a.member_id, b.member_id} | dead
+        assert set(q1.members) == {a.member_id, b.member_id, first, second}
+        beats = a.key(f"hb/{first}")
+        seen = int(a.store.add(beats, 0))
+        assert _wait(lambda: int(a.store.add(beats, 0)) > seen, 5.0), "the first member does not beat"
         os.kill(p.pid, signal.SIGKILL)
-        time.sleep(0.06)
+        time.sleep(1.2 * t.heartbeat_interval)
         os.kill(p2.pid, signal.SIGKILL)
         q2 = a.wait_quorum(after=q1.qid, timeout=30)
         assert set(q2.members) == {a.member_id, b.member_id}, "the second death cost a quorum of its own"
