@@ -31,10 +31,18 @@ TOKEN = "coordinator-blip-token"
 TIMEOUTS = Timeouts(op=2.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=1.0, quorum=5.0, join=10.0)
 
 
+class _Blip(threading.Event):
+    """Set: the heartbeats' store calls fail; ``fails`` counts the failures it injected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fails = 0
+
+
 class _Flaky:
     """A store client whose calls fail while ``blip`` is set (as over a link that stalls)."""
 
-    def __init__(self, store: Any, blip: threading.Event) -> None:
+    def __init__(self, store: Any, blip: _Blip) -> None:
         self._store, self._blip = store, blip
 
     def __getattr__(self, name: str) -> Any:
@@ -42,19 +50,21 @@ class _Flaky:
 
         def call(*args: Any, **kw: Any) -> Any:
             if self._blip.is_set():
+                self._blip.fails += 1
                 raise RuntimeError("The client socket has timed out (injected blip)")
             return real(*args, **kw)
         return call
 
 
 @pytest.fixture
-def blip(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+def blip(monkeypatch: pytest.MonkeyPatch) -> _Blip:
     """Set: every heartbeat connection (made from now on) fails, and so does connecting a new one."""
-    event = threading.Event()
+    event = _Blip()
     real: Callable[..., Any] = client_mod.connect
 
     def connect(address: str, timeout: float, is_master: bool = False) -> Any:
         if event.is_set():
+            event.fails += 1
             raise ShoalError(f"cannot reach the coordinator at {address} within {timeout} s (injected blip)")
         return _Flaky(real(address, timeout, is_master), event)
     monkeypatch.setattr(client_mod, "connect", connect)
@@ -78,7 +88,7 @@ def _dropped(c: MemberClient) -> bool:
 
 @pytest.mark.timeout(40)
 def test_a_heartbeat_blip_shorter_than_the_timeout_before_the_first_quorum_costs_no_seat(
-        blip: threading.Event, caplog: Any) -> None:
+        blip: _Blip, caplog: Any) -> None:
     # The CI failure: a member waiting for its peers (no quorum yet) has one slow connect. It used to
     # rejoin anew; here it keeps its id and both members are in the first quorum, counted once each.
     coord = Coordinator(port=0, initial_workers=2, token=TOKEN).start()
@@ -88,8 +98,11 @@ def test_a_heartbeat_blip_shorter_than_the_timeout_before_the_first_quorum_costs
         with caplog.at_level(logging.DEBUG, logger="shoal.elastic"):
             first = a.join()
             time.sleep(0.2)
+            # More failed beats in a row than an outage needs (_OUTAGE_FAILS), in far less than
+            # heartbeat_timeout (~0.2 s of 1 s; a fixed 0.6 s blip overran the timeout on a loaded box).
             blip.set()
-            time.sleep(0.6 * TIMEOUTS.heartbeat_timeout)
+            _until(lambda: blip.fails > client_mod._OUTAGE_FAILS, 0.8 * TIMEOUTS.heartbeat_timeout,
+                   "the heartbeat did not fail often enough during the blip")
             blip.clear()
             second = b.join()
             qa, qb = a.wait_quorum(0, timeout=10), b.wait_quorum(0, timeout=10)
@@ -105,7 +118,7 @@ def test_a_heartbeat_blip_shorter_than_the_timeout_before_the_first_quorum_costs
 
 @pytest.mark.timeout(60)
 def test_a_stall_of_coordinator_and_heartbeats_past_the_timeout_ends_with_the_same_members(
-        blip: threading.Event, caplog: Any) -> None:
+        blip: _Blip, caplog: Any) -> None:
     # The whole process stalls (coordinator thread and heartbeats) for twice heartbeat_timeout: the
     # members take it for an outage, then reach the same incarnation again. Nobody is dropped, nobody
     # re-announces or rejoins; the quorum in flight is ended (its abort flag: its votes may have gone
