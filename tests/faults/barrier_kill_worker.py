@@ -39,6 +39,7 @@ from torch import nn
 import shoal
 from shoal.elastic import ElasticGroup, ElasticOptimizer, Timeouts
 from shoal.membership.coordinator import connect
+from forked import run_and_end
 
 # A hang shows up as hitting a long timeout: op (the gloo constructor's wait) and heartbeat_timeout (the
 # coordinator's own verdict) are far above probe, by which a lost member must be judged (the test's bound,
@@ -122,4 +123,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

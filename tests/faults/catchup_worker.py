@@ -32,6 +32,7 @@ from shoal import codecs
 from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
 from harness import parked_striped, save_and_leave
 from elastic_worker import digest
+from forked import run_and_end
 
 
 def _wait_file(path: str, limit: float = 120.0) -> None:
@@ -180,4 +181,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

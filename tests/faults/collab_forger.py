@@ -18,6 +18,7 @@ import time
 
 from shoal.collaborative.records import RecordBook
 from shoal.membership.coordinator import connect
+from forked import run_and_end
 
 LIE = {"epoch": 10**6, "settled": True, "samples": 0, "sps": 1e9, "role": "peer"}
 
@@ -46,4 +47,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

@@ -15,6 +15,7 @@ import os
 import torch
 
 from collab_peer import Spec, train
+from forked import run_and_end
 
 
 def main() -> None:
@@ -39,4 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

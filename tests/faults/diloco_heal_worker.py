@@ -45,6 +45,7 @@ from shoal.elastic import ElasticGroup, Timeouts
 from shoal.membership.catchup import EARLY_PEEK_S
 from shoal.testing import FaultPlan
 from harness import parked_striped, save_and_leave
+from forked import run_and_end
 
 PERIOD = 4
 
@@ -196,4 +197,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

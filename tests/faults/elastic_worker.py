@@ -24,6 +24,7 @@ from shoal import codecs
 from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
 from shoal.testing import FaultPlan
 from harness import save_and_leave
+from forked import run_and_end
 
 
 def digest(model: nn.Module, opt: torch.optim.Optimizer) -> float:
@@ -114,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 # What the fork server imports once. The same list as shoal.testing.procs.FORKSERVER_PRELOAD (a process has one
 # fork server; whoever starts it first sets its list), written out here because this module imports no torch.
@@ -55,16 +55,33 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str, append: bool, o
     _fresh_streams(bool(env.get("PYTHONUNBUFFERED")))
     if "torch" in sys.modules:   # preloaded: OMP_NUM_THREADS=1 is read when torch is imported, in the fork server
         sys.modules["torch"].set_num_threads(1)
+    if argv[:2] == ["-m", "shoal"]:
+        def shoal_main() -> Any:
+            from shoal.cli.main import main
+            return main(argv[2:])
+        sys.argv = ["shoal", *argv[2:]]
+        run_and_end(shoal_main)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))   # as `python script.py` does
+    run_and_end(lambda: runpy.run_path(argv[0], run_name="__main__") and None)
+
+
+def run_and_end(main: Callable[[], Any]) -> NoReturn:
+    """Run ``main`` as the interpreter runs a script (its return value or ``SystemExit`` is the exit code, an
+    uncaught exception prints its traceback and gives 1), then end as the interpreter does, without its
+    finalization: non-daemon threads joined, the ``atexit`` handlers run (shoal.comm.lifetime's among them),
+    the streams flushed, then ``os._exit``.
+
+    Test code: the workers of the fault tests end this way (``if __name__ == "__main__": run_and_end(main)``).
+    The finalization skipped (module teardown and the garbage collector over torch's objects) cost 0.5 to
+    1.4 s of CPU per worker on the 2-core box, each time a launcher waited for its workers' exit. What it
+    would catch, a group destroyed while the interpreter finalizes, is tested where processes end on their
+    own: tests/dist/test_exit_after_give_up.py, test_example (torchrun) and the e2e host workers."""
     code = 0
     try:
-        if argv[:2] == ["-m", "shoal"]:
-            from shoal.cli.main import main
-            sys.argv = ["shoal", *argv[2:]]
-            code = int(main(argv[2:]) or 0)
-        else:
-            sys.argv = list(argv)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))   # as `python script.py` does
-            runpy.run_path(argv[0], run_name="__main__")
+        value = main()
+        if value is not None:
+            raise SystemExit(value)
     except SystemExit as e:
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
@@ -74,8 +91,6 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str, append: bool, o
     except BaseException:  # noqa: BLE001 - as the interpreter: the traceback on stderr, exit code 1
         traceback.print_exc()
         code = 1
-    # The interpreter's own ending: non-daemon threads joined, then the atexit handlers (registered in the
-    # fork server too, e.g. shoal.comm.lifetime's), then the streams flushed.
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     sys.stdout.flush()

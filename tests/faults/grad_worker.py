@@ -32,6 +32,7 @@ import shoal
 from shoal.elastic import ElasticGroup, ElasticOptimizer, ElasticSampler, Timeouts
 from shoal.testing import FaultPlan
 from harness import save_and_leave
+from forked import run_and_end
 
 N, BATCH = 256, 8
 OVERLAP_CAP_MB = 0.0003   # ~78 floats: make_net(0) falls into 3 buckets (head, middle, first layer)
@@ -234,4 +235,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

@@ -36,6 +36,7 @@ import shoal
 from shoal.elastic import ElasticGroup, Timeouts
 from harness import save_and_leave
 from strategy_worker import synced_state
+from forked import run_and_end
 
 PERIOD = 4
 STRATEGIES = ["diloco", "streaming", "streaming-overlap", "localsgd", "postlocal", "postlocal-group", "hierarchical",
@@ -163,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

@@ -26,6 +26,7 @@ from torch import nn
 import shoal
 from shoal.elastic import ElasticGroup, ElasticOptimizer, Timeouts
 from harness import save_and_leave
+from forked import run_and_end
 
 T, D = 6, 8
 
@@ -96,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

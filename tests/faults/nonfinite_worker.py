@@ -21,6 +21,7 @@ from torch import nn
 import shoal
 from shoal.elastic import ElasticGroup, Timeouts
 from harness import save_and_leave
+from forked import run_and_end
 
 NAN_STEP = 1
 PARAM_STEP = 4
@@ -73,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

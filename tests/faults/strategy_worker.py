@@ -37,6 +37,7 @@ from shoal.elastic import ElasticGroup, Timeouts
 from shoal.strategies.resume import ResumableMean
 from shoal.testing import FaultPlan
 from harness import save_and_leave
+from forked import run_and_end
 
 PERIOD = 4
 PARK_S = 60.0   # a parked worker gives up waiting after this long (the test then fails, it does not hang)
@@ -208,4 +209,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)

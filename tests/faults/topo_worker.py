@@ -22,6 +22,7 @@ from torch import nn
 
 import shoal
 from harness import save_and_leave
+from forked import run_and_end
 
 PER_HOST = 2
 HIER = {2: 2, 4: 4}
@@ -124,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)   # the interpreter's ending without its finalization (forked.py)
