@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import threading
 import time
 from dataclasses import asdict
 from typing import Any
@@ -54,15 +55,19 @@ def _wait_newer_quorum(group: ElasticGroup, limit: float = 60.0) -> None:
 
 
 PACED: list[int] = []   # the joiner: per chunk request, the pace's slots opened so far
+LOOP_DONE = threading.Event()   # set when the training loop has ended (before leave())
 
 
-def _park(group: ElasticGroup, out: str, park: int, midway: bool) -> None:
-    """Install the joiner's download hook: wait for ``park`` commits, then (``midway``) for a kill."""
+def _park(group: ElasticGroup, out: str, park: int, midway: bool, until_leave: bool = False) -> None:
+    """Install the joiner's download hook: wait for ``park`` commits (``until_leave``: for the loop's end
+    instead), then (``midway``) for a kill."""
     parked = parked_striped(group, park)
 
     def before_chunk(source: int, received: int) -> None:
         pace = group.catchup.pace   # SHOAL_HEAL_PACE: which slot let this request through (-1: no pace)
         PACED.append(pace.slots if pace is not None else -1)
+        if until_leave:
+            LOOP_DONE.wait(90.0)
         parked(source, received)
         if midway and received > 0:
             if not os.path.exists(os.path.join(out, "midway")):
@@ -104,8 +109,8 @@ def main() -> None:
     ap.add_argument("--midway", action="store_true")
     ap.add_argument("--wrap", action="store_true", help="DDP through shoal.wrap(net, opt, Sync())")
     ap.add_argument("--end-at-admission", action="store_true",
-                    help="stop once --steps ran and a step ran with every worker in the quorum (the joiner may "
-                         "still be downloading), leave, then save: leave() finishes the joiner's catch-up")
+                    help="stop once --steps ran and a step ran with every worker in the quorum (the joiner's "
+                         "download is parked until then), leave, then save: leave() does the joiner's catch-up")
     ap.add_argument("--drop-on", action="store_true",
                     help="survivors stop serving every snapshot once <out>/dropall exists (writes dropped-<rank>)")
     ap.add_argument("--powersgd", action="store_true", help="DDP with a PowerSGD codec (refuses the background heal)")
@@ -121,7 +126,7 @@ def main() -> None:
     group = ElasticGroup(timeouts=timeouts, min_workers=2)
     group.heal_chunk = 2048   # a small model still takes many ranges
     if rank == a.joiner:
-        _park(group, a.out, a.park, a.midway)
+        _park(group, a.out, a.park, a.midway, until_leave=a.end_at_admission)
     torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the heal must equalise
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     inner = torch.optim.Adam(net.parameters(), lr=1e-2)
@@ -166,6 +171,7 @@ def main() -> None:
                 open(os.path.join(a.out, "go"), "w").close()
             _wait_file(os.path.join(a.out, "joining"))   # outside any step: nobody's collective waits
             _wait_newer_quorum(group)
+    LOOP_DONE.set()
     result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(), "stats": vars(group.stats),
               "catchup": asdict(group.catchup.stats), "grads": grads, "cursor": data.cursor, "rank": rank, "life": life,
               "paced": PACED}
