@@ -22,7 +22,7 @@ from shoal.bench import strategies
 from shoal.testing import run_workers
 
 WORLD = 4
-BUDGET_S = 0.5   # training seconds per strategy: short, but many steps of the small model below
+BUDGET_S = 1.0   # training seconds per strategy: short, but many steps of the small model below
 MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 2, "context": 64}
 
 

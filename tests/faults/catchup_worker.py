@@ -149,29 +149,31 @@ def main() -> None:
             return group.step < a.steps or group.size < a.joiner + 1
         return (group.step < a.steps or everyone < 2) and group.step < a.max_steps
 
-    while going():
-        if a.drop_on and rank != a.joiner and os.path.exists(os.path.join(a.out, "dropall")):
-            _drop_all(group, a.out, rank)
-        idx = data.next_batch()
-        mine, contributors = group.contribution()   # the same count on every member of the step
-        check = mine and contributors < group.size and len(grads) < 30
-        local = _local_grad(net, x[idx], y[idx]) if check else None   # this worker's own, unaveraged
-        opt.zero_grad()
-        F.mse_loss(model(x[idx]), y[idx]).backward()
-        if check:
-            grads.append({"step": group.step, "contributors": contributors, "local": local, "mean": _flat_grad(net)})
-        commits = group.stats.commits
-        opt.step()   # ElasticOptimizer says whether it committed; wrap's optimizer returns the loss
-        committed = group.stats.commits > commits
-        everyone = everyone + 1 if committed and contributors == group.size == a.joiner + 1 else 0
-        log.append({"t": time.time(), "step": group.step, "committed": committed, "size": group.size,
-                    "contributes": mine, "contributors": contributors, "digest": digest(net, inner)})
-        if rank != a.joiner and group.step == a.go and committed:   # every survivor, after the same commit
-            if rank == 0:
-                open(os.path.join(a.out, "go"), "w").close()
-            _wait_file(os.path.join(a.out, "joining"))   # outside any step: nobody's collective waits
-            _wait_newer_quorum(group)
-    LOOP_DONE.set()
+    try:
+        while going():
+            if a.drop_on and rank != a.joiner and os.path.exists(os.path.join(a.out, "dropall")):
+                _drop_all(group, a.out, rank)
+            idx = data.next_batch()
+            mine, contributors = group.contribution()   # the same count on every member of the step
+            check = mine and contributors < group.size and len(grads) < 30
+            local = _local_grad(net, x[idx], y[idx]) if check else None   # this worker's own, unaveraged
+            opt.zero_grad()
+            F.mse_loss(model(x[idx]), y[idx]).backward()
+            if check:
+                grads.append({"step": group.step, "contributors": contributors, "local": local, "mean": _flat_grad(net)})
+            commits = group.stats.commits
+            opt.step()   # ElasticOptimizer says whether it committed; wrap's optimizer returns the loss
+            committed = group.stats.commits > commits
+            everyone = everyone + 1 if committed and contributors == group.size == a.joiner + 1 else 0
+            log.append({"t": time.time(), "step": group.step, "committed": committed, "size": group.size,
+                        "contributes": mine, "contributors": contributors, "digest": digest(net, inner)})
+            if rank != a.joiner and group.step == a.go and committed:   # every survivor, after the same commit
+                if rank == 0:
+                    open(os.path.join(a.out, "go"), "w").close()
+                _wait_file(os.path.join(a.out, "joining"))   # outside any step: nobody's collective waits
+                _wait_newer_quorum(group)
+    finally:
+        LOOP_DONE.set()   # the joiner's download waits for it (--end-at-admission), whatever ended the loop
     result = {"log": log, "model": net.state_dict(), "opt": inner.state_dict(), "stats": vars(group.stats),
               "catchup": asdict(group.catchup.stats), "grads": grads, "cursor": data.cursor, "rank": rank, "life": life,
               "paced": PACED}

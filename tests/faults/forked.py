@@ -63,7 +63,10 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str, append: bool, o
         run_and_end(shoal_main)
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))   # as `python script.py` does
-    run_and_end(lambda: runpy.run_path(argv[0], run_name="__main__") and None)
+
+    def script() -> None:   # the module's globals run_path returns are no exit code
+        runpy.run_path(argv[0], run_name="__main__")
+    run_and_end(script)
 
 
 def run_and_end(main: Callable[[], Any]) -> NoReturn:
@@ -93,8 +96,11 @@ def run_and_end(main: Callable[[], Any]) -> NoReturn:
         code = 1
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a closed pipe or stream: nothing more can be said on it
+            pass
     os._exit(code)
 
 

@@ -114,9 +114,10 @@ def test_a_second_member_killed_during_the_probe_leaves_with_the_first() -> None
     # one's started is under way. The second joins that probe and must beat after its link's end to count
     # as alive, so both leave in one quorum (before: it counted as alive from a beat between the probe's
     # start and its death, stayed in the next quorum, and cost a second one).
-    # Timed off the first one's beats, every 0.5 s: it dies right after a beat, so the probe judges it
-    # silent about 2 beats (1 s) later; the second dies 1.2 beats after it, so it beat in between (what
-    # the old rule counted as alive) and its link ends inside that probe with 0.4 s to spare. With 50 ms
+    # Timed off the beats, every 0.5 s: the first dies right after a beat, so the probe judges it silent
+    # about 2 beats (1 s) later; the second dies right after its first beat since that probe began (what
+    # the old rule counted as alive), at most a beat later, so its link ends inside the probe with ~0.5 s
+    # to spare. With 50 ms
     # beats and a fixed 60 ms gap the spare was a few tens of ms, which a loaded box missed.
     t = replace(_T, heartbeat_interval=0.5)
     coord = Coordinator(port=0, initial_workers=4, token=TOKEN).start()
@@ -129,12 +130,19 @@ def test_a_second_member_killed_during_the_probe_leaves_with_the_first() -> None
         first, second = int(p.stdout.readline()), int(p2.stdout.readline())
         q1 = a.wait_quorum(after=0, timeout=30)
         assert set(q1.members) == {a.member_id, b.member_id, first, second}
-        beats = a.key(f"hb/{first}")
-        seen = int(a.store.add(beats, 0))
-        assert _wait(lambda: int(a.store.add(beats, 0)) > seen, 5.0), "the first member does not beat"
-        os.kill(p.pid, signal.SIGKILL)
-        time.sleep(1.2 * t.heartbeat_interval)
-        os.kill(p2.pid, signal.SIGKILL)
+        def kill_after_a_beat(member: int, proc: subprocess.Popen) -> None:
+            beats = a.key(f"hb/{member}")
+            seen = int(a.store.add(beats, 0))
+            assert _wait(lambda: int(a.store.add(beats, 0)) > seen, 5.0), f"member {member} does not beat"
+            os.kill(proc.pid, signal.SIGKILL)
+
+        kill_after_a_beat(first, p)
+        run = coord._runs["live"]   # the second's beat must come after the probe began (the old rule's case)
+        assert _wait(lambda: run.probe_since is not None, 5.0), "the first death started no probe"
+        kill_after_a_beat(second, p2)
+        # Inside the probe: no quorum without the first was published before the second died (else this
+        # run's timing, not the rule, is what failed).
+        assert a.latest() == q1.qid, "the first death's quorum came out before the second death"
         q2 = a.wait_quorum(after=q1.qid, timeout=30)
         assert set(q2.members) == {a.member_id, b.member_id}, "the second death cost a quorum of its own"
     finally:
