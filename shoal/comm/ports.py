@@ -6,9 +6,10 @@ opens a connection may be given that same port as its local end: on a busy
 machine (a test suite, several jobs) rank 0's store then fails with
 ``EADDRINUSE``. Outgoing connections only ever take ports inside the
 ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``), so
-:func:`pick_port` picks below it, at random, one that binds now on the
-given address and on every interface (a store listens on all of them),
-and below 30000 (Kubernetes gives 30000-32767 to its node ports). Only
+:func:`pick_port` picks below it and below 30000 (Kubernetes gives
+30000-32767 to its node ports), at random among up to 12,000 ports, one
+that binds now on the given address and on every interface (a store
+listens on all of them). Only
 another process binding that very port explicitly can still take it.
 
 Example::
@@ -59,7 +60,8 @@ def pick_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     """A port that binds on ``host`` (and every interface) now, below the ephemeral range if there is room
     (see the module docstring); else, or if none of a few random ones binds, one the kernel picks (port 0)."""
     low, _ = ephemeral_range()
-    first, end = max(1024, low - _SPAN), min(low, _CEILING)
+    end = min(low, _CEILING)
+    first = max(1024, end - _SPAN)
     if end - first >= 256:
         draw = rng or random.SystemRandom()
         for _ in range(_TRIES):
