@@ -55,18 +55,16 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str, append: bool, o
     _fresh_streams(bool(env.get("PYTHONUNBUFFERED")))
     if "torch" in sys.modules:   # preloaded: OMP_NUM_THREADS=1 is read when torch is imported, in the fork server
         sys.modules["torch"].set_num_threads(1)
-    if argv[:2] == ["-m", "shoal"]:
-        def shoal_main() -> Any:
+    def entry() -> Any:   # a script's globals (what run_path returns) are no exit code: None
+        if argv[:2] == ["-m", "shoal"]:
             from shoal.cli.main import main
+            sys.argv = ["shoal", *argv[2:]]
             return main(argv[2:])
-        sys.argv = ["shoal", *argv[2:]]
-        run_and_end(shoal_main)
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))   # as `python script.py` does
-
-    def script() -> None:   # the module's globals run_path returns are no exit code
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))   # as `python script.py` does
         runpy.run_path(argv[0], run_name="__main__")
-    run_and_end(script)
+        return None
+    run_and_end(entry)
 
 
 def run_and_end(main: Callable[[], Any]) -> NoReturn:
