@@ -22,7 +22,10 @@ download added to the survivors' clean steps (``download_cost_per_join_s``).
 The definitions, unit-tested: :mod:`shoal.bench.chaos_stats`. Per join also
 (``joins``): the joiner's seconds from process start to its first contributing step and the bytes it
 received. ``--heal background`` heals restarted workers in the background (SHOAL_HEAL, docs/elastic.md),
-``--heal-pace`` paces it by the run's steps (SHOAL_HEAL_PACE).
+``--heal-pace`` paces it by the run's steps (SHOAL_HEAL_PACE). ``--state-cache`` gives each worker slot a
+file in ``/dev/shm`` (SHOAL_STATE_CACHE, :mod:`shoal.membership.seed`): a restart on the same host then
+fetches only the ranges of the state that changed since its last life wrote it (each join reports its
+``seeded_bytes``); without it every restart downloads all, as on a replacement host.
 
 Two tasks. ``--task markov`` (default) is a small real one that 2 CPU cores
 can train in minutes: a character-level LM (2-layer causal transformer,
@@ -210,7 +213,8 @@ def worker(a: argparse.Namespace) -> None:
                                   "download_bytes": cu.download_bytes, "by_source": cu.by_source,
                                   "slots": cu.slots, "download_s": cu.download_s, "held_s": cu.download_held_s,
                                   "between_rounds": cu.entered_between_rounds,
-                                  "prefetched_bytes": cu.prefetched_bytes}) + "\n")
+                                  "prefetched_bytes": cu.prefetched_bytes,
+                                  "seeded_bytes": cu.seeded_bytes}) + "\n")
     log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net)}) + "\n")
     log.close()
     group.leave()
@@ -242,6 +246,9 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
                     os.environ["SHOAL_ELASTIC_TRACE"] = old
             stack.callback(coord.stop)
             env["SHOAL_COORDINATOR"] = coord.address
+        if a.state_cache:   # one file per worker slot, kept across its lives, removed with the run
+            env["SHOAL_BENCH_CACHE"] = stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="shoal-chaos-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         res = _chaos_loop(a, chaos, out, env, emu)
         if emu is not None:
             res["host_bytes"] = emu.host_bytes()
@@ -259,6 +266,8 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
     def start(rank: int, life: int) -> None:
         f = open(os.path.join(out, f"stdout-{rank}-{life}.txt"), "wb")
         where = {} if emu is None else {"GLOO_SOCKET_IFNAME": emu.interface(rank)}
+        if env.get("SHOAL_BENCH_CACHE"):
+            where["SHOAL_STATE_CACHE"] = os.path.join(env["SHOAL_BENCH_CACHE"], f"slot-{rank}.state")
         procs[rank] = (subprocess.Popen((emu.exec_prefix(rank) if emu else []) + argv,
                                         env={**env, **where, "RANK": str(rank), "SHOAL_RESTART": str(life)},
                                         stdout=f, stderr=subprocess.STDOUT, start_new_session=True), life)
@@ -477,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
                          "applies to --strategy ddp, diloco and streaming")
     ap.add_argument("--heal-rate", default="", help="background heal: a source's flat rate, e.g. 4mbit (SHOAL_HEAL_RATE)")
     ap.add_argument("--heal-pace", default="", help="background heal: a joiner's share of each step (SHOAL_HEAL_PACE)")
+    ap.add_argument("--state-cache", action="store_true",
+                    help="each worker slot keeps a copy of the averaged state in /dev/shm for its restart "
+                         "(SHOAL_STATE_CACHE; background heal of diloco and streaming)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -386,5 +386,7 @@ def joins(logs: Logs, normal: float) -> list[dict[str, Any]]:
                     "download_s": got.get("download_s"), "held_s": got.get("held_s"),
                     "between_rounds": got.get("between_rounds"),
                     # bytes it had when admitted: downloaded early, while it waited for the survivors' round
-                    "prefetched_bytes": got.get("prefetched_bytes", 0)})
+                    "prefetched_bytes": got.get("prefetched_bytes", 0),
+                    # bytes taken from its host's copy of an earlier life (--state-cache), not the network
+                    "seeded_bytes": got.get("seeded_bytes", 0)})
     return out

@@ -67,6 +67,7 @@ from shoal.membership.heal import CONTROL_TAG as _CONTROL_TAG, HealPlan, broadca
 from shoal.membership.pace import StepPace, heal_pace, heal_rate
 from shoal.membership.received import check_received
 from shoal.membership.replay import OptimizerReplay, Replayer
+from shoal.membership.seed import StateSeed
 from shoal.membership.stateserve import SnapshotServer, clone_tree, local_address
 
 log = logging.getLogger("shoal.elastic")
@@ -108,6 +109,7 @@ class CatchUpStats:
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
     prefetched_bytes: int = 0     # bytes it had received when it was admitted (a download begun before: prefetch)
+    seeded_bytes: int = 0         # bytes of its download taken from this host's copy (SHOAL_STATE_CACHE, seed.py)
     served: int = 0               # snapshots this worker offered as a source
     offered_early: int = 0        # of them, offered between two rounds to a quorum not adopted yet (offer_early)
     dissolved_for_join: int = 0   # quorums this worker dissolved between rounds to admit newcomers (offer_early)
@@ -138,6 +140,10 @@ class CatchUp:
         self.server: SnapshotServer | None = None
         self.stats = CatchUpStats()
         self.before_chunk: Any = None           # tests: handed to the Download (parks it)
+        self.seed = StateSeed.from_env()        # this worker slot's copy of the state on this host (seed.py)
+        self._seed_blob: bytes | None = None    # joiner: what the last life wrote there, read once
+        self._seed_read = False
+        self._seed_due = True                   # a member holding the state writes it after the next inner step
         self.hid = -1                           # joiner: the heal it downloads, -1 when none
         self.records: list[list[Any]] = []
         self.loaded = False
@@ -443,9 +449,10 @@ class CatchUp:
         book, client = g.client.book, g.client
         self._offers[hid] = step
 
-        def published(size: int, sha: str) -> None:   # on the serialising thread: its own store connection
+        def published(size: int, sha: str, digests: list[str]) -> None:   # on the serialising thread: its own
+            # store connection; the range digests let a joiner keep what its host's copy has right (seed.py)
             client.store.clone().set(key, book.seal({"addr": server.address, "size": size, "sha": sha,
-                                                     "step": step}))
+                                                     "step": step, "digests": digests}))
 
         server.offer(hid, tree, joiners, published, step)
         self.stats.served += 1
@@ -537,7 +544,7 @@ class CatchUp:
         others = [m for m in q.members if m != g.client.member_id]
         if not (g._fresh and self.hid < 0 and others and self._between_rounds() and self.column()[1]):
             return
-        early = Fetch(g, q.qid, others, g.step, True, None, self.before_chunk, early=True)
+        early = Fetch(g, q.qid, others, g.step, True, None, self.before_chunk, early=True, seed=self._seed())
         early.start()        # its store connection may fail (a blip): then there is no early download to stop
         self.early = early
         log.info("waiting for quorum %d: fetching its snapshot early from whoever of %s offers it", q.qid, others)
@@ -570,7 +577,7 @@ class CatchUp:
         if self.pace_fraction is not None and not after:
             self.pace = StepPace(self.pace_fraction)   # step-synchronous only: DiLoCo downloads in its idle inner steps
             self.pace.admitted(time.monotonic())
-        self.fetch = Fetch(g, hid, sources, top, after, self.pace, self.before_chunk)
+        self.fetch = Fetch(g, hid, sources, top, after, self.pace, self.before_chunk, seed=self._seed())
         self.fetch.start()
         log.info("admitted at step %d as a non-contributor; fetching heal %d from members %s", top, hid, sources)
 
@@ -600,7 +607,7 @@ class CatchUp:
         dl = fetch.download
         if dl is not None:
             self.stats.download_bytes, self.stats.download_s = dl.received, dl.seconds
-            self.stats.download_held_s = dl.held_s
+            self.stats.download_held_s, self.stats.seeded_bytes = dl.held_s, dl.seeded
             self.stats.by_source, self.stats.failed_sources = dict(dl.by_source), sorted(dl.failed)
         return fetch.result
 
@@ -657,11 +664,39 @@ class CatchUp:
         for r in self.replayers:
             r.caught_up()
         self.stats.replayed, self.records = len(self.records), []
+        self._seed_blob, self._seed_due = None, True   # the host's copy is stale now: the next inner step writes it
         self._covered_keys = covered
         g.stats.heals_received += 1
         g.stats.heal_bytes = len(blob)
 
+    def _seed(self) -> bytes | None:
+        """A joiner's seed for its download: what this worker slot's last life wrote on this host (read once, kept
+        until it has loaded), or None (no SHOAL_STATE_CACHE, no file; only for averaging strategies, whose state
+        a later life may still find unchanged)."""
+        if self.seed is None or not self._after_commit():
+            return None
+        if not self._seed_read:
+            self._seed_read, self._seed_blob = True, self.seed.read()
+            if self._seed_blob is not None:
+                log.info("this host holds %d bytes of an earlier copy of the run's state (%s): the heal keeps "
+                         "the ranges that still match", len(self._seed_blob), self.seed.path)
+        return self._seed_blob
+
+    def save_seed(self) -> bool:
+        """A member of an averaging strategy between two rounds: after a round committed (and once at the
+        start), write what a joiner's download covers to this worker slot's file on this host (seed.py), from
+        a background thread; only the clone runs here. True if it asked for a write."""
+        g = self.group
+        if (self.seed is None or not self.enabled or not self._seed_due or g._in_step or not self.caught_up
+                or g.quorum is None or not self._after_commit()):
+            return False
+        self._seed_due = False
+        states = g.hooks.states
+        self.seed.save(clone_tree({k: states[k].get() for k in sorted(self._covered())}))
+        return True
+
     def _record(self) -> None:
+        self._seed_due = True   # the state a joiner would download may have changed: written again (save_seed)
         if self.pending:   # after the vote every joiner's "ready" record is in: every member answers
             self._read_ready()   # contribution() alike until the next begin_step (e.g. a background reduction);
             # unread (the coordinator did not answer): the next begin_step reads again, or fails its step

@@ -52,13 +52,14 @@ class Fetch:
     ``result`` is ``(blob, None)`` or ``(None, why)`` once ``done`` is set;
     ``download`` is the :class:`Download` once the sources are known (for
     its statistics). ``before_chunk`` is handed to the download (tests park
-    it there).
+    it there), and so is ``seed`` (:mod:`shoal.membership.seed`).
     """
 
     def __init__(self, group: Any, hid: int, members: list[int], top: int, after_commit: bool,
                  pace: StepPace | None, before_chunk: Callable[[int, int], None] | None = None,
-                 early: bool = False) -> None:
+                 early: bool = False, seed: bytes | None = None) -> None:
         self.group, self.hid, self.members, self.top = group, hid, members, top
+        self.seed = seed   # this host's last copy of the state (shoal.membership.seed): its matching ranges are kept
         self.after_commit, self.pace, self.before_chunk = after_commit, pace, before_chunk
         self.early = early   # begun before the admission (CatchUp.prefetch): no admitting step to wait for
         # The step whose begin state it fetches: ``top`` once admitted; an early one takes whichever the sources
@@ -139,7 +140,7 @@ class Fetch:
             dl = Download(self.hid, sources, g.client.token, g.client.run_id, g.client.member_id,
                           chunk=min(g.heal_chunk, PACED_CHUNK if fine else 1 << 20), timeout=g.timeouts.op,
                           step=-1 if self.step is None else self.step)
-            dl.before_chunk, dl.pace = self.before_chunk, self.pace
+            dl.before_chunk, dl.pace, dl.seed = self.before_chunk, self.pace, self.seed
             if self.after_commit:   # an averaging strategy: no request while this joiner is in a round, whose
                 # ... nor once past a new quorum's barrier (its build, heal plan and admission): an early
                 # download, begun while the joiner waited there, would queue their small messages behind its bytes.
@@ -186,7 +187,10 @@ class Fetch:
                 if store.check([k]):
                     rec = g.client.book.open(store.get(k), writer=m, kind="heal source")
                     if rec is not None and isinstance(rec.get("step"), int):   # a record naming no step: unusable
-                        found[m] = (rec["step"], Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"])))
+                        digests = rec.get("digests")
+                        found[m] = (rec["step"], Source(m, str(rec["addr"]), int(rec["size"]), str(rec["sha"]),
+                                                        tuple(str(d) for d in digests) if isinstance(digests, list)
+                                                        else ()))
             with self._lock:   # the choice and want() exclude each other: an admission's step is never missed
                 usable = {m: v for m, v in found.items() if self.wanted is None or v[0] == self.wanted}
                 first = (first or time.monotonic()) if usable else None

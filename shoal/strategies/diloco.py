@@ -33,7 +33,7 @@ from shoal.comm.group import Group
 from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy
-from shoal.strategies.diloco_heal import enable_background_heal, enter_between_rounds
+from shoal.strategies.diloco_heal import enable_background_heal, enter_between_rounds, save_seed
 from shoal.strategies.diloco_state import (checkpoint, load_checkpoint, load_outer, load_pending, load_schedule,
                                            outer_state, pending_state, schedule_state)
 from shoal.strategies.rounds import Round, Rounds
@@ -335,6 +335,7 @@ class DiLoCo(Strategy):
         for f in self.fragments:
             if f.merge_at == self.step:
                 self._merge_round(f)
+        save_seed(self)   # a round applied just now: this host's copy for this worker's next life
         self._mark_step()
 
     def _renew(self) -> bool:

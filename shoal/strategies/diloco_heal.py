@@ -147,13 +147,24 @@ def enter_between_rounds(strategy: Any) -> None:
     inner steps go into the next round (:meth:`~shoal.membership.catchup.CatchUp.enter_between_rounds`); a
     source offers its snapshot to the newcomers of a quorum published since its last round
     (:meth:`~shoal.membership.catchup.CatchUp.offer_early`, which dissolves a quorum that lost no member so that
-    its next round admits them), who download it while they wait for that round.
+    its next round admits them), who download it while they wait for that round; after a round, a member
+    writes its copy of that state for its next life on this host (``SHOAL_STATE_CACHE``,
+    :mod:`shoal.membership.seed`).
     Only without overlapped reductions (``OuterReplay.enters_between_rounds``): then none is ever in flight
     or waiting to be merged between two rounds, so nothing lands in the parameters it resets."""
     catchup = getattr(strategy.group, "catchup", None)   # a static group has no background heal
     if catchup is not None:
         catchup.enter_between_rounds()
         catchup.offer_early(steps_to_round(strategy))   # a source: a joiner waiting for the next round may fetch now
+
+
+def save_seed(strategy: Any) -> None:
+    """At the end of an inner step, after its rounds were applied: a member that committed a round since it last
+    wrote (or has never written) writes this host's copy of the global copies and outer state for its next
+    life (``SHOAL_STATE_CACHE``, :mod:`shoal.membership.seed`), from a background thread."""
+    catchup = getattr(strategy.group, "catchup", None)
+    if catchup is not None:
+        catchup.save_seed()
 
 
 def steps_to_round(strategy: Any) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
 import time
 from dataclasses import asdict
 from typing import Any
@@ -60,7 +61,7 @@ def synced_state(strategy: Any, model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def hold_for_early(group: ElasticGroup, strategy: Any, early: dict[str, bool]) -> None:
+def hold_for_early(group: ElasticGroup, strategy: Any, early: dict[str, Any]) -> None:
     """A survivor before an inner step after the crash (--early), in the quorum it dissolves: first until
     the coordinator raised that quorum's abort flag (the next round then leaves it) and published a quorum
     with a newcomer (the restart); then on through the inner steps, whose ends offer the newcomer the
@@ -76,19 +77,37 @@ def hold_for_early(group: ElasticGroup, strategy: Any, early: dict[str, bool]) -
     while group.client.latest_seen <= q.qid and time.monotonic() < t0 + 60:
         time.sleep(0.02)   # its heartbeat thread read the newer quorum id (what offer_early looks at)
     time.sleep(EARLY_PEEK_S)   # the next inner step's end reads that quorum
-    early["served"] = hold_until_served(group, strategy, t0 + 30)
+    early["served"] = hold_until_served(group, strategy, t0 + 30, early.get("seeded", ""))
 
 
-def hold_until_served(group: ElasticGroup, strategy: Any, deadline: float) -> bool:
+def hold_until_served(group: ElasticGroup, strategy: Any, deadline: float, seeded: str = "") -> bool:
     """Before the inner step whose end runs a round (True), until this member has sent its snapshot's bytes to
-    a joiner (bounded: a member that never offers early fails the test's checks); else nothing (False)."""
+    a joiner, or the joiner said it took all of them from its host's copy (the file ``seeded``: --state-cache)
+    (bounded: a member that never offers early fails the test's checks); else nothing (False)."""
     if (strategy.step + 1) % PERIOD not in {f.offset for f in strategy.fragments}:
         return False
     server = group.catchup.server
-    while (server is None or server.served == 0) and time.monotonic() < deadline:
+    while ((server is None or server.served == 0) and not (seeded and os.path.exists(seeded))
+           and time.monotonic() < deadline):
         time.sleep(0.02)
         server = group.catchup.server
     return True
+
+
+def tell_when_seeded(group: ElasticGroup, path: str) -> None:
+    """A restart (--state-cache): write ``path`` once a download of it has ended with bytes from its host's copy
+    (its early one ends while it waits for the survivors' round: they hold that round for its word)."""
+    def watch() -> None:
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 60:
+            cu = group.catchup
+            for f in (cu.early, cu.fetch):
+                dl = f.download if f is not None else None
+                if dl is not None and f.done.is_set() and dl.seeded > 0:
+                    open(path, "w").close()
+                    return
+            time.sleep(0.02)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def main() -> None:
@@ -110,6 +129,10 @@ def main() -> None:
     ap.add_argument("--served-before-round", action="store_true",
                     help="a survivor that waited for the restart to be in a published quorum then holds the step "
                          "that runs its next round until it has sent the restart bytes (it was offered early)")
+    ap.add_argument("--hidden", type=int, default=32, help="the width of the model's two hidden layers")
+    ap.add_argument("--state-cache", default="",
+                    help="a folder: each rank keeps its copy of the state in a file there for its restart "
+                         "(SHOAL_STATE_CACHE)")
     ap.add_argument("--load-at-phase", type=int, default=-1,
                     help="the joiner, once its download may run, waits for it before the inner step at this "
                          "phase of the period (so it loads between two rounds, at a known step); -1: never waits")
@@ -120,6 +143,9 @@ def main() -> None:
     while a.served_before_round and life > 0 and not os.path.exists(os.path.join(a.out, "alone")) \
             and time.monotonic() < t0 + 60:
         time.sleep(0.02)   # asks to join only once the survivors committed a round without it
+    seeded = os.path.join(a.out, "seeded") if a.state_cache else ""
+    if a.state_cache:
+        os.environ["SHOAL_STATE_CACHE"] = os.path.join(a.state_cache, f"slot-{rank}.state")
     plan = FaultPlan() if a.early else FaultPlan().crash(rank=a.crash_rank, step=a.crash_round, nth=0)
     # op 15 s, not 5: on a loaded 2-core box (the suite under xdist, or several of these runs at once) a
     # subgroup's gloo build or a 48-byte all-gather was seen to take over 5 s on all three members, which
@@ -130,8 +156,11 @@ def main() -> None:
     group.heal_chunk = 2048   # a small model still takes many ranges
 
     group.catchup.before_chunk = parked_striped(group, a.park)   # the download waits for --park commits
+    if seeded and life > 0:
+        tell_when_seeded(group, seeded)
     torch.manual_seed(100 + 10 * rank + life)   # different on purpose: the heal must equalise
-    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    h = a.hidden
+    net = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, 4))
     if a.powersgd:
         strategy: Any = shoal.DiLoCo(inner_steps=PERIOD, codec=shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0,
                                                                                   start_iter=0))
@@ -160,10 +189,12 @@ def main() -> None:
     x = torch.randn(512, 16, generator=g)
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
     pick = torch.Generator().manual_seed(1000 * rank + life)   # each worker its own stream of samples
-    early = {"newcomer": False, "served": False}
+    early: dict[str, Any] = {"newcomer": False, "served": False, "seeded": seeded}
     while not (strategy.step >= a.steps and strategy.step % PERIOD == 0
                and (full["rounds"] >= 4 or strategy.step >= a.max_steps)):
         if a.early and rank == a.crash_rank and life == 0 and strategy.step == 2 * PERIOD:
+            if group.catchup.seed is not None:   # --state-cache: killed once its copy of that round is written
+                group.catchup.seed.flush(30)
             os.kill(os.getpid(), signal.SIGKILL)   # between two rounds: no collective of it fails
         if a.early and life == 0 and not early["served"] and strategy.step >= 2 * PERIOD:
             hold_for_early(group, strategy, early)
@@ -177,7 +208,7 @@ def main() -> None:
                    and time.monotonic() < t0 + 60):
                 time.sleep(0.02)   # its heartbeat thread has read it too (what offer_early looks at)
         if a.served_before_round and alone["waited"] and life == 0 and not early["served"]:
-            early["served"] = hold_until_served(group, strategy, time.monotonic() + 30)
+            early["served"] = hold_until_served(group, strategy, time.monotonic() + 30, seeded)
         cu = group.catchup
         if (a.load_at_phase >= 0 and cu.hid >= 0 and not cu.loaded and cu.fetch is not None
                 and group.step >= cu.stats.admitted_step + a.park and strategy.step % PERIOD == a.load_at_phase):
@@ -192,7 +223,8 @@ def main() -> None:
     strategy.close()   # a reduction still in flight is merged (a round every member runs at the same step)
     result = {"log": log, "discarded": discarded, "synced": synced_state(strategy, model), "stats": vars(group.stats),
               "catchup": asdict(group.catchup.stats), "contributed": strategy.rounds.contributed,
-              "rank": rank, "life": life, "step": strategy.step}
+              "rank": rank, "life": life, "step": strategy.step,
+              "seed_writes": group.catchup.seed.writes if group.catchup.seed is not None else 0}
     save_and_leave(a.out, rank, life, result, group)
 
 

@@ -177,3 +177,30 @@ def test_a_restart_published_after_the_survivors_renewed_is_admitted_at_their_ne
             == cu["admitted_step"], why
     assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
     _assert_equal(final, why)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_restart_on_the_same_host_takes_the_unchanged_state_from_its_copy(fragments: int, tmp_path: Any) -> None:
+    # As above (rank 2 dies between two rounds, its restart is admitted at the survivors' next round), with
+    # SHOAL_STATE_CACHE: each worker wrote the global copies and outer state after every round, and no round
+    # committed between the death and the admission, so the restart's copy matches every range the sources
+    # published: nothing crosses the network, and all three still end bitwise equal. (A copy that is partly
+    # stale, as a streaming fragment synchronised since: tests/unit/test_state_seed.py.)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    out = harness.run(str(tmp_path), 3, ["--early", "--park", "0", "--fragments", str(fragments), "--hidden", "64",
+                                         "--state-cache", str(cache)],
+                      env=ENV, hard_limit=130, restarts=1, script="diloco_heal_worker.py")
+    why = out.logs
+    assert [r for r, _ in out.deaths] == [2], why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    *survivors, joiner = final
+    cu = joiner["catchup"]
+    assert cu["admitted_step"] >= 0 and cu["admissions"] == 1, why   # in the background, once
+    assert cu["seeded_bytes"] == joiner["stats"]["heal_bytes"] > 0 and cu["download_bytes"] == 0, why
+    assert all(s["seed_writes"] >= 2 for s in final), why   # the initial state, then after rounds
+    assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
+    _assert_equal(final, why)
+

@@ -155,7 +155,7 @@ def test_only_the_download_the_admission_keeps_tells_the_sources_it_is_done() ->
 def _offered(server: Any, hid: int, tree: Any, step: int) -> None:
     import threading
     ready = threading.Event()
-    server.offer(hid, tree, {ME}, lambda size, sha: ready.set(), step)
+    server.offer(hid, tree, {ME}, lambda size, sha, digests: ready.set(), step)
     assert ready.wait(30)
 
 
@@ -198,7 +198,7 @@ def test_an_earlier_offers_failure_or_late_end_never_touches_the_offer_that_repl
     from test_stateserve import TOKEN
     server = SnapshotServer(TOKEN, RUN, "127.0.0.1")
     gate, records = threading.Event(), []
-    server.offer(HID, {"x": _FailsLate(gate)}, {ME}, lambda size, sha: records.append(("early", sha)), 4)
+    server.offer(HID, {"x": _FailsLate(gate)}, {ME}, lambda size, sha, digests: records.append(("early", sha)), 4)
     _offered(server, HID, _tree(), step=5)   # offered again (a step committed since): serialised, published
     gate.set()                                # the earlier one fails now: it must not drop the new one
     time.sleep(0.3)

@@ -19,13 +19,13 @@ def _serve(tree: Any, hid: int = 3, joiners: frozenset[int] = frozenset({9})) ->
     got: dict[str, Any] = {}
     ready = threading.Event()
 
-    def published(size: int, sha: str) -> None:
-        got.update(size=size, sha=sha)
+    def published(size: int, sha: str, digests: list[str]) -> None:
+        got.update(size=size, sha=sha, digests=tuple(digests))
         ready.set()
 
     server.offer(hid, tree, set(joiners), published)
     assert ready.wait(30)
-    return server, Source(0, server.address, got["size"], got["sha"])
+    return server, Source(0, server.address, got["size"], got["sha"], got["digests"])
 
 
 def _tree() -> dict[str, Any]:

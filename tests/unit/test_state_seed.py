@@ -1,0 +1,145 @@
+"""This host's copy of the run's state (shoal.membership.seed) and the download it seeds (stateserve.Download).
+
+A seed's ranges are taken where their digest matches what the sources
+published, the rest comes over the network, and the result is still checked
+against the sources' sha256: a stale, partial or wrong seed costs bytes,
+never correctness.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.comm.objects import from_bytes, to_bytes
+from shoal.membership import seed as seed_mod
+from shoal.membership import stateserve
+from shoal.membership.seed import StateSeed
+from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, digest_span, range_digests
+
+TOKEN, RUN = "test-token-123", "run-x"
+
+
+def _tree(shift: float = 0.0, change: int | None = None) -> dict[str, Any]:
+    """Four ~40 KB tensors (a global copy and a momentum per fragment); ``change``: only that one differs."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(10_000, generator=g) for _ in range(4)]
+    if change is not None:
+        ts[change] += 1.0 + shift
+    return {"k/strategy": {"globals": ts[:2], "momenta": ts[2:], "step": 3}}
+
+
+def _blob(tree: Any) -> bytes:
+    return bytes(to_bytes(tree).numpy().tobytes())
+
+
+def _serve(tree: Any) -> tuple[SnapshotServer, Source]:
+    server = SnapshotServer(TOKEN, RUN, "127.0.0.1")
+    got: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def published(size: int, sha: str, digests: list[str]) -> None:
+        got.update(size=size, sha=sha, digests=tuple(digests))
+        ready.set()
+
+    server.offer(3, clone_tree(tree), {9}, published)
+    assert ready.wait(30)
+    return server, Source(0, server.address, got["size"], got["sha"], got["digests"])
+
+
+def _download(src: Source, seed: bytes | None) -> Download:
+    dl = Download(3, [src], TOKEN, RUN, member=9, chunk=4096)
+    dl.seed = seed
+    dl.run()
+    return dl
+
+
+def test_digests_cover_the_snapshot_in_spans() -> None:
+    data = _blob(_tree())
+    span = digest_span(len(data))
+    assert span % 4096 == 0 and len(range_digests(data)) == -(-len(data) // span) <= 256
+    assert digest_span(26_077_956) == 102_400   # DiLoCo on the bench's lm: 255 digests
+
+
+@pytest.mark.timeout(60)
+def test_a_seed_of_the_same_state_needs_no_byte_from_the_network() -> None:
+    tree = _tree()
+    server, src = _serve(tree)
+    dl = _download(src, _blob(tree))
+    assert dl.error is None and dl.blob == _blob(tree)
+    assert dl.received == 0 and dl.seeded == src.size and server.served == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_seed_one_fragment_behind_fetches_only_that_fragments_ranges() -> None:
+    old, new = _tree(), _tree(change=1)   # one of four tensors changed since the seed was written
+    server, src = _serve(new)
+    dl = _download(src, _blob(old))
+    assert dl.error is None and dl.blob == _blob(new)
+    assert torch.equal(from_bytes(torch.frombuffer(bytearray(dl.blob), dtype=torch.uint8))["k/strategy"]["globals"][1],
+                       new["k/strategy"]["globals"][1])
+    assert dl.received + dl.seeded == src.size
+    # The changed tensor's 40 KB, its spans' edges, the pickled header and the zip's directory: well under half.
+    assert 40_000 <= dl.received < src.size / 2, (dl.received, src.size)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", [b"", b"not a snapshot at all" * 100, None])
+def test_no_seed_or_a_foreign_one_fetches_everything(seed: bytes | None) -> None:
+    tree = _tree()
+    _, src = _serve(tree)
+    dl = _download(src, seed)
+    assert dl.error is None and dl.blob == _blob(tree) and dl.received == src.size and dl.seeded == 0
+
+
+@pytest.mark.timeout(60)
+def test_ranges_whose_digests_collide_are_fetched_again_when_the_whole_does_not_match(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every range "matches" (a constant digest): the seed is another state, so the assembled bytes fail the
+    # sources' sha256, and the download fetches all of it rather than load a state that is not the run's.
+    monkeypatch.setattr(stateserve, "range_digest", lambda data: "same")
+    new = _tree(change=2)
+    _, src = _serve(new)
+    assert set(src.digests) == {"same"}
+    dl = _download(src, _blob(_tree()))
+    assert dl.error is None and dl.blob == _blob(new) and dl.received == src.size and dl.seeded == 0
+
+
+def test_state_seed_writes_on_a_thread_and_reads_back(tmp_path: Any) -> None:
+    path = str(tmp_path / "slot-0.state")
+    seed = StateSeed(path)
+    assert seed.read() is None   # nothing written yet
+    t = _tree()
+    live = t["k/strategy"]["globals"][0]
+    seed.save(clone_tree(t))
+    live.add_(1.0)   # the next step changes the live state after the clone: the file keeps the clone
+    assert seed.flush(30) and seed.writes == 1
+    assert seed.read() == _blob(_tree())
+    seed.save(clone_tree(_tree(change=0)))
+    assert seed.flush(30) and seed.read() == _blob(_tree(change=0))
+    assert [p for p in os.listdir(tmp_path)] == ["slot-0.state"]   # no temporary file left
+
+
+def test_a_seed_that_cannot_be_written_switches_itself_off(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    seed = StateSeed(str(tmp_path / "missing-folder" / "slot-0.state"))
+    seed.save(clone_tree(_tree()))
+    assert seed.flush(30)
+    assert seed.broken is not None and "No such file" in seed.broken and seed.writes == 0
+    assert "it is off for this worker's life" in caplog.text
+    seed.save(clone_tree(_tree()))   # off: nothing more is tried
+    assert seed.flush(30) and seed.writes == 0
+
+
+def test_the_environment_names_one_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(seed_mod.ENV, raising=False)
+    assert StateSeed.from_env() is None
+    monkeypatch.setenv(seed_mod.ENV, str(tmp_path))
+    with pytest.raises(ValueError, match="must name a file"):
+        StateSeed.from_env()
+    monkeypatch.setenv(seed_mod.ENV, str(tmp_path / "a.state"))
+    got = StateSeed.from_env()
+    assert got is not None and got.path == str(tmp_path / "a.state")
