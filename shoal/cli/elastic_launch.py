@@ -72,6 +72,10 @@ class ElasticLaunch:
             environment, else, with an embedded coordinator, a fresh random
             one (only the launcher and its workers know it); a standalone
             coordinator needs it given (its own token), ConfigError otherwise.
+        state_cache: a folder on this machine (e.g. ``/dev/shm``): each worker slot keeps its copy of the
+            averaged state in a file there (``SHOAL_STATE_CACHE``, :mod:`shoal.membership.seed`), so that
+            its restart downloads only what changed since; the files are removed when the launch ends.
+            ``None``: restarts download all of it.
     """
 
     min_workers: int = 1
@@ -79,6 +83,7 @@ class ElasticLaunch:
     joins: tuple[float, ...] = ()
     coordinator: str | None = None
     token: str | None = None
+    state_cache: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_workers", "max_restarts"):
@@ -90,10 +95,13 @@ class ElasticLaunch:
             if not isinstance(t, (int, float)) or t < 0:
                 raise ConfigError(f"join times must be seconds >= 0, got {t!r}")
         check_token(self.token)
+        if self.state_cache is not None and not os.path.isdir(self.state_cache):
+            raise ConfigError(f"state_cache must be an existing folder, got {self.state_cache!r}")
 
     def __repr__(self) -> str:   # the token stays out of logs and tracebacks
         return (f"ElasticLaunch(min_workers={self.min_workers}, max_restarts={self.max_restarts}, "
-                f"joins={self.joins}, coordinator={self.coordinator!r}, token={'***' if self.token else None})")
+                f"joins={self.joins}, coordinator={self.coordinator!r}, token={'***' if self.token else None}, "
+                f"state_cache={self.state_cache!r})")
 
     def resolve_token(self, env: Mapping[str, str]) -> str:
         """The run's token: this spec's, else ``env["SHOAL_TOKEN"]``, else a fresh one for an embedded coordinator."""
@@ -171,10 +179,25 @@ class ElasticSupervisor(_Supervisor):
         # cannot be judged from here, so only each worker's own finished mark applies.
         self.across_machines = False
         self._next_check = 0.0
+        self.cache_files: list[str] = []   # SHOAL_STATE_CACHE of each slot (spec.state_cache), removed at the end
 
     def start(self, argv: list[str], env: dict[str, str], rank: int, host: int, local_rank: int) -> None:
+        if self.spec.state_cache is not None and "SHOAL_STATE_CACHE" not in env:   # one file per slot, its lives'
+            name = f"shoal-{env.get('SHOAL_RUN_ID', 'run')}-{env.get('SHOAL_LAUNCH_ID', '')}-{env.get('RANK', rank)}"
+            env = {**env, "SHOAL_STATE_CACHE": os.path.join(self.spec.state_cache, f"{name}.state")}
+            self.cache_files.append(env["SHOAL_STATE_CACHE"])
         self.spawns.setdefault(rank, _Spawn(list(argv), dict(env), host, local_rank))
         super().start(argv, env, rank, host, local_rank)
+
+    def remove_state_cache(self) -> None:
+        """The launch is over: its workers' state-cache files go (each holds a model's worth of state)."""
+        for path in self.cache_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self.note(f"could not remove the state cache {path} ({e})")
 
     def _life(self, w: _Worker) -> int:
         return self.spawns[w.rank].restarts

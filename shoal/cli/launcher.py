@@ -193,6 +193,7 @@ def launch(
     with ExitStack() as stack:
         if elastic is not None:
             sup = ElasticSupervisor(elastic, list(kill), grace_s, output, quiet)
+            stack.callback(sup.remove_state_cache)   # after the workers were stopped (the finally below)
             if nodes is not None:  # RANK labels a worker in elastic runs: unique across machines
                 sup.label = _interleave(nodes)
                 sup.across_machines = True

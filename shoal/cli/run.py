@@ -90,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None,
                    help="elastic: the run token (default $SHOAL_TOKEN; else a fresh one for the embedded "
                         "coordinator); visible in `ps`, so prefer $SHOAL_TOKEN on shared machines")
+    p.add_argument("--state-cache", default=None, metavar="DIR",
+                   help="elastic: each worker slot keeps its copy of the averaged state (DiLoCo, streaming "
+                        "DiLoCo) in a file in DIR, e.g. /dev/shm, so that a restart on this machine downloads "
+                        "only what changed (SHOAL_STATE_CACHE); removed at the end")
     p.add_argument("--nnodes", type=int, default=None, help="machines in the run, one `shoal run` on each")
     p.add_argument("--node-rank", type=int, default=None, help="this machine's index in [0, nnodes)")
     p.add_argument("--master-addr", default=None, help="node 0's address, reachable from every machine")
@@ -110,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _VALUE_OPTS = {"-n", "--nproc-per-node", "--nprocs", "--hosts", "--procs-per-host", "--bandwidth", "--kill", "--grace",
-               "--min-workers", "--max-restarts", "--join", "--coordinator", "--token", "--nnodes", "--node-rank",
+               "--min-workers", "--max-restarts", "--join", "--coordinator", "--token", "--state-cache", "--nnodes", "--node-rank",
                "--master-addr", "--master-port", "--advertise-addr", "--run-id"}
 
 
@@ -146,8 +150,10 @@ def _parse_kill(item: str) -> tuple[int, float]:
 
 def _elastic(ns: argparse.Namespace) -> ElasticLaunch | None:
     if not ns.elastic:
-        if ns.min_workers is not None or ns.max_restarts is not None or ns.join or ns.coordinator or ns.token:
-            raise ShoalError("--min-workers, --max-restarts, --join, --coordinator and --token need --elastic")
+        if (ns.min_workers is not None or ns.max_restarts is not None or ns.join or ns.coordinator or ns.token
+                or ns.state_cache):
+            raise ShoalError("--min-workers, --max-restarts, --join, --coordinator, --token and --state-cache need "
+                             "--elastic")
         return None
     joins = []
     for item in ns.join:
@@ -161,7 +167,7 @@ def _elastic(ns: argparse.Namespace) -> ElasticLaunch | None:
             raise ShoalError(f"--coordinator expects HOST:PORT such as 10.0.0.9:29400, got {ns.coordinator!r}")
     return ElasticLaunch(min_workers=1 if ns.min_workers is None else ns.min_workers,
                          max_restarts=3 if ns.max_restarts is None else ns.max_restarts,
-                         joins=tuple(joins), coordinator=ns.coordinator, token=ns.token)
+                         joins=tuple(joins), coordinator=ns.coordinator, token=ns.token, state_cache=ns.state_cache)
 
 
 def _cluster(ns: argparse.Namespace) -> ClusterSpec | None:

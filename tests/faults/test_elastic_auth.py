@@ -289,7 +289,7 @@ def test_shoal_run_token_needs_elastic_and_a_standalone_coordinator_needs_a_toke
     script = tmp_path / "worker.py"
     script.write_text(_SCRIPT)
     code, out, err = shoal_cli(["run", "-n", "1", "--token", "cli-token-123", str(script), str(tmp_path)], capsys)
-    assert code == 2 and "--token need --elastic" in err, out + err
+    assert code == 2 and "--token and --state-cache need --elastic" in err, out + err
     code, out, err = shoal_cli(["run", "-n", "1", "--elastic", "--coordinator", "127.0.0.1:9", str(script),
                                 str(tmp_path)], capsys)
     assert code == 2 and "needs the run's token" in err, out + err
