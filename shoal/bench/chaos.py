@@ -52,6 +52,7 @@ import math
 import os
 import random
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -247,12 +248,22 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
             stack.callback(coord.stop)
             env["SHOAL_COORDINATOR"] = coord.address
         if a.state_cache:   # one file per worker slot, kept across its lives, removed with the run
-            env["SHOAL_BENCH_CACHE"] = stack.enter_context(tempfile.TemporaryDirectory(
-                prefix="shoal-chaos-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+            env["SHOAL_BENCH_CACHE"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="shoal-chaos-",
+                                                                                       dir=_cache_dir(a)))
         res = _chaos_loop(a, chaos, out, env, emu)
         if emu is not None:
             res["host_bytes"] = emu.host_bytes()
         return res
+
+
+def _cache_dir(a: argparse.Namespace) -> str | None:
+    """Where ``--state-cache`` keeps the slots' files: ``/dev/shm`` if it has room for them (a container's is
+    often 64 MB), else the default temporary folder (on disk: slower to write, the same bytes)."""
+    need = a.workers * 32 * (3_300_000 if a.task == "lm" else 120_000)   # two fp32 copies a slot, and margin
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need:
+        return "/dev/shm"
+    print(f"--state-cache: /dev/shm lacks {need >> 20} MB; the files go to {tempfile.gettempdir()}", flush=True)
+    return None
 
 
 def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str],

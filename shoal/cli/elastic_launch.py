@@ -180,24 +180,31 @@ class ElasticSupervisor(_Supervisor):
         self.across_machines = False
         self._next_check = 0.0
         self.cache_files: list[str] = []   # SHOAL_STATE_CACHE of each slot (spec.state_cache), removed at the end
+        self.cache_warned = False
 
     def start(self, argv: list[str], env: dict[str, str], rank: int, host: int, local_rank: int) -> None:
-        if self.spec.state_cache is not None and "SHOAL_STATE_CACHE" not in env:   # one file per slot, its lives'
+        if self.spec.state_cache is not None:   # one file per slot, the same for its lives (over any inherited one)
             name = f"shoal-{env.get('SHOAL_RUN_ID', 'run')}-{env.get('SHOAL_LAUNCH_ID', '')}-{env.get('RANK', rank)}"
             env = {**env, "SHOAL_STATE_CACHE": os.path.join(self.spec.state_cache, f"{name}.state")}
-            self.cache_files.append(env["SHOAL_STATE_CACHE"])
+            if env["SHOAL_STATE_CACHE"] not in self.cache_files:
+                self.cache_files.append(env["SHOAL_STATE_CACHE"])
+                if env.get("SHOAL_HEAL") != "background" and not self.cache_warned:
+                    self.cache_warned = True
+                    self.note("--state-cache is used only by the background heal of DiLoCo and streaming DiLoCo: "
+                              "set SHOAL_HEAL=background (docs/elastic.md)")
         self.spawns.setdefault(rank, _Spawn(list(argv), dict(env), host, local_rank))
         super().start(argv, env, rank, host, local_rank)
 
     def remove_state_cache(self) -> None:
         """The launch is over: its workers' state-cache files go (each holds a model's worth of state)."""
         for path in self.cache_files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                self.note(f"could not remove the state cache {path} ({e})")
+            for name in (path, f"{path}.tmp"):   # .tmp: a write cut off by a kill
+                try:
+                    os.unlink(name)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    self.note(f"could not remove the state cache {name} ({e})")
 
     def _life(self, w: _Worker) -> int:
         return self.spawns[w.rank].restarts

@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--state-cache", default=None, metavar="DIR",
                    help="elastic: each worker slot keeps its copy of the averaged state (DiLoCo, streaming "
                         "DiLoCo) in a file in DIR, e.g. /dev/shm, so that a restart on this machine downloads "
-                        "only what changed (SHOAL_STATE_CACHE); removed at the end")
+                        "only what changed (SHOAL_STATE_CACHE; needs SHOAL_HEAL=background); removed at the end")
     p.add_argument("--nnodes", type=int, default=None, help="machines in the run, one `shoal run` on each")
     p.add_argument("--node-rank", type=int, default=None, help="this machine's index in [0, nnodes)")
     p.add_argument("--master-addr", default=None, help="node 0's address, reachable from every machine")

@@ -54,6 +54,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -143,6 +144,7 @@ class CatchUp:
         self.seed = StateSeed.from_env()        # this worker slot's copy of the state on this host (seed.py)
         self._seed_blob: bytes | None = None    # joiner: what the last life wrote there, read once
         self._seed_read = False
+        self._seed_lock = threading.Lock()      # the fetch threads read it (an early one, then the admission's)
         self._seed_due = True                   # a member holding the state writes it after the next inner step
         self.hid = -1                           # joiner: the heal it downloads, -1 when none
         self.records: list[list[Any]] = []
@@ -544,7 +546,7 @@ class CatchUp:
         others = [m for m in q.members if m != g.client.member_id]
         if not (g._fresh and self.hid < 0 and others and self._between_rounds() and self.column()[1]):
             return
-        early = Fetch(g, q.qid, others, g.step, True, None, self.before_chunk, early=True, seed=self._seed())
+        early = Fetch(g, q.qid, others, g.step, True, None, self.before_chunk, early=True, seed=self._seeding())
         early.start()        # its store connection may fail (a blip): then there is no early download to stop
         self.early = early
         log.info("waiting for quorum %d: fetching its snapshot early from whoever of %s offers it", q.qid, others)
@@ -577,7 +579,7 @@ class CatchUp:
         if self.pace_fraction is not None and not after:
             self.pace = StepPace(self.pace_fraction)   # step-synchronous only: DiLoCo downloads in its idle inner steps
             self.pace.admitted(time.monotonic())
-        self.fetch = Fetch(g, hid, sources, top, after, self.pace, self.before_chunk, seed=self._seed())
+        self.fetch = Fetch(g, hid, sources, top, after, self.pace, self.before_chunk, seed=self._seeding())
         self.fetch.start()
         log.info("admitted at step %d as a non-contributor; fetching heal %d from members %s", top, hid, sources)
 
@@ -664,23 +666,28 @@ class CatchUp:
         for r in self.replayers:
             r.caught_up()
         self.stats.replayed, self.records = len(self.records), []
-        self._seed_blob, self._seed_due = None, True   # the host's copy is stale now: the next inner step writes it
+        with self._seed_lock:   # the host's copy is stale now: the end of the next inner step writes it
+            self._seed_blob, self._seed_due = None, True
         self._covered_keys = covered
         g.stats.heals_received += 1
         g.stats.heal_bytes = len(blob)
 
+    def _seeding(self) -> Callable[[], bytes | None] | None:
+        """What a joiner's download calls (on its own thread) for its seed, or None: no SHOAL_STATE_CACHE, or a
+        strategy that is not an averaging one (whose state a later life may still find unchanged)."""
+        return self._seed if self.seed is not None and self._after_commit() else None
+
     def _seed(self) -> bytes | None:
-        """A joiner's seed for its download: what this worker slot's last life wrote on this host (read once, kept
-        until it has loaded), or None (no SHOAL_STATE_CACHE, no file; only for averaging strategies, whose state
-        a later life may still find unchanged)."""
-        if self.seed is None or not self._after_commit():
-            return None
-        if not self._seed_read:
-            self._seed_read, self._seed_blob = True, self.seed.read()
-            if self._seed_blob is not None:
-                log.info("this host holds %d bytes of an earlier copy of the run's state (%s): the heal keeps "
-                         "the ranges that still match", len(self._seed_blob), self.seed.path)
-        return self._seed_blob
+        """What this worker slot's last life wrote on this host (read once, kept until this life has loaded), or
+        None (no file)."""
+        seed = self.seed
+        with self._seed_lock:
+            if not self._seed_read and seed is not None:
+                self._seed_read, self._seed_blob = True, seed.read()
+                if self._seed_blob is not None:
+                    log.info("this host holds %d bytes of an earlier copy of the run's state (%s): the heal keeps "
+                             "the ranges that still match", len(self._seed_blob), seed.path)
+            return self._seed_blob
 
     def save_seed(self) -> bool:
         """A member of an averaging strategy between two rounds: after a round committed (and once at the

@@ -57,9 +57,11 @@ class Fetch:
 
     def __init__(self, group: Any, hid: int, members: list[int], top: int, after_commit: bool,
                  pace: StepPace | None, before_chunk: Callable[[int, int], None] | None = None,
-                 early: bool = False, seed: bytes | None = None) -> None:
+                 early: bool = False, seed: Callable[[], bytes | None] | None = None) -> None:
         self.group, self.hid, self.members, self.top = group, hid, members, top
-        self.seed = seed   # this host's last copy of the state (shoal.membership.seed): its matching ranges are kept
+        # Reads this host's last copy of the state (shoal.membership.seed), on this thread: its matching ranges
+        # are kept.
+        self.seed = seed
         self.after_commit, self.pace, self.before_chunk = after_commit, pace, before_chunk
         self.early = early   # begun before the admission (CatchUp.prefetch): no admitting step to wait for
         # The step whose begin state it fetches: ``top`` once admitted; an early one takes whichever the sources
@@ -140,7 +142,8 @@ class Fetch:
             dl = Download(self.hid, sources, g.client.token, g.client.run_id, g.client.member_id,
                           chunk=min(g.heal_chunk, PACED_CHUNK if fine else 1 << 20), timeout=g.timeouts.op,
                           step=-1 if self.step is None else self.step)
-            dl.before_chunk, dl.pace, dl.seed = self.before_chunk, self.pace, self.seed
+            dl.before_chunk, dl.pace = self.before_chunk, self.pace
+            dl.seed = self.seed() if self.seed is not None else None
             if self.after_commit:   # an averaging strategy: no request while this joiner is in a round, whose
                 # ... nor once past a new quorum's barrier (its build, heal plan and admission): an early
                 # download, begun while the joiner waited there, would queue their small messages behind its bytes.

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from shoal.comm.streams import SideStream
+from shoal.errors import ConfigError
 from shoal.membership.stateserve import serialise_snapshot, tree_tensors
 
 log = logging.getLogger("shoal.elastic")
@@ -57,7 +58,7 @@ class StateSeed:
 
     def __init__(self, path: str) -> None:
         if not path or os.path.isdir(path):
-            raise ValueError(f"{ENV} must name a file (one per worker slot), got {path!r}")
+            raise ConfigError(f"{ENV} must name a file (one per worker slot), got {path!r}")
         self.path = path
         self.broken: str | None = None      # why writing was switched off (None: it works)
         self.writes = 0                     # files written this life
@@ -98,9 +99,10 @@ class StateSeed:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the writes asked for so far; True if none is left (tests, and a worker about to leave)."""
         thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-        return self._thread is None or not self._thread.is_alive()
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def _write(self) -> None:
         while True:
@@ -110,7 +112,7 @@ class StateSeed:
                     self._thread = None
                     return
             tree, side, ready = job
-            tmp = f"{self.path}.{os.getpid()}.tmp"
+            tmp = f"{self.path}.tmp"   # one life of a slot at a time writes it (the launcher removes it too)
             try:
                 data = serialise_snapshot(tree, side, ready)
                 with open(tmp, "wb") as f:

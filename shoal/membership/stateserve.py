@@ -70,7 +70,7 @@ _MAX_DIGESTS = 256                # ... and at most this many digests per snapsh
 
 def digest_span(size: int) -> int:
     """The bytes each range digest of a ``size``-byte snapshot covers: the smallest multiple of 4 KiB that
-    gives at most 256 digests (104 KiB for DiLoCo's 26 MB on the bench's ``lm``; a record of ~9 KB)."""
+    gives at most 256 digests (100 KiB for DiLoCo's 26 MB on the bench's ``lm``; a record of ~9 KB)."""
     return _SPAN * max(1, -(-size // (_SPAN * _MAX_DIGESTS)))
 
 
@@ -456,6 +456,8 @@ class Download(threading.Thread):
             self.error = f"the state downloaded for heal {self.hid} does not match the sha256 its sources published"
         else:
             self.blob = bytes(buf)
+            if self.seeded:
+                self._say_done()
 
     def _from_seed(self, buf: bytearray) -> list[tuple[int, int]]:
         """Copy into ``buf`` the seed's ranges whose digest the sources published; the (start, length) spans
@@ -515,22 +517,44 @@ class Download(threading.Thread):
             self.held_s += time.monotonic() - t0
         return not self.stopped.is_set()
 
+    def _open(self, src: Source) -> socket.socket:
+        """A connection to ``src`` on which this joiner proved the run token (tracked: :meth:`stop` cuts it)."""
+        host, port = src.address.rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)), timeout=self.timeout)
+        try:
+            with self._conns_lock:
+                self._conns.add(conn)
+            _no_delay(conn)
+            nonce = _recv(conn, 2 * auth.NONCE_BYTES).decode()
+            proof = auth.answer(self.token, f"{self.run_id}/heal/{self.member}", nonce)
+            conn.sendall(_HELLO.pack(self.member) + proof.encode())
+            if _recv(conn, 1) != b"K":
+                raise ConnectionError("refused our proof of the run token")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _say_done(self) -> None:
+        """A download that took ranges from its seed tells every source it is done once the sha256 matched (the
+        word its ranges' connections did not send), so that each drops its snapshot; a source that does not
+        answer has its snapshot dropped at the next quorum instead."""
+        for src in self.sources:
+            if src.member in self.failed:
+                continue
+            try:
+                with self._open(src) as conn:
+                    conn.sendall(_REQ.pack(b"D", self.hid, self.member, self.step))
+            except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
+                log.debug("heal %d: could not tell member %d the download is done (%s)", self.hid, src.member, e)
+
     def _pull(self, src: Source, buf: bytearray, todo: queue.Queue[tuple[int, int]], left: list[int],
               lock: threading.Lock) -> None:
         job: tuple[int, int] | None = None
         try:
-            host, port = src.address.rsplit(":", 1)
-            with socket.create_connection((host, int(port)), timeout=self.timeout) as conn:
-                with self._conns_lock:
-                    self._conns.add(conn)
+            with self._open(src) as conn:
                 if self.stopped.is_set():   # stopped while connecting: stop() did not see this connection
                     return
-                _no_delay(conn)
-                nonce = _recv(conn, 2 * auth.NONCE_BYTES).decode()
-                proof = auth.answer(self.token, f"{self.run_id}/heal/{self.member}", nonce)
-                conn.sendall(_HELLO.pack(self.member) + proof.encode())
-                if _recv(conn, 1) != b"K":
-                    raise ConnectionError("refused our proof of the run token")
                 while not self.stopped.is_set():
                     with lock:
                         if left[0] == 0:
@@ -557,8 +581,8 @@ class Download(threading.Thread):
                         left[0] -= 1
                         self.received += n
                         self.by_source[src.member] += n
-                if not self.seeded:   # with a seed, the sha256 may yet send it back for everything (a source
-                    try:              # keeps its snapshot until the joiner stops catching up, or for ``idle`` s)
+                if not self.seeded:   # with a seed, only once the sha256 matched (_say_done): it may yet
+                    try:              # send the download back for everything
                         conn.sendall(_REQ.pack(b"D", self.hid, self.member, self.step))
                     except OSError:
                         pass

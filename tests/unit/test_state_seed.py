@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
 from shoal.comm.objects import from_bytes, to_bytes
+from shoal.errors import ConfigError
 from shoal.membership import seed as seed_mod
 from shoal.membership import stateserve
 from shoal.membership.seed import StateSeed
@@ -51,6 +53,14 @@ def _serve(tree: Any) -> tuple[SnapshotServer, Source]:
     return server, Source(0, server.address, got["size"], got["sha"], got["digests"])
 
 
+def _dropped(server: SnapshotServer) -> bool:
+    """Whether the server dropped its snapshot (its connection thread reads the joiner's word a moment later)."""
+    deadline = time.monotonic() + 10
+    while server.owed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server.owed() == [] and server.holding() == []
+
+
 def _download(src: Source, seed: bytes | None) -> Download:
     dl = Download(3, [src], TOKEN, RUN, member=9, chunk=4096)
     dl.seed = seed
@@ -72,6 +82,7 @@ def test_a_seed_of_the_same_state_needs_no_byte_from_the_network() -> None:
     dl = _download(src, _blob(tree))
     assert dl.error is None and dl.blob == _blob(tree)
     assert dl.received == 0 and dl.seeded == src.size and server.served == 0
+    assert _dropped(server)   # told it is done once the sha256 matched: dropped
 
 
 @pytest.mark.timeout(60)
@@ -85,6 +96,7 @@ def test_a_seed_one_fragment_behind_fetches_only_that_fragments_ranges() -> None
     assert dl.received + dl.seeded == src.size
     # The changed tensor's 40 KB, its spans' edges, the pickled header and the zip's directory: well under half.
     assert 40_000 <= dl.received < src.size / 2, (dl.received, src.size)
+    assert _dropped(server)   # the ranges' connections did not say done (a seed): said after the sha256
 
 
 @pytest.mark.timeout(60)
@@ -138,7 +150,7 @@ def test_the_environment_names_one_file(tmp_path: Any, monkeypatch: pytest.Monke
     monkeypatch.delenv(seed_mod.ENV, raising=False)
     assert StateSeed.from_env() is None
     monkeypatch.setenv(seed_mod.ENV, str(tmp_path))
-    with pytest.raises(ValueError, match="must name a file"):
+    with pytest.raises(ConfigError, match="must name a file"):
         StateSeed.from_env()
     monkeypatch.setenv(seed_mod.ENV, str(tmp_path / "a.state"))
     got = StateSeed.from_env()
