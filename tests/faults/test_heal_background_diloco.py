@@ -110,6 +110,16 @@ def test_diloco_joiner_admitted_with_zero_weight_replays_outer_steps_bitwise(fra
     _check(out, fragments, between=overlap == 0)
 
 
+def _rank_2_restarted(tmp_path: Any, args: list[str]) -> tuple[list[dict[str, Any]], str]:
+    """Run the three workers with ``args``; rank 2 died once and its restart ended with the others: (final, logs)."""
+    out = harness.run(str(tmp_path), 3, args, env=ENV, hard_limit=130, restarts=1, script="diloco_heal_worker.py")
+    why = out.logs
+    assert [r for r, _ in out.deaths] == [2], why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    return final, why
+
+
 @pytest.mark.timeout(150)
 def test_diloco_with_a_codec_of_per_worker_state_refuses_and_heals_blocking(tmp_path: Any) -> None:
     # PowerSGD keeps error feedback of each worker's own: the group heals blocking (the joiner is never a
@@ -135,12 +145,7 @@ def test_a_restart_before_the_next_round_downloads_before_its_admission(fragment
     # inner steps (the global copies and outer state no inner step changes), its download starts while it
     # waits for that round, and its admission keeps it: the state at the admitting step's begin. It then
     # replays the admitting round, enters, and all three end bitwise equal.
-    out = harness.run(str(tmp_path), 3, ["--early", "--park", "0", "--fragments", str(fragments)],
-                      env=ENV, hard_limit=130, restarts=1, script="diloco_heal_worker.py")
-    why = out.logs
-    assert [r for r, _ in out.deaths] == [2], why
-    final = out.final()
-    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    final, why = _rank_2_restarted(tmp_path, ["--early", "--park", "0", "--fragments", str(fragments)])
     *survivors, joiner = final
     cu = joiner["catchup"]
     # Offered once, from the inner steps, and not again at the admission (no step committed in between).
@@ -189,13 +194,8 @@ def test_a_restart_on_the_same_host_takes_the_unchanged_state_from_its_copy(frag
     # stale, as a streaming fragment synchronised since: tests/unit/test_state_seed.py.)
     cache = tmp_path / "cache"
     cache.mkdir()
-    out = harness.run(str(tmp_path), 3, ["--early", "--park", "0", "--fragments", str(fragments), "--hidden", "64",
-                                         "--state-cache", str(cache)],
-                      env=ENV, hard_limit=130, restarts=1, script="diloco_heal_worker.py")
-    why = out.logs
-    assert [r for r, _ in out.deaths] == [2], why
-    final = out.final()
-    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    final, why = _rank_2_restarted(tmp_path, ["--early", "--park", "0", "--fragments", str(fragments),
+                                              "--hidden", "64", "--state-cache", str(cache)])
     *survivors, joiner = final
     cu = joiner["catchup"]
     assert cu["admitted_step"] >= 0 and cu["admissions"] == 1, why   # in the background, once

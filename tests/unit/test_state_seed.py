@@ -9,7 +9,7 @@ never correctness.
 from __future__ import annotations
 
 import os
-import threading
+import sys
 import time
 from typing import Any
 
@@ -23,7 +23,9 @@ from shoal.membership import stateserve
 from shoal.membership.seed import StateSeed
 from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, digest_span, range_digests
 
-TOKEN, RUN = "test-token-123", "run-x"
+sys.path.insert(0, os.path.dirname(__file__))
+from test_stateserve import RUN, TOKEN  # noqa: E402
+from test_stateserve import _serve as serve  # noqa: E402
 
 
 def _tree(shift: float = 0.0, change: int | None = None) -> dict[str, Any]:
@@ -40,17 +42,7 @@ def _blob(tree: Any) -> bytes:
 
 
 def _serve(tree: Any) -> tuple[SnapshotServer, Source]:
-    server = SnapshotServer(TOKEN, RUN, "127.0.0.1")
-    got: dict[str, Any] = {}
-    ready = threading.Event()
-
-    def published(size: int, sha: str, digests: list[str]) -> None:
-        got.update(size=size, sha=sha, digests=tuple(digests))
-        ready.set()
-
-    server.offer(3, clone_tree(tree), {9}, published)
-    assert ready.wait(30)
-    return server, Source(0, server.address, got["size"], got["sha"], got["digests"])
+    return serve(clone_tree(tree))   # heal 3, joiner 9 (test_stateserve.py)
 
 
 def _dropped(server: SnapshotServer) -> bool:
