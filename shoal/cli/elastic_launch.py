@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import glob
 import os
 import secrets
 import signal
@@ -183,22 +184,29 @@ class ElasticSupervisor(_Supervisor):
         self.cache_warned = False
 
     def start(self, argv: list[str], env: dict[str, str], rank: int, host: int, local_rank: int) -> None:
-        if self.spec.state_cache is not None:   # one file per slot, the same for its lives (over any inherited one)
-            name = f"shoal-{env.get('SHOAL_RUN_ID', 'run')}-{env.get('SHOAL_LAUNCH_ID', '')}-{env.get('RANK', rank)}"
-            env = {**env, "SHOAL_STATE_CACHE": os.path.join(self.spec.state_cache, f"{name}.state")}
-            if env["SHOAL_STATE_CACHE"] not in self.cache_files:
-                self.cache_files.append(env["SHOAL_STATE_CACHE"])
-                if env.get("SHOAL_HEAL") != "background" and not self.cache_warned:
-                    self.cache_warned = True
-                    self.note("--state-cache is used only by the background heal of DiLoCo and streaming DiLoCo: "
-                              "set SHOAL_HEAL=background (docs/elastic.md)")
+        env = self._with_cache(env, rank)
         self.spawns.setdefault(rank, _Spawn(list(argv), dict(env), host, local_rank))
         super().start(argv, env, rank, host, local_rank)
+
+    def _with_cache(self, env: dict[str, str], rank: int) -> dict[str, str]:
+        """``env`` with this slot's own state-cache file (``spec.state_cache``; over any inherited one), the same
+        for all of the slot's lives, named by the run, this launcher and the slot's RANK label."""
+        if self.spec.state_cache is None:
+            return env
+        name = f"shoal-{env.get('SHOAL_RUN_ID', 'run')}-{env.get('SHOAL_LAUNCH_ID', '')}-{env.get('RANK', rank)}"
+        env = {**env, "SHOAL_STATE_CACHE": os.path.join(self.spec.state_cache, f"{name}.state")}
+        if env["SHOAL_STATE_CACHE"] not in self.cache_files:
+            self.cache_files.append(env["SHOAL_STATE_CACHE"])
+            if env.get("SHOAL_HEAL") != "background" and not self.cache_warned:
+                self.cache_warned = True
+                self.note("--state-cache is used only by the background heal of DiLoCo and streaming DiLoCo: "
+                          "set SHOAL_HEAL=background (or enable it in code: group.catchup.enabled; docs/elastic.md)")
+        return env
 
     def remove_state_cache(self) -> None:
         """The launch is over: its workers' state-cache files go (each holds a model's worth of state)."""
         for path in self.cache_files:
-            for name in (path, f"{path}.tmp"):   # .tmp: a write cut off by a kill
+            for name in [path, *glob.glob(f"{glob.escape(path)}.*.tmp")]:   # .<pid>.tmp: a write cut off by a kill
                 try:
                     os.unlink(name)
                 except FileNotFoundError:
@@ -254,8 +262,8 @@ class ElasticSupervisor(_Supervisor):
             # The host's first worker carries its namespace prefix, interface and host variables.
             template = self.spawns[min(r for r, s in self.spawns.items() if s.host == host)]
             local = sum(1 for s in self.spawns.values() if s.host == host)
-            env = {**template.env, "RANK": str(self.label(rank)), "LOCAL_RANK": str(local),
-                   "SHOAL_RESTART": "0"}
+            env = self._with_cache({**template.env, "RANK": str(self.label(rank)), "LOCAL_RANK": str(local),
+                                    "SHOAL_RESTART": "0"}, rank)   # its own state-cache file, not the template's
             self.note(f"starting worker {rank} at {at:g} s as asked (--join)"
                       + (f" on host {host}" if len(hosts) > 1 else ""))
             self.spawns[rank] = _Spawn(template.argv, env, host, local)

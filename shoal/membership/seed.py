@@ -97,7 +97,7 @@ class StateSeed:
                 self._thread.start()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the writes asked for so far; True if none is left (tests, and a worker about to leave)."""
+        """Wait for the writes asked for so far; True if none is left (tests wait so before a kill)."""
         thread = self._thread
         if thread is None:
             return True
@@ -112,7 +112,7 @@ class StateSeed:
                     self._thread = None
                     return
             tree, side, ready = job
-            tmp = f"{self.path}.tmp"   # one life of a slot at a time writes it (the launcher removes it too)
+            tmp = f"{self.path}.{os.getpid()}.tmp"   # the launcher removes what a kill leaves
             try:
                 data = serialise_snapshot(tree, side, ready)
                 with open(tmp, "wb") as f:

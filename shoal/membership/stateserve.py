@@ -517,10 +517,10 @@ class Download(threading.Thread):
             self.held_s += time.monotonic() - t0
         return not self.stopped.is_set()
 
-    def _open(self, src: Source) -> socket.socket:
+    def _open(self, src: Source, timeout: float | None = None) -> socket.socket:
         """A connection to ``src`` on which this joiner proved the run token (tracked: :meth:`stop` cuts it)."""
         host, port = src.address.rsplit(":", 1)
-        conn = socket.create_connection((host, int(port)), timeout=self.timeout)
+        conn = socket.create_connection((host, int(port)), timeout=self.timeout if timeout is None else timeout)
         try:
             with self._conns_lock:
                 self._conns.add(conn)
@@ -538,12 +538,12 @@ class Download(threading.Thread):
     def _say_done(self) -> None:
         """A download that took ranges from its seed tells every source it is done once the sha256 matched (the
         word its ranges' connections did not send), so that each drops its snapshot; a source that does not
-        answer has its snapshot dropped at the next quorum instead."""
+        answer within 2 s has its snapshot dropped at the next quorum instead (the state waits for this)."""
         for src in self.sources:
             if src.member in self.failed:
                 continue
             try:
-                with self._open(src) as conn:
+                with self._open(src, timeout=min(self.timeout, 2.0)) as conn:
                     conn.sendall(_REQ.pack(b"D", self.hid, self.member, self.step))
             except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
                 log.debug("heal %d: could not tell member %d the download is done (%s)", self.hid, src.member, e)

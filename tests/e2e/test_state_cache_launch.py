@@ -1,6 +1,6 @@
 """``shoal run --elastic --state-cache DIR``: one file per worker slot, the same across its lives, removed at the end.
 
-The worker's first life writes its file and crashes; the launcher restarts it with the same
+Each worker's first life writes its file (and a cut-off write's temporary file) and crashes; the launcher restarts it with the same
 ``SHOAL_STATE_CACHE``, where the second life finds what the first wrote (what a restart's heal takes its
 unchanged ranges from, shoal.membership.seed). After the launch no file is left.
 """
@@ -23,6 +23,7 @@ import os, sys
 path, life = os.environ["SHOAL_STATE_CACHE"], int(os.environ.get("SHOAL_RESTART", "0"))
 if life == 0:
     open(path, "w").write("life 0 of rank " + os.environ["RANK"])
+    open(path + ".4242.tmp", "w").write("a write cut off")   # what a kill mid-write leaves
     sys.exit(3)   # a crash: the launcher restarts this slot
 print("RESTART", os.environ["RANK"], path, open(path).read(), flush=True)
 """
@@ -31,20 +32,21 @@ print("RESTART", os.environ["RANK"], path, open(path).read(), flush=True)
 @pytest.mark.timeout(120)
 def test_each_slot_keeps_one_file_across_its_lives_and_the_launch_removes_them(tmp_path: Any) -> None:
     out = io.StringIO()
+    # Two workers and one started by --join at once: each its own file (a joiner is no copy of its template).
     res = launch([sys.executable, "-c", _WORKER], nprocs=2, stdout=out,
-                 elastic=ElasticLaunch(max_restarts=1, state_cache=str(tmp_path)))
+                 elastic=ElasticLaunch(max_restarts=1, joins=(0.0,), state_cache=str(tmp_path)))
     text = out.getvalue()
     assert res.returncode == 0, text
     lines = sorted(line.split("RESTART ", 1)[1] for line in text.splitlines() if "RESTART " in line)
-    assert len(lines) == 2, text
+    assert len(lines) == 3, text
     paths = set()
     for rank, line in enumerate(lines):
         got_rank, path, rest = line.split(" ", 2)
         assert got_rank == str(rank) and os.path.dirname(path) == str(tmp_path), text
         assert rest == f"life 0 of rank {rank}", text   # the second life reads the first life's file
         paths.add(path)
-    assert len(paths) == 2, text   # one file per slot
-    assert os.listdir(tmp_path) == [], text   # removed with the launch
+    assert len(paths) == 3, text   # one file per slot
+    assert os.listdir(tmp_path) == [], text   # removed with the launch, and what cut-off writes left
 
 
 def test_state_cache_must_be_a_folder(tmp_path: Any) -> None:
