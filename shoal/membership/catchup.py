@@ -192,6 +192,12 @@ class CatchUp:
             return set()
         return {g.quorum.rank_of(m) for m, p in self.pending.items() if p.ready is None or p.ready > g.step}
 
+    def _snapshot(self) -> Any:
+        """A copy of what the replay keeps current (what a source serves and a member's host copy holds; the rest
+        is topped up, or each member's own), cloned on the training thread's stream."""
+        states = self.group.hooks.states
+        return clone_tree({k: states[k].get() for k in sorted(self._covered())})
+
     def _covered(self) -> set[str]:
         """The states a snapshot holds: those the replayers keep up to date (the same keys on every member)."""
         states = self.group.hooks.states
@@ -446,8 +452,7 @@ class CatchUp:
         server, key, step = self.server, self._key(hid, f"src/{g.client.member_id}"), g.step
         if server is None:   # pragma: no cover - _serve and offer_early start it first
             raise ShoalError("a snapshot offered before this member's snapshot server was started")
-        states = g.hooks.states   # what the replay keeps current; the rest is topped up, or each member's own
-        tree = clone_tree({k: states[k].get() for k in sorted(self._covered())})   # the step boundary
+        tree = self._snapshot()   # the step boundary
         book, client = g.client.book, g.client
         self._offers[hid] = step
 
@@ -698,8 +703,7 @@ class CatchUp:
                 or g.quorum is None or not self._after_commit()):
             return False
         self._seed_due = False
-        states = g.hooks.states
-        self.seed.save(clone_tree({k: states[k].get() for k in sorted(self._covered())}))
+        self.seed.save(self._snapshot())
         return True
 
     def _record(self) -> None:

@@ -42,11 +42,9 @@ import os
 import threading
 from typing import Any
 
-import torch
-
 from shoal.comm.streams import SideStream
 from shoal.errors import ConfigError
-from shoal.membership.stateserve import serialise_snapshot, tree_tensors
+from shoal.membership.stateserve import serialise_snapshot, side_after
 
 log = logging.getLogger("shoal.elastic")
 ENV = "SHOAL_STATE_CACHE"
@@ -87,9 +85,7 @@ class StateSeed:
         training thread) to the file from a background thread; a newer tree replaces one still waiting."""
         if self.broken is not None:
             return
-        cuda = [t.device for t in tree_tensors(tree) if t.is_cuda]
-        side = SideStream(cuda[0] if cuda else torch.device("cpu"))
-        ready = side.ready()    # behind the clones, on the training thread's stream (None on the CPU)
+        side, ready = side_after(tree)
         with self._lock:
             self._next = (tree, side, ready)
             if self._thread is None:

@@ -158,6 +158,14 @@ def tree_tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def side_after(tree: Any) -> tuple[SideStream, Any]:
+    """The side stream that serialises ``tree`` (on its first CUDA tensor's device; a no-op on the CPU) and an
+    event recorded now on the training thread's stream, right behind the clones (None on the CPU)."""
+    cuda = [t.device for t in tree_tensors(tree) if t.is_cuda]
+    side = SideStream(cuda[0] if cuda else torch.device("cpu"))
+    return side, side.ready()
+
+
 def serialise_snapshot(tree: Any, side: SideStream, ready: Any) -> bytes:
     """``tree`` (from :func:`clone_tree`) as bytes, on a background thread.
 
@@ -229,9 +237,7 @@ class SnapshotServer:
         with self._lock:
             self._snaps[hid] = mine
             self.finished = {f for f in self.finished if f[0] != hid}
-        cuda = [t.device for t in tree_tensors(tree) if t.is_cuda]
-        side = SideStream(cuda[0] if cuda else torch.device("cpu"))
-        ready = side.ready()    # behind the clones, on the training thread's stream (None on the CPU)
+        side, ready = side_after(tree)
 
         def work() -> None:
             try:
@@ -439,20 +445,21 @@ class Download(threading.Thread):
             return
         size, sha = self.sources[0].size, self.sources[0].sha
         buf = bytearray(size)
-        missing = self._from_seed(buf)
-        left = self._fetch(buf, missing)
-        if left == 0 and self.seeded and not self.stopped.is_set() and hashlib.sha256(buf).hexdigest() != sha:
+        left = self._fetch(buf, self._from_seed(buf))
+        matches = left == 0 and not self.stopped.is_set() and hashlib.sha256(buf).hexdigest() == sha
+        if left == 0 and self.seeded and not self.stopped.is_set() and not matches:
             log.warning("heal %d: the state assembled with %d bytes of this host's copy does not match the "
                         "sources' sha256; fetching all of it", self.hid, self.seeded)
             self.seeded = 0
             left = self._fetch(buf, [(0, size)])
+            matches = left == 0 and not self.stopped.is_set() and hashlib.sha256(buf).hexdigest() == sha
         self.seconds = time.monotonic() - self.t0
         if self.stopped.is_set():
             self.error = f"the download of heal {self.hid} was stopped (given up on); nothing of it is used"
         elif left > 0:
             self.error = (f"every source of heal {self.hid} failed "
                           f"({'; '.join(f'member {m}: {why}' for m, why in sorted(self.failed.items()))})")
-        elif hashlib.sha256(buf).hexdigest() != sha:
+        elif not matches:
             self.error = f"the state downloaded for heal {self.hid} does not match the sha256 its sources published"
         else:
             self.blob = bytes(buf)

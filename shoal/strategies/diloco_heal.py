@@ -147,9 +147,7 @@ def enter_between_rounds(strategy: Any) -> None:
     inner steps go into the next round (:meth:`~shoal.membership.catchup.CatchUp.enter_between_rounds`); a
     source offers its snapshot to the newcomers of a quorum published since its last round
     (:meth:`~shoal.membership.catchup.CatchUp.offer_early`, which dissolves a quorum that lost no member so that
-    its next round admits them), who download it while they wait for that round; after a round, a member
-    writes its copy of that state for its next life on this host (``SHOAL_STATE_CACHE``,
-    :mod:`shoal.membership.seed`).
+    its next round admits them), who download it while they wait for that round.
     Only without overlapped reductions (``OuterReplay.enters_between_rounds``): then none is ever in flight
     or waiting to be merged between two rounds, so nothing lands in the parameters it resets."""
     catchup = getattr(strategy.group, "catchup", None)   # a static group has no background heal
