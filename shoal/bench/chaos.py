@@ -197,7 +197,7 @@ def worker(a: argparse.Namespace) -> None:
     # Stop right after a round, so that every worker holds the same parameters.
     after_round = {"localsgd": 1, "diloco": 0, "streaming": 0}.get(a.strategy)
     log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
-    contributed = False
+    contributed, early_steps = False, 0
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
         t0, d0 = time.time(), group.stats.discards
         task.train_loss(model).backward()
@@ -206,16 +206,23 @@ def worker(a: argparse.Namespace) -> None:
         mine = group.contribution()[0] or group.catchup.entering
         opt.step()
         opt.zero_grad()
+        early = group.catchup.pre is not None   # trained from the survivors' state before its admission
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
-                              "discards": group.stats.discards - d0, "round": group.step, "contributes": mine}) + "\n")
-        if mine and not contributed:   # what it received to get here (it may be killed before "done")
+                              "discards": group.stats.discards - d0, "round": group.step, "contributes": mine,
+                              "early": early}) + "\n")
+        if early_steps and not early:   # admitted: did its round take the steps it trained before? (chaos_stats)
+            log.write(json.dumps({"event": "early", "t": time.time(), "steps": early_steps,
+                                  "kept": group.catchup.stats.trained_before_admission >= 0}) + "\n")
+        early_steps = early_steps + 1 if early else 0
+        if mine and not early and not contributed:   # what it received to get here (it may be killed before "done")
             contributed, cu = True, group.catchup.stats
             log.write(json.dumps({"event": "contributing", "t": time.time(), "heal_bytes": group.stats.heal_bytes,
                                   "download_bytes": cu.download_bytes, "by_source": cu.by_source,
                                   "slots": cu.slots, "download_s": cu.download_s, "held_s": cu.download_held_s,
                                   "between_rounds": cu.entered_between_rounds,
                                   "prefetched_bytes": cu.prefetched_bytes,
-                                  "seeded_bytes": cu.seeded_bytes}) + "\n")
+                                  "seeded_bytes": cu.seeded_bytes,
+                                  "trained_before_admission": cu.trained_before_admission}) + "\n")
     log.write(json.dumps({"event": "done", "t": time.time(), "val": task.val_loss(net)}) + "\n")
     log.close()
     group.leave()

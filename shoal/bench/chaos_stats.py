@@ -58,15 +58,25 @@ Logs = dict[tuple[int, int], list[dict[str, Any]]]   # (rank, life) -> that inca
 
 
 def progress_steps(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The incarnation's entries of the steps that made progress (see the module docstring), in order."""
-    out, last = [], None
+    """The incarnation's entries of the steps that made progress (see the module docstring), in order.
+
+    A restart's steps logged ``early`` (trained from the survivors' state before its admission, counted on its
+    own step counter) made progress only if the round that admitted it took them (its ``early`` event says
+    ``kept``); killed before that, or dropped as stale, they did not.
+    """
+    kept = any(e.get("event") == "early" and e.get("kept") for e in log)
+    out, last, was_early = [], None, False
     for e in log:
         if "dt" in e:
+            if e.get("early") and not kept:
+                continue
             # ``contributes: false``: a joiner still catching up in the background (its steps carry zero
-            # weight); its own progress starts with its first contributing step.
-            if (last is None or e["step"] > last) and e.get("contributes", True):
+            # weight); its own progress starts with its first contributing step. The admission after early
+            # steps moves the counter to the survivors' (the step it trained in is in that round).
+            advanced = last is None or e["step"] > last or (was_early and not e.get("early"))
+            if advanced and e.get("contributes", True):
                 out.append(e)
-            last = e["step"]
+            last, was_early = e["step"], bool(e.get("early"))
     return out
 
 
@@ -159,10 +169,10 @@ def _restart(logs: Logs, k: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     it logged no step."""
     new = logs.get((k["rank"], k["life"] + 1), [])
     joined = next((e for e in new if e.get("event") == "joined"), None)
-    first = next((e for e in new if "dt" in e), None)
+    first = next((e for e in new if "dt" in e and not e.get("early")), None)   # (early: before its admission)
     if joined is None or first is None:
         return None
-    return joined, first, next((e["t"] for e in new if "dt" in e and e.get("contributes", True)), None)
+    return joined, first, next((e["t"] for e in progress_steps(new)), None)
 
 
 def _kill_gaps(log: list[dict[str, Any]], kills: list[dict[str, Any]], pid: int) -> list[tuple[float, float]]:
@@ -368,7 +378,9 @@ def joins(logs: Logs, normal: float) -> list[dict[str, Any]]:
     out = []
     for (rank, life), lg in sorted(logs.items()):
         ev = {e["event"]: e for e in lg if "event" in e}
-        first = next((e for e in lg if "dt" in e and e.get("contributes", True)), None)
+        kept = any(e.get("event") == "early" and e.get("kept") for e in lg)   # (see progress_steps)
+        first = next((e for e in lg if "dt" in e and e.get("contributes", True) and (kept or not e.get("early"))),
+                     None)
         if life == 0 or "joined" not in ev or "joining" not in ev or first is None:
             continue
         t0, t1, gaps = ev["joining"]["t"], first["t"], []
@@ -388,5 +400,8 @@ def joins(logs: Logs, normal: float) -> list[dict[str, Any]]:
                     # bytes it had when admitted: downloaded early, while it waited for the survivors' round
                     "prefetched_bytes": got.get("prefetched_bytes", 0),
                     # bytes taken from its host's copy of an earlier life (--state-cache), not the network
-                    "seeded_bytes": got.get("seeded_bytes", 0)})
+                    "seeded_bytes": got.get("seeded_bytes", 0),
+                    # inner steps trained before its admission, from the survivors' state, that the round
+                    # admitting it took (preadmit.py; -1: none)
+                    "trained_before_admission": got.get("trained_before_admission", -1)})
     return out

@@ -66,6 +66,7 @@ from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalErro
 from shoal.membership.fetch import Fetch
 from shoal.membership.heal import CONTROL_TAG as _CONTROL_TAG, HealPlan, broadcast_object, load_blob
 from shoal.membership.pace import StepPace, heal_pace, heal_rate
+from shoal.membership.preadmit import EarlyEntry, held_mark
 from shoal.membership.received import check_received
 from shoal.membership.replay import OptimizerReplay, Replayer
 from shoal.membership.seed import StateSeed
@@ -106,6 +107,8 @@ class CatchUpStats:
     admitted_at: float = 0.0      # time.time() of the admission and of the first contributing step
     contributes_at: float = 0.0
     entered_between_rounds: bool = False   # loaded between two rounds (an averaging strategy's joiner)
+    trained_before_admission: int = -1    # inner steps it trained before the round that admitted it took them
+    #                                       (preadmit.py; -1: it did not, or they were dropped as stale)
     first_weight: float = 0.0     # its weight in the first round it contributed to (its share of a period)
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
@@ -134,6 +137,8 @@ class CatchUp:
         self.refusals: list[tuple[str, Callable[[], bool] | None]] = []   # why (and when) it cannot
         self.fetch: Fetch | None = None         # joiner: this admission's download (fetch.py); None when none
         self.early: Fetch | None = None         # joiner: a download begun before its admission (prefetch)
+        self.pre: EarlyEntry | None = None      # joiner: loaded that download and trains until it is admitted
+        self._held_told = False                 # this life has marked in the store that the run holds state
         self._seen = -1                         # source: the newest quorum offer_early has read
         self._offers: dict[int, int] = {}       # source: heal id -> the step whose begin state it offered
         self._peeked = 0.0                      # source: when it last read a newer quorum's record
@@ -219,6 +224,9 @@ class CatchUp:
             self.server.keep({(m, p.hid) for m, p in self.pending.items()} | {(m, q.qid) for m in joiners})
         if self.early is not None and (me not in joiners or self.early.hid != q.qid):
             self._stop_early()   # begun for another quorum, or this one heals it blocking: never used
+        if self.pre is not None and me not in joiners:
+            self._drop_pre("this quorum heals it blocking", self._progress())
+        trained = self._progress()   # (a joiner training before its admission) before the schedule is loaded
         if self.hid >= 0 and g.rank in plan.needy and not plan.background:
             log.warning("giving up the background heal %d: this quorum heals blocking", self.hid)
             self.hid = -1
@@ -232,7 +240,7 @@ class CatchUp:
             self.pending[m] = Pending(q.qid)
         sources = [q.members[r] for r in plan.ready]
         if me in joiners:
-            self._admit(q.qid, sources, plan.top)
+            self._admit(q.qid, sources, plan.top, trained)
         elif me in sources:
             self._serve(q.qid, joiners)
         return True
@@ -276,7 +284,10 @@ class CatchUp:
             p = self.pending[me]
             if p.full_at is not None and p.full_at <= t:
                 self._top_up(p, t)
-        g.newcomers = tuple(sorted(set(g.newcomers) | self.out_ranks()))
+        # A joiner admitted now that trained from this step's state before (preadmit.py) is needy in the plan, yet
+        # contributes from this step (its weight, agreed in the exchange above): not a newcomer.
+        entered = {g.quorum.rank_of(m) for m, p in self.pending.items() if p.ready is not None and p.ready <= t}
+        g.newcomers = tuple(sorted((set(g.newcomers) - entered) | self.out_ranks()))
 
     def _between_rounds(self) -> bool:
         """Whether joiners may load between two rounds (an averaging strategy without overlapped reductions):
@@ -354,7 +365,7 @@ class CatchUp:
     def entering(self) -> bool:
         """A joiner that loaded between rounds and has not contributed yet: its inner steps from now on go into
         its first contribution (e.g. what a benchmark counts as its committed work)."""
-        return self.hid >= 0 and self.loaded and self._between_rounds()
+        return self._between_rounds() and (self.pre is not None or (self.hid >= 0 and self.loaded))
 
     def _key(self, hid: int, what: str) -> str:
         return str(self.group.client.key(f"heal/{hid}/{what}"))
@@ -561,7 +572,81 @@ class CatchUp:
         if early is not None:
             early.stop(wait=min(2.0, self.group.timeouts.op))
 
-    def _admit(self, hid: int, sources: list[int], top: int) -> None:
+    def enter_before_admission(self) -> bool:
+        """A fresh worker joining an averaging strategy's run in progress, in the strategy's set-up: if the
+        snapshot the survivors offer for its quorum arrives before their next round, load it now (as a joiner
+        loads between two rounds) and return True: it trains its inner steps until :meth:`admission_due`, and the
+        round that admits it takes them (:mod:`shoal.membership.preadmit`). False: it enters the usual way."""
+        entry = EarlyEntry.wait(self)
+        if entry is None:
+            return False
+        blob, _ = entry.fetch.result
+        if blob is None:   # pragma: no cover - EarlyEntry.wait returns only a download that ended with a blob
+            return False
+        self._replay(blob, count=False)
+        with self._seed_lock:   # a later download (a newer quorum's) keeps the ranges this copy still has right
+            self._seed_blob, self._seed_read = blob, True
+        self.pre = entry
+        return True
+
+    def admission_due(self) -> bool:
+        """A joiner training before its admission, after an inner step: whether to enter its quorum now
+        (its other members wait at the barrier, or the quorum changed); one store read."""
+        return self.pre is None or self.pre.due(self)
+
+    def _progress(self) -> int:
+        """The inner steps a joiner trained since it loaded (0 when it has not loaded)."""
+        return min((int(r.trained()) for r in self.replayers if hasattr(r, "trained")), default=0)
+
+    def _rebase(self, trained: int | None) -> None:
+        """After the admission loaded the schedule: the replayers count the joiner's progress from ``trained``
+        inner steps before the step it has now (None: from nothing, it has not loaded)."""
+        for r in self.replayers:
+            if hasattr(r, "rebase"):
+                r.rebase(trained)
+
+    def _drop_pre(self, why: str, trained: int) -> None:
+        """The steps trained before the admission do not count: it is a zero-weight downloader as before."""
+        self.pre = None
+        self._rebase(None)
+        log.warning("dropping the %d inner steps trained before the admission: %s", trained, why)
+        self.group.trace("early-entry-dropped", trained=trained, why=why)
+
+    def _enter_admitted(self, t: int, trained: int) -> None:
+        """Admitted at step ``t`` holding that step's state since before (loaded by
+        :meth:`enter_before_admission`): it contributes to this step's round the ``trained`` inner steps,
+        weighted as a joiner that loaded between two rounds (the weight exchange at this begin_step). Its signed
+        "ready" record (the keys the top-up brings) goes to the store first; a record the coordinator does not
+        take fails this step, and the next quorum heals this worker again."""
+        g = self.group
+        fetch = self.fetch
+        blob, _ = self._downloaded(fetch) if fetch is not None else (None, None)
+        self.fetch = None
+        own: set[str] = set().union(*(r.own(g.hooks.states) for r in self.replayers))
+        keys = tuple(sorted(set(g.hooks.states) - self._covered() - own))
+        key, body = self._key(self.hid, f"ready/{g.client.member_id}"), {"from": t + 1, "keys": list(keys)}
+        ok, _ = self._stored("this joiner's ready record", lambda: g.client.store.set(key, g.client.book.seal(body)),
+                             g.timeouts.heartbeat_timeout)
+        if not ok or blob is None:
+            g._record(CommTimeoutError(f"the coordinator at {g.client.address} did not take this joiner's ready "
+                                       f"record (heal {self.hid}): this step fails on every member"))
+            self._rebase(None)
+            self.hid, g._fresh = -1, True   # needy again in the next quorum
+            return
+        self._rebase(trained)
+        p = self.pending[g.client.member_id]
+        p.ready = p.full_at = t + 1   # the exchange at this begin_step decides (between rounds)
+        p.keys, p.read = keys, True
+        self._covered_keys, self.loaded = self._covered(), True
+        self.stats.caught_up_step, self.stats.entered_between_rounds = t, True
+        self.stats.trained_before_admission = trained
+        g.stats.heals_received += 1
+        g.stats.heal_bytes = len(blob)
+        g.trace("early-entry-admitted", step=t, trained=trained)
+        log.info("admitted at step %d holding its state since before: the %d inner steps it trained go into this "
+                 "round", t, trained)
+
+    def _admit(self, hid: int, sources: list[int], top: int, trained: int = 0) -> None:
         g = self.group
         g.step = top
         g._healed_since_commit = True
@@ -570,11 +655,19 @@ class CatchUp:
         self.stats.admissions += 1
         self._abandon()   # an earlier download given up on (admitted again): stopped, never used
         early, self.early = self.early, None
+        pre, self.pre = self.pre, None
         # Begun before this admission: kept if it fetches (or, still choosing its sources, will fetch only) the
         # state at this step's begin and has not failed; a snapshot offered before a step that committed since
         # is stale.
-        if early is not None and early.hid == hid and early.want(top, sources):
+        kept = early is not None and early.hid == hid and early.want(top, sources)
+        if pre is not None and not (kept and pre.fetch is early):
+            self.pre = pre   # (a newer quorum's download, or a round committed since the offer it loaded)
+            self._drop_pre(f"the state it trained from is not the one at step {top}'s begin", trained)
+        if early is not None and kept:
             self.fetch, self.stats.prefetched_bytes = early, early.received
+            if pre is not None and pre.fetch is early:   # loaded it before: it trained from this step's state
+                self._enter_admitted(top, trained)
+                return
             log.info("admitted at step %d as a non-contributor; heal %d already under way (%d bytes)", top, hid,
                      early.received)
             return
@@ -626,6 +719,8 @@ class CatchUp:
         deadline = time.monotonic() + g.timeouts.quorum
         self._unpace()   # nobody commits steps any more: the rest of the download goes flat out
         self._stop_early()   # begun for a quorum this worker never entered
+        if self.pre is not None:
+            self._drop_pre("it left before its admission", self._progress())
         fetch = self.fetch
         if self.hid >= 0 and not self.loaded:
             done = fetch is not None and fetch.done.wait(g.timeouts.quorum)
@@ -656,7 +751,7 @@ class CatchUp:
         and still downloading)."""
         return not self.group._fresh and (self.hid < 0 or self.loaded)
 
-    def _replay(self, blob: bytes) -> None:
+    def _replay(self, blob: bytes, count: bool = True) -> None:
         """Load the snapshot's model and optimizer (what the replay covers) and replay the recorded steps."""
         g = self.group
         states = g.hooks.states
@@ -674,13 +769,15 @@ class CatchUp:
         with self._seed_lock:   # the host's copy is stale now: the end of the next inner step writes it
             self._seed_blob, self._seed_due = None, True
         self._covered_keys = covered
-        g.stats.heals_received += 1
-        g.stats.heal_bytes = len(blob)
+        if count:   # (loaded before its admission: counted once that admission kept it, _enter_admitted)
+            g.stats.heals_received += 1
+            g.stats.heal_bytes = len(blob)
 
     def _seeding(self) -> Callable[[], bytes | None] | None:
         """What a joiner's download calls (on its own thread) for its seed, or None: no SHOAL_STATE_CACHE, or a
         strategy that is not an averaging one (whose state a later life may still find unchanged)."""
-        return self._seed if self.seed is not None and self._after_commit() else None
+        held = self.seed is not None or self._seed_blob is not None   # (a copy loaded before its admission)
+        return self._seed if held and self._after_commit() else None
 
     def _seed(self) -> bytes | None:
         """What this worker slot's last life wrote on this host (read once, kept until this life has loaded), or
@@ -708,6 +805,12 @@ class CatchUp:
 
     def _record(self) -> None:
         self._seed_due = True   # the state a joiner would download may have changed: written again (save_seed)
+        if not self._held_told and self.enabled:
+            self._held_told = True   # the run holds state: a worker joining later may train before its admission
+            try:
+                self.group.client.store.set(held_mark(self.group.client), "1")
+            except Exception as e:  # noqa: BLE001 - a blip: a later joiner then waits at its barrier, as before
+                log.debug("could not mark that the run holds state (%s)", e)
         if self.pending:   # after the vote every joiner's "ready" record is in: every member answers
             self._read_ready()   # contribution() alike until the next begin_step (e.g. a background reduction);
             # unread (the coordinator did not answer): the next begin_step reads again, or fails its step

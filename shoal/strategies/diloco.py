@@ -33,7 +33,8 @@ from shoal.comm.group import Group
 from shoal.comm.rules import whole_quorum
 from shoal.errors import ConfigError, ShoalError
 from shoal.strategies.base import Strategy
-from shoal.strategies.diloco_heal import enable_background_heal, enter_between_rounds, save_seed
+from shoal.strategies.diloco_heal import (admission_due, enable_background_heal, enter_between_rounds, save_seed,
+                                          train_before_admission)
 from shoal.strategies.diloco_state import (checkpoint, load_checkpoint, load_outer, load_pending, load_schedule,
                                            outer_state, pending_state, schedule_state)
 from shoal.strategies.rounds import Round, Rounds
@@ -254,6 +255,7 @@ class DiLoCo(Strategy):
         self._comm_group: Any = None
         self.rounds: Rounds | None = None
         self._rounds: list[tuple[Round, Round]] = []   # each fragment's (fragment:<k>, merge:<k>)
+        self._unadmitted = False   # a joiner training from the survivors' state before its admission
 
     @property
     def tag(self) -> str:
@@ -291,7 +293,11 @@ class DiLoCo(Strategy):
         enable_background_heal(self, group, optimizer)   # SHOAL_HEAL=background: shoal.strategies.diloco_heal
         group.watch_peers()   # a member lost during the inner steps is left out before the round: _renew
         group.before_begin_step(self._settle)
-        self.rounds.join(self._first_state)
+        # A worker joining a run in progress that already holds the survivors' state trains until their next round,
+        # which admits it and takes those inner steps (shoal.membership.preadmit); else it waits for that round here.
+        self._unadmitted = train_before_admission(self)
+        if not self._unadmitted:
+            self.rounds.join(self._first_state)
         self._mark_step()  # the set-up traffic is not the first step's
         return model
 
@@ -322,6 +328,13 @@ class DiLoCo(Strategy):
         if not self.fragments or self.rounds is None:
             raise ShoalError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
         self.step += 1
+        if self._unadmitted:   # trained from the survivors' state before its admission
+            if admission_due(self):   # they wait at their round's barrier: it admits this worker and takes its steps
+                self._unadmitted = False
+                self.rounds.join(lambda: None)   # (its global copies are the survivors': not made from the module)
+                save_seed(self)
+            self._mark_step()
+            return
         enter_between_rounds(self)   # a joiner whose background download finished starts from the global copies
         for f in self.fragments:
             if self.step % self.config.inner_steps == f.offset:

@@ -100,6 +100,15 @@ class OuterReplay:
         # one and a bit, so it weighs a little more than its share there (rare; the cap keeps it simple).
         return min(1.0, (self.strategy.step - self.entered) / self.strategy.config.inner_steps)
 
+    def trained(self) -> int:
+        """The inner steps trained since it loaded (0 before)."""
+        return 0 if self.entered is None else self.strategy.step - self.entered
+
+    def rebase(self, trained: int | None) -> None:
+        """At an admission that loaded the survivors' schedule (their step counter): its progress counts from
+        ``trained`` inner steps before that step, what it trained before its admission (None: not loaded)."""
+        self.entered = None if trained is None else self.strategy.step - trained
+
     def covers(self, states: dict[str, StateEntry]) -> set[str]:
         return {f"{self.key}/strategy"}
 
@@ -154,6 +163,18 @@ def enter_between_rounds(strategy: Any) -> None:
     if catchup is not None:
         catchup.enter_between_rounds()
         catchup.offer_early(steps_to_round(strategy))   # a source: a joiner waiting for the next round may fetch now
+
+
+def train_before_admission(strategy: Any) -> bool:
+    """In set-up, a worker joining a run in progress: True if it loaded the survivors' state before its admission
+    and trains until their next round, which takes its inner steps (:mod:`shoal.membership.preadmit`)."""
+    catchup = getattr(strategy.group, "catchup", None)
+    return catchup is not None and strategy.config.overlap_steps == 0 and catchup.enter_before_admission()
+
+
+def admission_due(strategy: Any) -> bool:
+    """After an inner step trained before the admission: whether the survivors wait for it at their round."""
+    return bool(strategy.group.catchup.admission_due())
 
 
 def save_seed(strategy: Any) -> None:

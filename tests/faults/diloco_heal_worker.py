@@ -77,18 +77,24 @@ def hold_for_early(group: ElasticGroup, strategy: Any, early: dict[str, Any]) ->
     while group.client.latest_seen <= q.qid and time.monotonic() < t0 + 60:
         time.sleep(0.02)   # its heartbeat thread read the newer quorum id (what offer_early looks at)
     time.sleep(EARLY_PEEK_S)   # the next inner step's end reads that quorum
-    early["served"] = hold_until_served(group, strategy, t0 + 30, early.get("seeded", ""))
+    early["served"] = hold_until_served(group, strategy, t0 + 30, early.get("seeded", ""), early.get("trained", ""))
 
 
-def hold_until_served(group: ElasticGroup, strategy: Any, deadline: float, seeded: str = "") -> bool:
+def hold_until_served(group: ElasticGroup, strategy: Any, deadline: float, seeded: str = "", trained: str = "") -> bool:
     """Before the inner step whose end runs a round (True), until this member has sent its snapshot's bytes to
     a joiner, or the joiner said it took all of them from its host's copy (the file ``seeded``: --state-cache)
-    (bounded: a member that never offers early fails the test's checks); else nothing (False)."""
+    (bounded: a member that never offers early fails the test's checks); with ``trained``
+    (--train-before-admission), until the joiner said it trained that many steps before its admission
+    instead; else nothing (False)."""
     if (strategy.step + 1) % PERIOD not in {f.offset for f in strategy.fragments}:
         return False
     server = group.catchup.server
-    while ((server is None or server.served == 0) and not (seeded and os.path.exists(seeded))
-           and time.monotonic() < deadline):
+    while time.monotonic() < deadline:
+        if trained:
+            if os.path.exists(trained):
+                break
+        elif (server is not None and server.served > 0) or (seeded and os.path.exists(seeded)):
+            break
         time.sleep(0.02)
         server = group.catchup.server
     return True
@@ -133,6 +139,9 @@ def main() -> None:
     ap.add_argument("--state-cache", default="",
                     help="a folder: each rank keeps its copy of the state in a file there for its restart "
                          "(SHOAL_STATE_CACHE)")
+    ap.add_argument("--train-before-admission", type=int, default=0,
+                    help="with --early: the survivors hold their next round until the restart has trained this many "
+                         "inner steps from the state it loaded before its admission (file <out>/trained)")
     ap.add_argument("--load-at-phase", type=int, default=-1,
                     help="the joiner, once its download may run, waits for it before the inner step at this "
                          "phase of the period (so it loads between two rounds, at a known step); -1: never waits")
@@ -189,9 +198,12 @@ def main() -> None:
     x = torch.randn(512, 16, generator=g)
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
     pick = torch.Generator().manual_seed(1000 * rank + life)   # each worker its own stream of samples
-    early: dict[str, Any] = {"newcomer": False, "served": False, "seeded": seeded}
-    while not (strategy.step >= a.steps and strategy.step % PERIOD == 0
-               and (full["rounds"] >= 4 or strategy.step >= a.max_steps)):
+    trained = os.path.join(a.out, "trained") if a.train_before_admission else ""
+    early: dict[str, Any] = {"newcomer": False, "served": False, "seeded": seeded, "trained": trained}
+    before = 0   # the restart's inner steps trained before its admission
+    while group.catchup.pre is not None or not (strategy.step >= a.steps and strategy.step % PERIOD == 0
+                                                and (full["rounds"] >= 4 or strategy.step >= a.max_steps)):
+        # (a restart training before its admission counts its own steps: it ends only once admitted)
         if a.early and rank == a.crash_rank and life == 0 and strategy.step == 2 * PERIOD:
             if group.catchup.seed is not None:   # --state-cache: killed once its copy of that round is written
                 group.catchup.seed.flush(30)
@@ -220,6 +232,12 @@ def main() -> None:
         opt.zero_grad()
         if group.stats.discards > discards:
             discarded.append(step)   # the round begun at this step was discarded (then retried)
+        before = before + 1 if group.catchup.pre is not None else before
+        if trained and group.catchup.pre is not None and before == a.train_before_admission:
+            open(trained, "w").close()   # the survivors may go to their round now
+            t1 = time.monotonic()   # ... and it trains one more step once they wait at its barrier: k = N + 1
+            while not group.catchup.admission_due() and time.monotonic() < t1 + 60:
+                time.sleep(0.02)
     strategy.close()   # a reduction still in flight is merged (a round every member runs at the same step)
     result = {"log": log, "discarded": discarded, "synced": synced_state(strategy, model), "stats": vars(group.stats),
               "catchup": asdict(group.catchup.stats), "contributed": strategy.rounds.contributed,

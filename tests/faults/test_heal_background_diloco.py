@@ -204,3 +204,42 @@ def test_a_restart_on_the_same_host_takes_the_unchanged_state_from_its_copy(frag
     assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
     _assert_equal(final, why)
 
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_restart_holding_the_state_trains_before_its_admission_and_its_round_takes_it(seeded: bool,
+                                                                                       tmp_path: Any) -> None:
+    # Rank 2 dies between two rounds; its restart fetches the snapshot the survivors offer from their inner steps
+    # (or, seeded, takes it from its host's copy) and, holding the state their next round starts from, trains
+    # from it instead of waiting at that round's barrier (shoal.membership.preadmit). The survivors hold that
+    # round until it trained 2 inner steps, and it trains one more once they wait at the barrier. The round that
+    # admits it takes those 3, weighted 3/4 (their share of the period), the same shortfall on every member;
+    # nothing is discarded; all end bitwise equal.
+    args = ["--early", "--park", "0", "--train-before-admission", "2"]
+    if seeded:
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        args += ["--hidden", "64", "--state-cache", str(cache)]
+    final, why = _rank_2_restarted(tmp_path, args)
+    *survivors, joiner = final
+    cu = joiner["catchup"]
+    k, admitted = cu["trained_before_admission"], cu["admitted_step"]
+    assert k == 3 and admitted > 0 and cu["admissions"] == 1 and cu["entered_between_rounds"], why
+    assert cu["caught_up_step"] == admitted and cu["replayed"] == 0, why   # loaded before: nothing to replay
+    assert joiner["stats"]["heals_received"] == 1 and joiner["stats"]["heal_bytes"] > 0, why
+    if seeded:
+        assert cu["seeded_bytes"] == joiner["stats"]["heal_bytes"] and cu["download_bytes"] == 0, why
+    else:
+        assert 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
+    weight = k / PERIOD
+    assert cu["first_weight"] == pytest.approx(weight), why
+    for s in survivors:
+        at = [e for e in s["log"] if e["step"] == admitted]
+        # The round that admitted it counted all three, the joiner short of 1 - k/H.
+        assert len(at) == 1 and at[0]["kind"] == "fragment:0" and at[0]["size"] == 3, why
+        assert at[0]["counted"] == 3 and at[0]["short"] == pytest.approx(1.0 - weight), why
+    mine = {e["step"]: e["mine"] for e in joiner["log"]}
+    assert min(mine) == admitted and all(mine.values()), why   # a contributor from its admission on
+    assert all(s <= admitted for r in final for s in r["discarded"]), why
+    _assert_equal(final, why)

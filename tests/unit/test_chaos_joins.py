@@ -21,4 +21,5 @@ def test_a_join_reports_start_to_contribution_bytes_and_the_survivors_longest_ga
     assert got == [{"rank": 1, "life": 1, "start_to_contribute_s": 3.2, "survivor_stall_s": 0.4,
                     "steps_before_contributing": 2, "state_bytes": 5000, "downloaded_bytes": 5000,
                     "by_source": {"0": 3000, "2": 2000}, "slots": 2, "download_s": 0.8, "held_s": 0.25,
-                    "between_rounds": True, "prefetched_bytes": 1500, "seeded_bytes": 2500}]
+                    "between_rounds": True, "prefetched_bytes": 1500, "seeded_bytes": 2500,
+                    "trained_before_admission": -1}]

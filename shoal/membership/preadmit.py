@@ -1,0 +1,120 @@
+"""A restart trains before its admission: an averaging strategy's joiner that already holds the survivors' state.
+
+A worker that joins a DiLoCo run in progress is admitted only at the
+survivors' next outer round (a period can be minutes), and until then it
+used to wait at that quorum's barrier. Yet the state it needs for the round
+(the global copies and outer state, which no inner step changes) is often
+in its hands long before: the survivors offer it between two rounds
+(:meth:`~shoal.membership.catchup.CatchUp.offer_early`) and a restart on the
+same host takes it from its own copy in a fraction of a second
+(:mod:`shoal.membership.seed`).
+
+So, in the strategy's set-up, such a worker asks to join, starts that
+early download and waits only for it (:meth:`EarlyEntry.wait`). Once it is
+in, the worker loads it as a joiner loads between two rounds (its model
+restarts from the global copies, its inner optimizer empty) and set-up
+returns: it trains its inner steps while the survivors finish theirs. After
+each inner step it looks whether the survivors wait at the quorum's
+barrier (one store read, :meth:`EarlyEntry.due`); then it enters, and the
+round that admits it takes the inner steps it trained, weighted by their
+share of the period like any joiner that loaded between two rounds
+(``k`` steps of ``H``: weight ``k/H``, agreed in the round's weight
+exchange). The survivors wait at most one of its inner steps at that
+barrier.
+
+That is exact only if what it trained from is the state at the admitting
+step's begin: the admission keeps the early download only if its sources
+named that step (:meth:`~shoal.membership.fetch.Fetch.want`: no round
+committed since the offer). Otherwise (a round committed in between, a
+newer quorum with another early download, a blocking heal) the steps it
+trained are dropped: it is admitted as a zero-weight downloader as before,
+and its next download keeps the ranges the loaded copy still has right.
+
+It waits for a source's offer for at most :data:`OFFER_WAIT_S`, and
+altogether for ``Timeouts.join``; without an offer it waits at the barrier
+as before (its download goes on there). It applies only where someone in
+the run has committed a step (a mark in the coordinator's store), so the
+workers of a new run, all fresh, meet at their first barrier at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.membership.fetch import Fetch
+
+log = logging.getLogger("shoal.elastic")
+OFFER_WAIT_S = 5.0   # how long a joiner waits for a source's offer before it waits at the barrier instead
+POLL_S = 0.01
+__all__ = ["EarlyEntry", "OFFER_WAIT_S", "held_mark"]
+
+
+def held_mark(client: Any) -> str:
+    """The store key a member sets once it has committed a step: the run holds state (read by a joiner)."""
+    return str(client.key("held"))
+
+
+@dataclass
+class EarlyEntry:
+    """A joiner that loaded the run's state before its admission: where it waits to be admitted."""
+
+    q: Any                 # the published quorum it will enter (its barrier)
+    fetch: Fetch           # the early download it loaded (the admission keeps it only if it is of that step)
+    deadline: float        # after this it enters anyway (the barrier's own wait takes over)
+    trained: int = 0       # the inner steps it trained from the loaded state (set by the strategy at admission)
+
+    @classmethod
+    def wait(cls, catchup: Any) -> "EarlyEntry | None":
+        """In the strategy's set-up, a fresh worker: ask to join, wait for the early download of the quorum that
+        holds it, and return once it is in (loaded by the caller), or None: enter the usual way (wait at the
+        quorum's barrier). None at once where the run holds no state yet or this worker could not be admitted
+        in the background between two rounds."""
+        g = catchup.group
+        if not (catchup.enabled and g._fresh and g.quorum is None and catchup.hid < 0 and catchup.replayers
+                and catchup._between_rounds() and catchup.column()[1]):
+            return None
+        client = g.client
+        if client.member_id == 0:
+            client.join()
+        try:
+            if not client.store.check([held_mark(client)]):
+                return None   # a new run: its first workers meet at their first barrier
+        except Exception as e:  # noqa: BLE001 - the coordinator does not answer: the barrier's wait handles it
+            log.debug("could not read whether the run holds state (%s)", e)
+            return None
+        q = client.wait_quorum(g._after, g.timeouts.join)
+        if not any(m != client.member_id for m in q.members):
+            return None
+        client.peek_latest.set()   # the heartbeat thread reads the newest quorum id (due() looks at it)
+        catchup.prefetch(q)
+        fetch = catchup.early
+        if fetch is None:
+            return None
+        entry = cls(q, fetch, time.monotonic() + g.timeouts.join)
+        offered_by = time.monotonic() + OFFER_WAIT_S
+        while not fetch.done.is_set():
+            if entry.due(catchup) or (fetch.step is None and time.monotonic() > offered_by):
+                return None   # the survivors reached their round first, or nobody offered: the barrier
+            time.sleep(POLL_S)
+        blob, error = fetch.result
+        if blob is None or error is not None:
+            log.info("the early download for quorum %d failed (%s): waiting for the admission", q.qid, error)
+            return None
+        log.info("loaded the state offered for quorum %d (%d bytes) before its admission: training until the "
+                 "survivors' round", q.qid, len(blob))
+        return entry
+
+    def due(self, catchup: Any) -> bool:
+        """Whether to enter the quorum now: every other member waits at its barrier, a newer quorum is published,
+        the coordinator does not answer, or the wait is over. One store read."""
+        client = catchup.group.client
+        if time.monotonic() > self.deadline or client.latest_seen > self.q.qid or client.down.is_set():
+            return True
+        try:
+            return int(client.store.add(self.q.prefix + "arrive", 0)) >= len(self.q.members) - 1
+        except Exception as e:  # noqa: BLE001 - the coordinator does not answer: the barrier's wait handles it
+            log.debug("could not read quorum %d's barrier (%s)", self.q.qid, e)
+            return True
