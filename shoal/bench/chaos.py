@@ -204,9 +204,12 @@ def worker(a: argparse.Namespace) -> None:
         # Read within the step: a background heal's joiner counts zero, except once it has loaded between two
         # rounds (an averaging strategy): its inner steps from there go into the next round, weighted.
         mine = group.contribution()[0] or group.catchup.entering
+        was_early = group.catchup.pre is not None
         opt.step()
         opt.zero_grad()
         early = group.catchup.pre is not None   # trained from the survivors' state before its admission
+        if was_early and not early:   # admitted in this step: its round took the step only if it kept them
+            mine = group.catchup.stats.trained_before_admission >= 0
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
                               "discards": group.stats.discards - d0, "round": group.step, "contributes": mine,
                               "early": early}) + "\n")

@@ -62,14 +62,18 @@ def progress_steps(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     A restart's steps logged ``early`` (trained from the survivors' state before its admission, counted on its
     own step counter) made progress only if the round that admitted it took them (its ``early`` event says
-    ``kept``); killed before that, or dropped as stale, they did not.
+    ``kept``), and they did so at that round (their entries here carry its time); killed before that, or
+    dropped as stale, they did not.
     """
     kept = any(e.get("event") == "early" and e.get("kept") for e in log)
     out, last, was_early = [], None, False
+    admitted = next((e["t"] for e in log if "dt" in e and not e.get("early")), None)
     for e in log:
         if "dt" in e:
             if e.get("early") and not kept:
                 continue
+            if e.get("early"):   # committed by the round that admitted it: then, not when it was trained
+                e = {**e, "t": admitted}
             # ``contributes: false``: a joiner still catching up in the background (its steps carry zero
             # weight); its own progress starts with its first contributing step. The admission after early
             # steps moves the counter to the survivors' (the step it trained in is in that round).
@@ -378,9 +382,8 @@ def joins(logs: Logs, normal: float) -> list[dict[str, Any]]:
     out = []
     for (rank, life), lg in sorted(logs.items()):
         ev = {e["event"]: e for e in lg if "event" in e}
-        kept = any(e.get("event") == "early" and e.get("kept") for e in lg)   # (see progress_steps)
-        first = next((e for e in lg if "dt" in e and e.get("contributes", True) and (kept or not e.get("early"))),
-                     None)
+        # (steps trained before its admission are committed by the round that admitted it: see progress_steps)
+        first = next((e for e in lg if "dt" in e and e.get("contributes", True) and not e.get("early")), None)
         if life == 0 or "joined" not in ev or "joining" not in ev or first is None:
             continue
         t0, t1, gaps = ev["joining"]["t"], first["t"], []

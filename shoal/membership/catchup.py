@@ -638,6 +638,8 @@ class CatchUp:
         p.ready = p.full_at = t + 1   # the exchange at this begin_step decides (between rounds)
         p.keys, p.read = keys, True
         self._covered_keys, self.loaded = self._covered(), True
+        with self._seed_lock:   # loaded for good: no later download of this life needs the copy
+            self._seed_blob = None
         self.stats.caught_up_step, self.stats.entered_between_rounds = t, True
         self.stats.trained_before_admission = trained
         g.stats.heals_received += 1

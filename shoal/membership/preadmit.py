@@ -15,7 +15,9 @@ in, the worker loads it as a joiner loads between two rounds (its model
 restarts from the global copies, its inner optimizer empty) and set-up
 returns: it trains its inner steps while the survivors finish theirs. After
 each inner step it looks whether the survivors wait at the quorum's
-barrier (one store read, :meth:`EarlyEntry.due`); then it enters, and the
+barrier (store reads, :meth:`EarlyEntry.due`; another restart of the same
+quorum that trains before its admission too counts as there, so two of
+them never wait for each other); then it enters, and the
 round that admits it takes the inner steps it trained, weighted by their
 share of the period like any joiner that loaded between two rounds
 (``k`` steps of ``H``: weight ``k/H``, agreed in the round's weight
@@ -48,7 +50,8 @@ from shoal.membership.fetch import Fetch
 
 log = logging.getLogger("shoal.elastic")
 OFFER_WAIT_S = 5.0   # how long a joiner waits for a source's offer before it waits at the barrier instead
-POLL_S = 0.01
+POLL_S = 0.01        # how often it looks whether its download has ended
+LOOK_S = 0.1         # ... and whether the others wait at the barrier (store reads) meanwhile
 __all__ = ["EarlyEntry", "OFFER_WAIT_S", "held_mark"]
 
 
@@ -64,7 +67,7 @@ class EarlyEntry:
     q: Any                 # the published quorum it will enter (its barrier)
     fetch: Fetch           # the early download it loaded (the admission keeps it only if it is of that step)
     deadline: float        # after this it enters anyway (the barrier's own wait takes over)
-    trained: int = 0       # the inner steps it trained from the loaded state (set by the strategy at admission)
+    counted: bool = False  # it added itself to the quorum's count of members training before their admission
 
     @classmethod
     def wait(cls, catchup: Any) -> "EarlyEntry | None":
@@ -94,27 +97,41 @@ class EarlyEntry:
         if fetch is None:
             return None
         entry = cls(q, fetch, time.monotonic() + g.timeouts.join)
-        offered_by = time.monotonic() + OFFER_WAIT_S
+        offered_by, looked = time.monotonic() + OFFER_WAIT_S, 0.0
         while not fetch.done.is_set():
-            if entry.due(catchup) or (fetch.step is None and time.monotonic() > offered_by):
-                return None   # the survivors reached their round first, or nobody offered: the barrier
+            if fetch.step is None and time.monotonic() > offered_by:
+                return None   # nobody offered: the barrier
+            if time.monotonic() - looked > LOOK_S:
+                looked = time.monotonic()
+                if entry.due(catchup):
+                    return None   # the others reached their round first: the barrier (the download goes on)
             time.sleep(POLL_S)
         blob, error = fetch.result
         if blob is None or error is not None:
             log.info("the early download for quorum %d failed (%s): waiting for the admission", q.qid, error)
+            return None
+        try:   # another joiner of this quorum training early counts this one as good as at the barrier
+            client.store.add(q.prefix + "early", 1)
+            entry.counted = True
+        except Exception as e:  # noqa: BLE001 - the coordinator does not answer: the barrier's wait handles it
+            log.debug("could not count itself among quorum %d's early joiners (%s)", q.qid, e)
             return None
         log.info("loaded the state offered for quorum %d (%d bytes) before its admission: training until the "
                  "survivors' round", q.qid, len(blob))
         return entry
 
     def due(self, catchup: Any) -> bool:
-        """Whether to enter the quorum now: every other member waits at its barrier, a newer quorum is published,
-        the coordinator does not answer, or the wait is over. One store read."""
-        client = catchup.group.client
-        if time.monotonic() > self.deadline or client.latest_seen > self.q.qid or client.down.is_set():
+        """Whether to enter the quorum now: every other member waits at its barrier or trains before its
+        admission too (two restarts in one quorum: each counts the other as there, so neither waits for the
+        other), the quorum was dissolved or a newer one published, the coordinator does not answer, or the
+        wait is over. Three store reads."""
+        client, q = catchup.group.client, self.q
+        if time.monotonic() > self.deadline or client.latest_seen > q.qid or client.down.is_set():
             return True
         try:
-            return int(client.store.add(self.q.prefix + "arrive", 0)) >= len(self.q.members) - 1
+            st = client.store
+            others = int(st.add(q.prefix + "arrive", 0)) + int(st.add(q.prefix + "early", 0)) - int(self.counted)
+            return others >= len(q.members) - 1 or bool(st.check([q.prefix + "abort"]))
         except Exception as e:  # noqa: BLE001 - the coordinator does not answer: the barrier's wait handles it
-            log.debug("could not read quorum %d's barrier (%s)", self.q.qid, e)
+            log.debug("could not read quorum %d's barrier (%s)", q.qid, e)
             return True

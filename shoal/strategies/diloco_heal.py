@@ -24,7 +24,11 @@ their inner steps (the global copies and outer state do not change there).
 Where the survivors' quorum lost no member (a newcomer, or a restart that
 asked after the survivors' quorum without it had formed), a survivor
 that sees the newer quorum dissolves theirs, so that the next round
-admits the newcomer, not the round after it (a period later).
+admits the newcomer, not the round after it (a period later). A restart whose
+early download ends before that round (or that takes it from its host's copy,
+:mod:`shoal.membership.seed`) loads it in set-up and trains until the survivors
+wait for it at that round's barrier (:func:`train_before_admission`,
+:mod:`shoal.membership.preadmit`); the round takes those inner steps.
 
 It loads as soon as its download has finished, after whichever inner step
 that is (:func:`enter_between_rounds`), not at the next round's begin: the

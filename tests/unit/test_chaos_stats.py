@@ -321,6 +321,8 @@ def test_steps_trained_before_the_admission_count_only_if_the_round_that_admitte
         return out
 
     assert [e["step"] for e in progress_steps(restart(True))] == [1, 2, 3, 40, 41]
+    # ... committed by the round that admitted it (at 9.0), not when they were trained
+    assert [e["t"] for e in progress_steps(restart(True))] == [9.0, 9.0, 9.0, 9.0, 10.0]
     assert [e["step"] for e in progress_steps(restart(False))] == [40, 41]   # dropped as stale
     assert progress_steps(restart(None)) == []   # killed before its admission: nothing of it counts
     assert unsynced_steps(restart(None), {"period": 8, "offsets": [0], "weights": [1.0]}) == 0.0
