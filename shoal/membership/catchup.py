@@ -66,7 +66,7 @@ from shoal.errors import CommTimeoutError, ConfigError, PeerLostError, ShoalErro
 from shoal.membership.fetch import Fetch
 from shoal.membership.heal import CONTROL_TAG as _CONTROL_TAG, HealPlan, broadcast_object, load_blob
 from shoal.membership.pace import StepPace, heal_pace, heal_rate
-from shoal.membership.preadmit import EarlyEntry, held_mark
+from shoal.membership.preadmit import ADMIT_WAIT_S, EarlyEntry, held_mark
 from shoal.membership.received import check_received
 from shoal.membership.replay import OptimizerReplay, Replayer
 from shoal.membership.seed import StateSeed
@@ -109,6 +109,8 @@ class CatchUpStats:
     entered_between_rounds: bool = False   # loaded between two rounds (an averaging strategy's joiner)
     trained_before_admission: int = -1    # inner steps it trained before the round that admitted it took them
     #                                       (preadmit.py; -1: it did not, or they were dropped as stale)
+    early_from_copy: bool = False         # ... it began training from this host's copy (SHOAL_STATE_CACHE)
+    early_reloads: int = 0                # ... that copy was stale: it reloaded the offered state meanwhile
     first_weight: float = 0.0     # its weight in the first round it contributed to (its share of a period)
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
@@ -580,19 +582,44 @@ class CatchUp:
         entry = EarlyEntry.wait(self)
         if entry is None:
             return False
-        blob, _ = entry.fetch.result
-        if blob is None:   # pragma: no cover - EarlyEntry.wait returns only a download that ended with a blob
+        try:   # a host's copy that does not load (another program's, cut off) is no reason to leave the run
+            self._replay(entry.blob, count=False, leave=(lambda: None) if entry.from_seed else None)
+        except ShoalError as e:
+            log.warning("could not load this host's copy of the state (%s): waiting for the admission", e)
+            self._rebase(None)
             return False
-        self._replay(blob, count=False)
+        if not entry.announce(self):
+            self._rebase(None)
+            return False
         with self._seed_lock:   # a later download (a newer quorum's) keeps the ranges this copy still has right
-            self._seed_blob, self._seed_read = blob, True
+            self._seed_blob, self._seed_read = entry.blob, True
         self.pre = entry
+        self.stats.early_from_copy = entry.from_seed
+        self.group.trace("early-entry", qid=entry.q.qid, seed=entry.from_seed)
         return True
+
+    def host_copy(self) -> bytes | None:
+        """This worker slot's copy of the state on this host (its last life's, ``SHOAL_STATE_CACHE``), read once;
+        None without one or for a strategy that is not an averaging one."""
+        return self._seed() if self.seed is not None and self._after_commit() else None
 
     def admission_due(self) -> bool:
         """A joiner training before its admission, after an inner step: whether to enter its quorum now
         (its other members wait at the barrier, or the quorum changed); one store read."""
-        return self.pre is None or self.pre.due(self)
+        pre = self.pre
+        if pre is None:
+            return True
+        blob = pre.fresher()
+        if blob is not None:   # trained from a stale host's copy: from the state the survivors offered from now on
+            self._replay(blob, count=False)
+            pre.blob = blob
+            self.stats.early_reloads += 1
+            with self._seed_lock:
+                self._seed_blob = blob
+            log.info("this host's copy was stale: training from the state offered for quorum %d from now on",
+                     pre.q.qid)
+            self.group.trace("early-entry-reloaded", qid=pre.q.qid)
+        return pre.due(self)
 
     def _progress(self) -> int:
         """The inner steps a joiner trained since it loaded (0 when it has not loaded)."""
@@ -662,12 +689,13 @@ class CatchUp:
         # state at this step's begin and has not failed; a snapshot offered before a step that committed since
         # is stale.
         kept = early is not None and early.hid == hid and early.want(top, sources)
-        if pre is not None and not (kept and pre.fetch is early):
+        if pre is not None and not (kept and pre.fetch is early and self._checked(pre, g)):
             self.pre = pre   # (a newer quorum's download, or a round committed since the offer it loaded)
             self._drop_pre(f"the state it trained from is not the one at step {top}'s begin", trained)
+            pre = None
         if early is not None and kept:
             self.fetch, self.stats.prefetched_bytes = early, early.received
-            if pre is not None and pre.fetch is early:   # loaded it before: it trained from this step's state
+            if pre is not None:   # loaded before what it now downloaded: it trained from this step's state
                 self._enter_admitted(top, trained)
                 return
             log.info("admitted at step %d as a non-contributor; heal %d already under way (%d bytes)", top, hid,
@@ -682,6 +710,18 @@ class CatchUp:
         self.fetch = Fetch(g, hid, sources, top, after, self.pace, self.before_chunk, seed=self._seeding())
         self.fetch.start()
         log.info("admitted at step %d as a non-contributor; fetching heal %d from members %s", top, hid, sources)
+
+    @staticmethod
+    def _checked(pre: EarlyEntry, g: Any) -> bool:
+        """At the admission that kept ``pre``'s download (of this step's state): whether what it trained from is
+        that state, byte for byte. Loaded from its host's copy, it waits for the download to end first (a copy
+        whose ranges all match ends within a second of the sources' offer; at most ``ADMIT_WAIT_S``)."""
+        if not pre.fetch.done.is_set():
+            pre.fetch.done.wait(min(ADMIT_WAIT_S, g.timeouts.op / 2))
+        if not pre.fetch.done.is_set():
+            return False
+        blob, error = pre.fetch.result
+        return blob is not None and error is None and blob == pre.blob
 
     def _after_commit(self) -> bool:
         """An averaging strategy's joiner (DiLoCo): it downloads once its admitting step committed, in the
@@ -753,7 +793,7 @@ class CatchUp:
         and still downloading)."""
         return not self.group._fresh and (self.hid < 0 or self.loaded)
 
-    def _replay(self, blob: bytes, count: bool = True) -> None:
+    def _replay(self, blob: bytes, count: bool = True, leave: Callable[[], None] | None = None) -> None:
         """Load the snapshot's model and optimizer (what the replay covers) and replay the recorded steps."""
         g = self.group
         states = g.hooks.states
@@ -761,7 +801,7 @@ class CatchUp:
         # joiner's own until the top-up (it counts zero meanwhile, so its own is harmless there).
         covered = self._covered()
         load_blob({k: states[k] for k in covered}, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1,
-                  "(background heal)", g._depart)
+                  "(background heal)", g._depart if leave is None else leave)
         for rec in self.records:
             for r, update in zip(self.replayers, rec):
                 r.replay(update)
@@ -769,7 +809,9 @@ class CatchUp:
             r.caught_up()
         self.stats.replayed, self.records = len(self.records), []
         with self._seed_lock:   # the host's copy is stale now: the end of the next inner step writes it
-            self._seed_blob, self._seed_due = None, True
+            self._seed_due = True
+            if count:   # (before its admission the copy stays: the early download may still be reading it)
+                self._seed_blob = None
         self._covered_keys = covered
         if count:   # (loaded before its admission: counted once that admission kept it, _enter_admitted)
             g.stats.heals_received += 1

@@ -52,7 +52,8 @@ log = logging.getLogger("shoal.elastic")
 OFFER_WAIT_S = 5.0   # how long a joiner waits for a source's offer before it waits at the barrier instead
 POLL_S = 0.01        # how often it looks whether its download has ended
 LOOK_S = 0.1         # ... and whether the others wait at the barrier (store reads) meanwhile
-__all__ = ["EarlyEntry", "OFFER_WAIT_S", "held_mark"]
+ADMIT_WAIT_S = 5.0   # at the admission, how long it waits for the download that checks its host's copy
+__all__ = ["ADMIT_WAIT_S", "EarlyEntry", "OFFER_WAIT_S", "held_mark"]
 
 
 def held_mark(client: Any) -> str:
@@ -65,16 +66,19 @@ class EarlyEntry:
     """A joiner that loaded the run's state before its admission: where it waits to be admitted."""
 
     q: Any                 # the published quorum it will enter (its barrier)
-    fetch: Fetch           # the early download it loaded (the admission keeps it only if it is of that step)
+    fetch: Fetch           # the early download (the admission keeps it only if it is of that step)
     deadline: float        # after this it enters anyway (the barrier's own wait takes over)
     counted: bool = False  # it added itself to the quorum's count of members training before their admission
+    blob: bytes = b""      # what it loaded: the download's result, or its host's copy until the download ends
+    from_seed: bool = False   # ``blob`` is the host's copy, not checked against the download yet
 
     @classmethod
     def wait(cls, catchup: Any) -> "EarlyEntry | None":
-        """In the strategy's set-up, a fresh worker: ask to join, wait for the early download of the quorum that
-        holds it, and return once it is in (loaded by the caller), or None: enter the usual way (wait at the
-        quorum's barrier). None at once where the run holds no state yet or this worker could not be admitted
-        in the background between two rounds."""
+        """In the strategy's set-up, a fresh worker: ask to join, start the early download of the quorum that
+        holds it and return what to load (``blob``, loaded and announced by the caller): its host's copy at once
+        if it has one (``from_seed``: checked against the download once that ends, or at the admission), else
+        the download once it ends. None: enter the usual way (wait at the quorum's barrier); at once where the
+        run holds no state yet or this worker could not be admitted in the background between two rounds."""
         g = catchup.group
         if not (catchup.enabled and g._fresh and g.quorum is None and catchup.hid < 0 and catchup.replayers
                 and catchup._between_rounds() and catchup.column()[1]):
@@ -97,6 +101,10 @@ class EarlyEntry:
         if fetch is None:
             return None
         entry = cls(q, fetch, time.monotonic() + g.timeouts.join)
+        copy = catchup.host_copy()
+        if copy is not None:   # this slot's last life's copy: most often the state the survivors' round starts from
+            entry.blob, entry.from_seed = copy, True
+            return entry
         offered_by, looked = time.monotonic() + OFFER_WAIT_S, 0.0
         while not fetch.done.is_set():
             if fetch.step is None and time.monotonic() > offered_by:
@@ -110,15 +118,33 @@ class EarlyEntry:
         if blob is None or error is not None:
             log.info("the early download for quorum %d failed (%s): waiting for the admission", q.qid, error)
             return None
-        try:   # another joiner of this quorum training early counts this one as good as at the barrier
-            client.store.add(q.prefix + "early", 1)
-            entry.counted = True
-        except Exception as e:  # noqa: BLE001 - the coordinator does not answer: the barrier's wait handles it
-            log.debug("could not count itself among quorum %d's early joiners (%s)", q.qid, e)
-            return None
-        log.info("loaded the state offered for quorum %d (%d bytes) before its admission: training until the "
-                 "survivors' round", q.qid, len(blob))
+        entry.blob = blob
         return entry
+
+    def announce(self, catchup: Any) -> bool:
+        """Once loaded: count itself among the quorum's members training before their admission (another
+        restart of this quorum then counts it as good as at the barrier); False if the store did not answer."""
+        try:
+            catchup.group.client.store.add(self.q.prefix + "early", 1)
+        except Exception as e:  # noqa: BLE001 - the coordinator does not answer: the barrier's wait handles it
+            log.debug("could not count itself among quorum %d's early joiners (%s)", self.q.qid, e)
+            return False
+        self.counted = True
+        log.info("loaded %s for quorum %d (%d bytes) before its admission: training until the survivors' round",
+                 "this host's copy of the state" if self.from_seed else "the state offered", self.q.qid,
+                 len(self.blob))
+        return True
+
+    def fresher(self) -> bytes | None:
+        """Trained from the host's copy: once the download has ended with other bytes (the copy was stale), those
+        bytes, to load instead; None otherwise (then the copy is checked: kept, or found right)."""
+        if not self.from_seed or not self.fetch.done.is_set():
+            return None
+        self.from_seed = False
+        blob, error = self.fetch.result
+        if blob is None or error is not None or blob == self.blob:
+            return None
+        return blob
 
     def due(self, catchup: Any) -> bool:
         """Whether to enter the quorum now: every other member waits at its barrier or trains before its

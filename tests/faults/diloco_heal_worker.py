@@ -200,7 +200,6 @@ def main() -> None:
     pick = torch.Generator().manual_seed(1000 * rank + life)   # each worker its own stream of samples
     trained = os.path.join(a.out, "trained") if a.train_before_admission else ""
     early: dict[str, Any] = {"newcomer": False, "served": False, "seeded": seeded, "trained": trained}
-    before = 0   # the restart's inner steps trained before its admission
     while group.catchup.pre is not None or not (strategy.step >= a.steps and strategy.step % PERIOD == 0
                                                 and (full["rounds"] >= 4 or strategy.step >= a.max_steps)):
         # (a restart training before its admission counts its own steps: it ends only once admitted)
@@ -220,11 +219,15 @@ def main() -> None:
                    and time.monotonic() < t0 + 60):
                 time.sleep(0.02)   # its heartbeat thread has read it too (what offer_early looks at)
         if a.served_before_round and alone["waited"] and life == 0 and not early["served"]:
-            early["served"] = hold_until_served(group, strategy, time.monotonic() + 30, seeded)
+            early["served"] = hold_until_served(group, strategy, time.monotonic() + 30, seeded, trained)
         cu = group.catchup
         if (a.load_at_phase >= 0 and cu.hid >= 0 and not cu.loaded and cu.fetch is not None
                 and group.step >= cu.stats.admitted_step + a.park and strategy.step % PERIOD == a.load_at_phase):
             cu.fetch.done.wait(60)   # unparked: it finishes now, and this inner step's end loads it
+        pre = group.catchup.pre
+        while trained and pre is not None and pre.from_seed and not pre.fetch.done.is_set():
+            time.sleep(0.01)   # trained from its host's copy: k is counted from the copy's load, so the test
+            #                    knows it only if no step runs before the download has checked the copy
         idx = torch.randint(0, 512, (16,), generator=pick)
         F.mse_loss(model(x[idx]), y[idx]).backward()
         discards, step = group.stats.discards, group.step
@@ -232,8 +235,9 @@ def main() -> None:
         opt.zero_grad()
         if group.stats.discards > discards:
             discarded.append(step)   # the round begun at this step was discarded (then retried)
-        before = before + 1 if group.catchup.pre is not None else before
-        if trained and group.catchup.pre is not None and before == a.train_before_admission:
+        pre = group.catchup.pre   # trained N steps since it loaded the state it checked (downloaded, or its copy
+        if (trained and pre is not None and not pre.from_seed   # matched the download's bytes)
+                and group.catchup._progress() == a.train_before_admission):
             open(trained, "w").close()   # the survivors may go to their round now
             t1 = time.monotonic()   # ... and it trains one more step once they wait at its barrier: k = N + 1
             while not group.catchup.admission_due() and time.monotonic() < t1 + 60:

@@ -232,6 +232,7 @@ def test_a_restart_holding_the_state_trains_before_its_admission_and_its_round_t
     assert k == 3 and admitted > 0 and cu["admissions"] == 1 and cu["entered_between_rounds"], why
     assert cu["caught_up_step"] == admitted and cu["replayed"] == 0, why   # loaded before: nothing to replay
     assert joiner["stats"]["heals_received"] == 1 and joiner["stats"]["heal_bytes"] > 0, why
+    assert cu["early_from_copy"] == seeded and cu["early_reloads"] == 0, why
     if seeded:
         assert cu["seeded_bytes"] == joiner["stats"]["heal_bytes"] and cu["download_bytes"] == 0, why
     else:
@@ -246,4 +247,30 @@ def test_a_restart_holding_the_state_trains_before_its_admission_and_its_round_t
     mine = {e["step"]: e["mine"] for e in joiner["log"]}
     assert min(mine) == admitted and all(mine.values()), why   # a contributor from its admission on
     assert all(s <= admitted for r in final for s in r["discarded"]), why
+    _assert_equal(final, why)
+
+
+@pytest.mark.timeout(150)
+def test_a_restart_with_a_stale_copy_trains_from_it_then_from_the_offered_state_which_its_round_takes(
+        tmp_path: Any) -> None:
+    # Rank 2 dies in a round; the survivors rerun it without it, so its host's copy (written before that round)
+    # is one round behind. Its restart loads the copy at once and trains from it while the download the
+    # survivors offer runs; that download ends with other bytes, so it reloads them and trains from there
+    # (the steps from the stale copy count for nothing). The survivors hold their next round until it trained
+    # 2 steps from the offered state; their round admits it with the 3 it trained (weight 3/4), and all three
+    # end bitwise equal.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    final, why = _rank_2_restarted(tmp_path, ["--park", "0", "--served-before-round", "--train-before-admission",
+                                              "2", "--hidden", "64", "--state-cache", str(cache)])
+    *survivors, joiner = final
+    cu = joiner["catchup"]
+    assert cu["early_from_copy"] and cu["early_reloads"] == 1, why
+    assert cu["trained_before_admission"] == 3 and cu["admissions"] == 1 and cu["caught_up_step"] == \
+        cu["admitted_step"], why
+    assert 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why   # the copy matched no range
+    for s in survivors:
+        at = [e for e in s["log"] if e["step"] == cu["admitted_step"]]
+        assert [(e["counted"], e["short"]) for e in at] == [(3, pytest.approx(0.25))], why
+    assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
     _assert_equal(final, why)
