@@ -208,14 +208,16 @@ def worker(a: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
         early = group.catchup.pre is not None   # trained from the survivors' state before its admission
-        if was_early and not early:   # admitted in this step: its round took the step only if it kept them
-            mine = group.catchup.stats.trained_before_admission >= 0
+        took = group.catchup.stats.trained_before_admission   # steps the admitting round took (-1: none)
+        if was_early and not early:   # admitted in this step: its round took this step only if it took any
+            mine = took > 0
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
                               "discards": group.stats.discards - d0, "round": group.step, "contributes": mine,
                               "early": early}) + "\n")
-        if early_steps and not early:   # admitted: did its round take the steps it trained before? (chaos_stats)
+        if early_steps and not early:   # admitted: how many of the steps it logged early did its round take?
+            # (those since it last loaded, this step aside; none if dropped: chaos_stats.progress_steps)
             log.write(json.dumps({"event": "early", "t": time.time(), "steps": early_steps,
-                                  "kept": group.catchup.stats.trained_before_admission >= 0}) + "\n")
+                                  "kept": max(0, took - 1)}) + "\n")
         early_steps = early_steps + 1 if early else 0
         if mine and not early and not contributed:   # what it received to get here (it may be killed before "done")
             contributed, cu = True, group.catchup.stats

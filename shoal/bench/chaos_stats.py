@@ -61,16 +61,18 @@ def progress_steps(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The incarnation's entries of the steps that made progress (see the module docstring), in order.
 
     A restart's steps logged ``early`` (trained from the survivors' state before its admission, counted on its
-    own step counter) made progress only if the round that admitted it took them (its ``early`` event says
-    ``kept``), and they did so at that round (their entries here carry its time); killed before that, or
-    dropped as stale, they did not.
+    own step counter) made progress only if the round that admitted it took them: the last ``kept`` of them
+    (its ``early`` event; those since it last loaded, none if they were dropped), at that round (their entries
+    here carry its time); killed before that, they did not.
     """
-    kept = any(e.get("event") == "early" and e.get("kept") for e in log)
+    kept = max((int(e.get("kept", 0)) for e in log if e.get("event") == "early"), default=0)
+    early = [i for i, e in enumerate(log) if "dt" in e and e.get("early")]
+    taken = set(early[len(early) - kept:]) if kept else set()
     out, last, was_early = [], None, False
     admitted = next((e["t"] for e in log if "dt" in e and not e.get("early")), None)
-    for e in log:
+    for i, e in enumerate(log):
         if "dt" in e:
-            if e.get("early") and not kept:
+            if e.get("early") and i not in taken:
                 continue
             if e.get("early"):   # committed by the round that admitted it: then, not when it was trained
                 e = {**e, "t": admitted}

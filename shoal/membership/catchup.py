@@ -605,7 +605,8 @@ class CatchUp:
 
     def admission_due(self) -> bool:
         """A joiner training before its admission, after an inner step: whether to enter its quorum now
-        (its other members wait at the barrier, or the quorum changed); one store read."""
+        (its other members wait at the barrier, or the quorum changed; store reads). First, trained from its
+        host's copy: if the download has ended with other bytes, it loads those and trains from them."""
         pre = self.pre
         if pre is None:
             return True
@@ -715,9 +716,15 @@ class CatchUp:
     def _checked(pre: EarlyEntry, g: Any) -> bool:
         """At the admission that kept ``pre``'s download (of this step's state): whether what it trained from is
         that state, byte for byte. Loaded from its host's copy, it waits for the download to end first (a copy
-        whose ranges all match ends within a second of the sources' offer; at most ``ADMIT_WAIT_S``)."""
-        if not pre.fetch.done.is_set():
-            pre.fetch.done.wait(min(ADMIT_WAIT_S, g.timeouts.op / 2))
+        whose ranges all match ends within a second of the sources' offer; at most ``ADMIT_WAIT_S``), but not
+        once the download asks the network for ranges: those are held while this member is in a round
+        (``Download.hold``), so the copy is stale and waiting would only hold the survivors."""
+        deadline = time.monotonic() + min(ADMIT_WAIT_S, g.timeouts.op / 2)
+        while not pre.fetch.done.is_set() and time.monotonic() < deadline:
+            dl = pre.fetch.download
+            if dl is not None and dl.to_fetch:
+                return False
+            pre.fetch.done.wait(0.005)
         if not pre.fetch.done.is_set():
             return False
         blob, error = pre.fetch.result

@@ -415,6 +415,7 @@ class Download(threading.Thread):
         self.before_chunk: Callable[[int, int], None] | None = None
         self.seed: bytes | None = None
         self.seeded = 0     # bytes taken from the seed, not the network
+        self.to_fetch: int | None = None   # bytes it asks the network for, once it compared the seed (None before)
         self.pace: Any = None
         self.hold: Callable[[], bool] | None = None
         self.held_s = 0.0   # seconds the requests waited for hold() (summed over the sources' threads)
@@ -445,7 +446,9 @@ class Download(threading.Thread):
             return
         size, sha = self.sources[0].size, self.sources[0].sha
         buf = bytearray(size)
-        left = self._fetch(buf, self._from_seed(buf))
+        spans = self._from_seed(buf)
+        self.to_fetch = sum(n for _, n in spans)
+        left = self._fetch(buf, spans)
         matches = left == 0 and not self.stopped.is_set() and hashlib.sha256(buf).hexdigest() == sha
         if left == 0 and self.seeded and not self.stopped.is_set() and not matches:
             log.warning("heal %d: the state assembled with %d bytes of this host's copy does not match the "

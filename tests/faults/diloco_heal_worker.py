@@ -142,6 +142,9 @@ def main() -> None:
     ap.add_argument("--train-before-admission", type=int, default=0,
                     help="with --early: the survivors hold their next round until the restart has trained this many "
                          "inner steps from the state it loaded before its admission (file <out>/trained)")
+    ap.add_argument("--stale-copy", action="store_true",
+                    help="with --state-cache: the crashed rank stops writing its copy after the first round, so "
+                         "its restart's copy is a round behind")
     ap.add_argument("--load-at-phase", type=int, default=-1,
                     help="the joiner, once its download may run, waits for it before the inner step at this "
                          "phase of the period (so it loads between two rounds, at a known step); -1: never waits")
@@ -207,6 +210,9 @@ def main() -> None:
             if group.catchup.seed is not None:   # --state-cache: killed once its copy of that round is written
                 group.catchup.seed.flush(30)
             os.kill(os.getpid(), signal.SIGKILL)   # between two rounds: no collective of it fails
+        if a.stale_copy and rank == a.crash_rank and life == 0 and strategy.step == PERIOD + 1:
+            group.catchup.seed.flush(30)   # its copy stays at the first round's state: a round behind at the kill
+            group.catchup.seed = None
         if a.early and life == 0 and not early["served"] and strategy.step >= 2 * PERIOD:
             hold_for_early(group, strategy, early)
         if alone["seen"] and not alone["waited"]:   # once, between two rounds: until the restart is in a quorum
@@ -224,10 +230,6 @@ def main() -> None:
         if (a.load_at_phase >= 0 and cu.hid >= 0 and not cu.loaded and cu.fetch is not None
                 and group.step >= cu.stats.admitted_step + a.park and strategy.step % PERIOD == a.load_at_phase):
             cu.fetch.done.wait(60)   # unparked: it finishes now, and this inner step's end loads it
-        pre = group.catchup.pre
-        while trained and pre is not None and pre.from_seed and not pre.fetch.done.is_set():
-            time.sleep(0.01)   # trained from its host's copy: k is counted from the copy's load, so the test
-            #                    knows it only if no step runs before the download has checked the copy
         idx = torch.randint(0, 512, (16,), generator=pick)
         F.mse_loss(model(x[idx]), y[idx]).backward()
         discards, step = group.stats.discards, group.step
@@ -236,8 +238,9 @@ def main() -> None:
         if group.stats.discards > discards:
             discarded.append(step)   # the round begun at this step was discarded (then retried)
         pre = group.catchup.pre   # trained N steps since it loaded the state it checked (downloaded, or its copy
-        if (trained and pre is not None and not pre.from_seed   # matched the download's bytes)
-                and group.catchup._progress() == a.train_before_admission):
+        #                           matched the download's bytes; with --stale-copy: its copy, unchecked)
+        if (trained and pre is not None and (a.stale_copy or not pre.from_seed) and not os.path.exists(trained)
+                and group.catchup._progress() >= a.train_before_admission):
             open(trained, "w").close()   # the survivors may go to their round now
             t1 = time.monotonic()   # ... and it trains one more step once they wait at its barrier: k = N + 1
             while not group.catchup.admission_due() and time.monotonic() < t1 + 60:

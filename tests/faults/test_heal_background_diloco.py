@@ -219,7 +219,8 @@ def test_a_restart_holding_the_state_trains_before_its_admission_and_its_round_t
     # from it instead of waiting at that round's barrier (shoal.membership.preadmit). The survivors hold that
     # round until it trained 2 inner steps, and it trains one more once they wait at the barrier. The round that
     # admits it takes those 3, weighted 3/4 (their share of the period), the same shortfall on every member;
-    # nothing is discarded; all end bitwise equal.
+    # nothing is discarded; all end bitwise equal. From its host's copy it trains at once, before the download
+    # has checked the copy (on this fast loopback many steps: weight 1).
     args = ["--early", "--park", "0", "--train-before-admission", "2"]
     if seeded:
         cache = tmp_path / "cache"
@@ -229,7 +230,8 @@ def test_a_restart_holding_the_state_trains_before_its_admission_and_its_round_t
     *survivors, joiner = final
     cu = joiner["catchup"]
     k, admitted = cu["trained_before_admission"], cu["admitted_step"]
-    assert k == 3 and admitted > 0 and cu["admissions"] == 1 and cu["entered_between_rounds"], why
+    assert (k >= 3 if seeded else k == 3) and admitted > 0 and cu["admissions"] == 1, why
+    assert cu["entered_between_rounds"], why
     assert cu["caught_up_step"] == admitted and cu["replayed"] == 0, why   # loaded before: nothing to replay
     assert joiner["stats"]["heals_received"] == 1 and joiner["stats"]["heal_bytes"] > 0, why
     assert cu["early_from_copy"] == seeded and cu["early_reloads"] == 0, why
@@ -237,7 +239,7 @@ def test_a_restart_holding_the_state_trains_before_its_admission_and_its_round_t
         assert cu["seeded_bytes"] == joiner["stats"]["heal_bytes"] and cu["download_bytes"] == 0, why
     else:
         assert 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
-    weight = k / PERIOD
+    weight = min(1.0, k / PERIOD)
     assert cu["first_weight"] == pytest.approx(weight), why
     for s in survivors:
         at = [e for e in s["log"] if e["step"] == admitted]
@@ -272,5 +274,29 @@ def test_a_restart_with_a_stale_copy_trains_from_it_then_from_the_offered_state_
     for s in survivors:
         at = [e for e in s["log"] if e["step"] == cu["admitted_step"]]
         assert [(e["counted"], e["short"]) for e in at] == [(3, pytest.approx(0.25))], why
+    assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
+    _assert_equal(final, why)
+
+
+@pytest.mark.timeout(150)
+def test_a_restart_admitted_before_its_download_checked_a_stale_copy_drops_the_steps_it_trained_from_it(
+        tmp_path: Any) -> None:
+    # Rank 2 stopped writing its host's copy after the first round, and dies between two rounds: the copy is a
+    # round behind. Its restart trains from it at once; its download is parked until after its admission, and
+    # the survivors go to their round once it trained 2 steps. The admission cannot check the copy (the
+    # download must fetch ranges, held in the round): the steps are dropped, it is a zero-weight downloader in
+    # that round, and all three still end bitwise equal (counted, it would have brought a stale pseudo-gradient
+    # and stale global copies).
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    final, why = _rank_2_restarted(tmp_path, ["--early", "--park", "1", "--train-before-admission", "2",
+                                              "--stale-copy", "--hidden", "64", "--state-cache", str(cache)])
+    *survivors, joiner = final
+    cu = joiner["catchup"]
+    assert cu["early_from_copy"] and cu["early_reloads"] == 0 and cu["trained_before_admission"] == -1, why
+    assert cu["admissions"] == 1 and cu["caught_up_step"] > cu["admitted_step"], why
+    assert cu["seeded_bytes"] == 0 and 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
+    for s in survivors:
+        assert [e["counted"] for e in s["log"] if e["step"] == cu["admitted_step"]] == [2], why
     assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
     _assert_equal(final, why)

@@ -310,7 +310,7 @@ def test_the_bench_summary_subtracts_each_fragments_unsynced_steps_from_the_good
 def test_steps_trained_before_the_admission_count_only_if_the_round_that_admitted_it_took_them() -> None:
     from shoal.bench.chaos_stats import admission_stalls, progress_steps, unsynced_steps
 
-    def restart(kept: bool | None) -> list[dict[str, Any]]:
+    def restart(kept: int | None) -> list[dict[str, Any]]:
         # Three inner steps on its own counter before its admission (``early``), then the survivors' step 40 on.
         out: list[dict[str, Any]] = [{"event": "joined", "t": 5.0, "started": 4.0, "pid": 7}]
         out += [{"t": 5.0 + i, "dt": 1.0, "step": i, "round": 0, "discards": 0, "early": True} for i in (1, 2, 3)]
@@ -320,10 +320,11 @@ def test_steps_trained_before_the_admission_count_only_if_the_round_that_admitte
             out.append({"t": 10.0, "dt": 1.0, "step": 41, "round": 10, "discards": 0, "early": False})
         return out
 
-    assert [e["step"] for e in progress_steps(restart(True))] == [1, 2, 3, 40, 41]
+    assert [e["step"] for e in progress_steps(restart(3))] == [1, 2, 3, 40, 41]
     # ... committed by the round that admitted it (at 9.0), not when they were trained
-    assert [e["t"] for e in progress_steps(restart(True))] == [9.0, 9.0, 9.0, 9.0, 10.0]
-    assert [e["step"] for e in progress_steps(restart(False))] == [40, 41]   # dropped as stale
+    assert [e["t"] for e in progress_steps(restart(3))] == [9.0, 9.0, 9.0, 9.0, 10.0]
+    assert [e["step"] for e in progress_steps(restart(2))] == [2, 3, 40, 41]   # reloaded after the first
+    assert [e["step"] for e in progress_steps(restart(0))] == [40, 41]   # dropped as stale
     assert progress_steps(restart(None)) == []   # killed before its admission: nothing of it counts
     assert unsynced_steps(restart(None), {"period": 8, "offsets": [0], "weights": [1.0]}) == 0.0
     # Its admission is the first step after the early ones, not its first logged step.
@@ -331,6 +332,6 @@ def test_steps_trained_before_the_admission_count_only_if_the_round_that_admitte
         {"t": float(t), "dt": 1.0, "step": t, "round": t // 4, "discards": 0} for t in range(1, 8)] + [
         {"t": 9.5, "dt": 1.0, "step": 40, "round": 10, "discards": 0}]
     logs = {(0, 0): survivor, (1, 0): [{"event": "joined", "t": 0.0, "started": 0.0, "pid": 2}],
-            (1, 1): restart(True)}
+            (1, 1): restart(3)}
     got = admission_stalls(logs, [{"t": 0.5, "rank": 1, "life": 0, "survivors": [1]}], median=1.0)
     assert got[0]["admission_stall_s"] == 1.5   # the survivor's gap 7.0 -> 9.5 that committed round 10
