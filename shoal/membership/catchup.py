@@ -650,14 +650,9 @@ class CatchUp:
         fetch = self.fetch
         blob, _ = self._downloaded(fetch) if fetch is not None else (None, None)
         self.fetch = None
-        own: set[str] = set().union(*(r.own(g.hooks.states) for r in self.replayers))
-        keys = tuple(sorted(set(g.hooks.states) - self._covered() - own))
-        key, body = self._key(self.hid, f"ready/{g.client.member_id}"), {"from": t + 1, "keys": list(keys)}
-        ok, _ = self._stored("this joiner's ready record", lambda: g.client.store.set(key, g.client.book.seal(body)),
-                             g.timeouts.heartbeat_timeout)
-        if not ok or blob is None:
-            g._record(CommTimeoutError(f"the coordinator at {g.client.address} did not take this joiner's ready "
-                                       f"record (heal {self.hid}): this step fails on every member"))
+        keys = self._write_ready(t, g.timeouts.heartbeat_timeout)
+        if keys is None or blob is None:
+            self._ready_not_taken()
             self._rebase(None)
             self.hid, g._fresh = -1, True   # needy again in the next quorum
             return
@@ -873,6 +868,23 @@ class CatchUp:
                 self.pace.committed(time.monotonic(), open_slot=not self.group.quorum_pending)
                 self.stats.slots = self.pace.slots
 
+    def _write_ready(self, t: int, wait: float) -> tuple[str, ...] | None:
+        """This joiner's signed "ready" record for step ``t`` (it contributes from ``t + 1``, and names the state
+        keys the top-up brings: neither replayed nor its own): those keys, or None if the coordinator did not
+        take it within ``wait`` s."""
+        g = self.group
+        own: set[str] = set().union(*(r.own(g.hooks.states) for r in self.replayers))
+        keys = tuple(sorted(set(g.hooks.states) - self._covered() - own))
+        key, body = self._key(self.hid, f"ready/{g.client.member_id}"), {"from": t + 1, "keys": list(keys)}
+        ok, _ = self._stored("this joiner's ready record", lambda: g.client.store.set(key, g.client.book.seal(body)),
+                             wait)
+        return keys if ok else None
+
+    def _ready_not_taken(self) -> None:
+        g = self.group
+        g._record(CommTimeoutError(f"the coordinator at {g.client.address} did not take this joiner's ready record "
+                                   f"(heal {self.hid}): this step fails on every member"))
+
     def _catch_up(self, p: Pending, t: int, fetch: Fetch, in_step: bool = True) -> None:
         """Load the finished download and replay; first its signed "ready" record (the keys to top up) goes to
         the store. A record the coordinator does not take leaves everything as it was, to try again: at a
@@ -889,15 +901,10 @@ class CatchUp:
         if len(self.records) != t - self.stats.admitted_step:
             raise ShoalError(f"background heal: {len(self.records)} updates recorded for steps "
                              f"{self.stats.admitted_step}..{t - 1}; a committed step was not recorded")
-        own: set[str] = set().union(*(r.own(g.hooks.states) for r in self.replayers))
-        keys = tuple(sorted(set(g.hooks.states) - self._covered() - own))
-        key, body = self._key(self.hid, f"ready/{g.client.member_id}"), {"from": t + 1, "keys": list(keys)}
-        ok, _ = self._stored("this joiner's ready record", lambda: g.client.store.set(key, g.client.book.seal(body)),
-                             0.0 if not in_step else g.timeouts.heartbeat_timeout)
-        if not ok:
+        keys = self._write_ready(t, 0.0 if not in_step else g.timeouts.heartbeat_timeout)
+        if keys is None:
             if in_step:
-                g._record(CommTimeoutError(f"the coordinator at {g.client.address} did not take this joiner's "
-                                           f"ready record (heal {self.hid}): this step fails on every member"))
+                self._ready_not_taken()
             return
         self.fetch, self.pace = None, None   # it ended: nothing to stop
         self._replay(blob)
