@@ -271,7 +271,9 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
 def _cache_dir(a: argparse.Namespace) -> str | None:
     """Where ``--state-cache`` keeps the slots' files: ``/dev/shm`` if it has room for them (a container's is
     often 64 MB), else the default temporary folder (on disk: slower to write, the same bytes)."""
-    need = a.workers * 32 * (3_300_000 if a.task == "lm" else 120_000)   # two fp32 copies a slot, and margin
+    # a slot's copy (global copies and outer momentum) and its own inner AdamW state beside it: 4 fp32 numbers a
+    # parameter; twice while a write's .tmp replaces them; and margin
+    need = a.workers * 40 * (3_300_000 if a.task == "lm" else 120_000)
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need:
         return "/dev/shm"
     print(f"--state-cache: /dev/shm lacks {need >> 20} MB; the files go to {tempfile.gettempdir()}", flush=True)

@@ -69,13 +69,14 @@ from shoal.membership.pace import StepPace, heal_pace, heal_rate
 from shoal.membership.preadmit import ADMIT_WAIT_S, EarlyEntry, held_mark
 from shoal.membership.received import check_received
 from shoal.membership.replay import OptimizerReplay, Replayer
-from shoal.membership.seed import StateSeed
+from shoal.membership.seed import StateSeed, keep_own, restore_own
 from shoal.membership.stateserve import SnapshotServer, clone_tree, local_address
 
 log = logging.getLogger("shoal.elastic")
 MODES = ("blocking", "background")
 EARLY_PEEK_S = 0.5   # a source between rounds reads a newer quorum's record at most this often
 JOIN_MARGIN = 2      # ... and dissolves its quorum for a join only this many inner steps or more before a round
+OWN_TAG = "own-state"   # the store-key name whose run-qualified form tags a slot's own-state file (seed.restore_own)
 __all__ = ["CatchUp", "CatchUpStats", "OptimizerReplay", "Pending", "Replayer", "MODES", "heal_pace", "heal_rate"]
 
 
@@ -111,6 +112,8 @@ class CatchUpStats:
     #                                       (preadmit.py; -1: it did not, or they were dropped as stale)
     early_from_copy: bool = False         # ... it began training from this host's copy (SHOAL_STATE_CACHE)
     early_reloads: int = 0                # ... that copy was stale: it reloaded the offered state meanwhile
+    own_restored: int = 0         # loads after which its own state (DiLoCo's inner optimizer) resumed its last
+    #                               life's, kept on this host (seed.py), instead of starting empty
     first_weight: float = 0.0     # its weight in the first round it contributed to (its share of a period)
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
@@ -809,6 +812,9 @@ class CatchUp:
                 r.replay(update)
         for r in self.replayers:
             r.caught_up()
+        if self.seed is not None and restore_own(self.seed, self.replayers, g.client.key(OWN_TAG)):
+            self.stats.own_restored += 1   # its inner optimizer resumes its last life's, not empty
+            g.trace("own-restored")
         self.stats.replayed, self.records = len(self.records), []
         with self._seed_lock:   # the host's copy is stale now: the end of the next inner step writes it
             self._seed_due = True
@@ -839,14 +845,15 @@ class CatchUp:
 
     def save_seed(self) -> bool:
         """A member of an averaging strategy between two rounds: after a round committed (and once at the
-        start), write what a joiner's download covers to this worker slot's file on this host (seed.py), from
-        a background thread; only the clone runs here. True if it asked for a write."""
+        start), write what a joiner's download covers to this worker slot's file on this host (seed.py), and
+        beside it what is its own (the inner optimizer's state), from a background thread; only the clones run
+        here. True if it asked for a write."""
         g = self.group
         if (self.seed is None or not self.enabled or not self._seed_due or g._in_step or not self.caught_up
                 or g.quorum is None or not self._after_commit()):
             return False
         self._seed_due = False
-        self.seed.save(self._snapshot())
+        self.seed.save(self._snapshot(), keep_own(self.replayers, g.client.key(OWN_TAG)))
         return True
 
     def _record(self) -> None:

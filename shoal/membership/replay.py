@@ -40,6 +40,14 @@ class Replayer(Protocol):
     def caught_up(self) -> None:
         """After the snapshot is loaded and every recorded update replayed."""
 
+    def keep_own(self) -> Any:
+        """A copy (cloned on the training thread's stream) of what of :meth:`own` this worker slot's next life on
+        this host may start from (``SHOAL_STATE_CACHE``, :mod:`shoal.membership.seed`), or None: nothing."""
+
+    def restore_own(self, kept: Any) -> str | None:
+        """After :meth:`caught_up`: load ``kept`` (what an earlier life's :meth:`keep_own` returned, read back
+        from this host). None if it was loaded, else why not (what it would replace is left as it is)."""
+
 
 class OptimizerReplay:
     """Replays optimizer steps: records the averaged ``.grad`` of every parameter, then steps with it.
@@ -84,3 +92,9 @@ class OptimizerReplay:
 
     def caught_up(self) -> None:
         return None
+
+    def keep_own(self) -> Any:
+        return None   # nothing is a member's own: the optimizer state is the run's (replayed)
+
+    def restore_own(self, kept: Any) -> str | None:
+        return "a step-synchronous member keeps nothing of its own"

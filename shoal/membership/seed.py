@@ -23,16 +23,26 @@ changed are fetched: DiLoCo changes all of them at each round, streaming
 DiLoCo the ranges of the fragments it synchronised. Step-synchronous
 strategies (DDP, ZeRO) change every range at every step: no file is written.
 
-The file holds one model's worth of state per worker slot (in RAM if it is
-on ``/dev/shm``); a write that fails (a full disk) is logged once and the
-cache is switched off for this life.
+Beside it, in ``<file>.own``, the member keeps what is its own and never
+sent: DiLoCo's inner optimizer state, written with each copy. Its next life
+loads it after the heal instead of starting that optimizer empty (a fresh
+Adam's first steps are about the learning rate in every coordinate: several
+times a warm one's, docs/BENCHMARKS.md), if the file is this run's and every
+tensor fits its parameter; otherwise the optimizer starts empty, as without
+a cache. Nobody else can check these bytes, and nobody else uses them: they
+shape only this worker's own steps from there on.
+
+The files hold one model's worth of state per worker slot and the slot's
+own optimizer state (in RAM if they are on ``/dev/shm``); a write that fails
+(a full disk) is logged once and the cache is switched off for this life.
 
 Example::
 
     seed = StateSeed.from_env()            # None without SHOAL_STATE_CACHE
     if seed is not None:
-        seed.save(clone_tree(states))      # after a round: written on a background thread
+        seed.save(clone_tree(states), own=clone_tree(inner))   # after a round: written on a background thread
         old = seed.read()                  # the next life: the bytes, or None
+        mine = seed.read_own()             # ... and its own part (a tree), or None
 """
 
 from __future__ import annotations
@@ -40,15 +50,19 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Sequence
 
+import torch
+
+from shoal.comm.objects import from_bytes
 from shoal.comm.streams import SideStream
 from shoal.errors import ConfigError
 from shoal.membership.stateserve import serialise_snapshot, side_after
 
 log = logging.getLogger("shoal.elastic")
 ENV = "SHOAL_STATE_CACHE"
-__all__ = ["ENV", "StateSeed"]
+OWN = ".own"   # the suffix of the file beside it that holds the slot's own state
+__all__ = ["ENV", "OWN", "StateSeed", "keep_own", "restore_own"]
 
 
 class StateSeed:
@@ -61,7 +75,7 @@ class StateSeed:
         self.broken: str | None = None      # why writing was switched off (None: it works)
         self.writes = 0                     # files written this life
         self._lock = threading.Lock()
-        self._next: tuple[Any, SideStream, Any] | None = None   # the newest tree not written yet
+        self._next: tuple[Any, Any, SideStream, Any] | None = None   # the newest trees not written yet
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -80,14 +94,30 @@ class StateSeed:
             log.warning("could not read the state cache %s (%s): the heal downloads everything", self.path, e)
             return None
 
-    def save(self, tree: Any) -> None:
+    def read_own(self) -> Any:
+        """The own part the last life wrote beside the copy (a tree of CPU tensors), or None: no such file, or one
+        that cannot be read or unpickled (logged)."""
+        path = self.path + OWN
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            return from_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - unreadable or not a torch.save of a tree: start that state empty
+            log.warning("could not read this worker's own state kept in %s (%s: %s): it starts empty", path,
+                        type(e).__name__, e)
+            return None
+
+    def save(self, tree: Any, own: Any = None) -> None:
         """Write ``tree`` (a :func:`~shoal.membership.stateserve.clone_tree` copy, taken at a step boundary on the
-        training thread) to the file from a background thread; a newer tree replaces one still waiting."""
+        training thread) to the file, and ``own`` (such a copy too; None: nothing) to the file beside it, from a
+        background thread; newer trees replace ones still waiting."""
         if self.broken is not None:
             return
-        side, ready = side_after(tree)
+        side, ready = side_after((tree, own))
         with self._lock:
-            self._next = (tree, side, ready)
+            self._next = (tree, own, side, ready)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._write, name="shoal-state-cache", daemon=True)
                 self._thread.start()
@@ -107,18 +137,57 @@ class StateSeed:
                 if job is None or self.broken is not None:
                     self._thread = None
                     return
-            tree, side, ready = job
-            tmp = f"{self.path}.{os.getpid()}.tmp"   # the launcher removes what a kill leaves
-            try:
-                data = serialise_snapshot(tree, side, ready)
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, self.path)   # the file is the old copy or the new one, never half of one
-                self.writes += 1
-            except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder: no cache, training goes on
-                self.broken = f"{type(e).__name__}: {e}"
-                log.warning("could not write the state cache %s (%s); it is off for this worker's life", self.path, e)
+            tree, own, side, ready = job
+            # The own part first: a copy on disk is never newer than the own part beside it (a kill between the
+            # two leaves the new own part with the old copy: a round's difference in the slot's own state).
+            for path, part in ([(self.path + OWN, own)] if own is not None else []) + [(self.path, tree)]:
+                tmp = f"{path}.{os.getpid()}.tmp"   # the launcher removes what a kill leaves
                 try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                    data = serialise_snapshot(part, side, ready)
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                    os.replace(tmp, path)   # the file is the old one or the new one, never half of one
+                except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder: no cache, training goes on
+                    self.broken = f"{type(e).__name__}: {e}"
+                    log.warning("could not write the state cache %s (%s); it is off for this worker's life", path, e)
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                    break
+            else:
+                self.writes += 1
+
+
+def keep_own(replayers: Sequence[Any], run: str) -> Any:
+    """What the replayers (:class:`~shoal.membership.replay.Replayer`) keep of a member's own state for its next
+    life, tagged with the run (``run``: a key of this run's), or None where none keeps anything yet."""
+    kept = [r.keep_own() for r in replayers]
+    return {"run": run, "kept": kept} if any(k is not None for k in kept) else None
+
+
+def restore_own(seed: StateSeed, replayers: Sequence[Any], run: str) -> bool:
+    """After a heal loaded the run's state and the replayers reset what is each member's own: load what this
+    slot's last life kept of it (:func:`keep_own`, read from the file beside the copy), if the file is this
+    run's (``run``) and each part fits; True if some part was loaded. What does not fit is logged and left
+    empty, as without a cache."""
+    got = seed.read_own()
+    if got is None:
+        return False
+    if not isinstance(got, dict) or got.get("run") != run or len(got.get("kept") or ()) != len(replayers):
+        log.warning("the own state kept in %s%s is not this run's: this worker's own optimizer starts empty",
+                    seed.path, OWN)
+        return False
+    loaded = False
+    for r, kept in zip(replayers, got["kept"]):
+        if kept is None:
+            continue
+        why = r.restore_own(kept)
+        if why is None:
+            loaded = True
+        else:
+            log.warning("not resuming the own state kept in %s%s (%s): it starts empty", seed.path, OWN, why)
+    if loaded:
+        log.info("resumed this worker's own optimizer state from its last life's copy on this host (%s%s)",
+                 seed.path, OWN)
+    return loaded

@@ -15,8 +15,10 @@ with it: the same operation on the same values as the survivors ran, so its
 global copies and outer state are then bitwise theirs. Its parameters are
 rebuilt from the global copies (as after a blocking heal), its inner
 optimizer starts afresh (each worker's own in DiLoCo; what it accumulated on
-its own model while downloading is dropped), and the small rest (the codec's
-counters, the module's buffers) comes with the top-up.
+its own model while downloading is dropped) or, where its host kept its last
+life's (``SHOAL_STATE_CACHE``, :mod:`shoal.membership.seed`), resumes that
+one, and the small rest (the codec's counters, the module's buffers) comes
+with the top-up.
 
 A worker that asked to join before the survivors' next round may begin its
 download before that round: the survivors offer it their snapshot from
@@ -74,6 +76,7 @@ import torch
 from shoal.codecs.base import Codec
 from shoal.comm.finite import nonfinite_flag, read_flag
 from shoal.comm.stepping import StateEntry
+from shoal.membership.stateserve import clone_tree
 
 
 class OuterReplay:
@@ -81,7 +84,8 @@ class OuterReplay:
 
     Covers ``<key>/strategy`` (global copies, outer optimizer state); needs
     ``<key>/round`` and ``<key>/schedule`` at admission; ``<key>/optimizer``
-    (the inner optimizer) is each member's own and restarts empty.
+    (the inner optimizer) is each member's own: it restarts empty, or from
+    what its host kept of its last life's (:meth:`keep_own`, :meth:`restore_own`).
     """
 
     # The joiner's download starts once the round that admitted it committed (shoal.membership.catchup): a round
@@ -152,7 +156,34 @@ class OuterReplay:
         for f in self.strategy.fragments:
             self.strategy._reset_to_global(f)
         self.optimizer.state.clear()   # trained on the joiner's own model while it downloaded: start afresh
-        self.entered = self.strategy.step
+        self.entered = self.strategy.step   # (or from its last life's, restore_own, where this host kept it)
+
+    def keep_own(self) -> dict[str, Any] | None:
+        """The inner optimizer's per-parameter state (None before its first step), for this worker slot's next
+        life on this host: it then resumes a warm optimizer instead of an empty one (a fresh Adam's first steps
+        are about the learning rate in every coordinate, several times a warm one's)."""
+        state = self.optimizer.state_dict()["state"]
+        return {"type": type(self.optimizer).__name__, "state": clone_tree(state)} if state else None
+
+    def restore_own(self, kept: Any) -> str | None:
+        """Load the inner optimizer state ``kept`` (:meth:`keep_own` of an earlier life) into the empty inner
+        optimizer, keeping this life's hyperparameters (a scheduler's learning rate): None if loaded, else why
+        not (a different optimizer, parameters of other shapes)."""
+        opt = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if not isinstance(kept, dict) or kept.get("type") != type(opt).__name__ or not isinstance(
+                kept.get("state"), dict):
+            return f"it was kept by another optimizer than this {type(opt).__name__}"
+        for i, st in kept["state"].items():
+            if not isinstance(i, int) or not 0 <= i < len(params) or not isinstance(st, dict):
+                return f"it names parameter {i!r}, of {len(params)}"
+            for name, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != params[i].shape:
+                    return (f"its {name!r} of parameter {i} has shape {tuple(v.shape)}, the parameter "
+                            f"{tuple(params[i].shape)}")
+        # A copy: on the CPU load_state_dict keeps the tensors it is given, which the optimizer then updates.
+        opt.load_state_dict({"state": clone_tree(kept["state"]), "param_groups": opt.state_dict()["param_groups"]})
+        return None
 
 
 def enter_between_rounds(strategy: Any) -> None:

@@ -249,7 +249,10 @@ def main() -> None:
     result = {"log": log, "discarded": discarded, "synced": synced_state(strategy, model), "stats": vars(group.stats),
               "catchup": asdict(group.catchup.stats), "contributed": strategy.rounds.contributed,
               "rank": rank, "life": life, "step": strategy.step,
-              "seed_writes": group.catchup.seed.writes if group.catchup.seed is not None else 0}
+              "seed_writes": group.catchup.seed.writes if group.catchup.seed is not None else 0,
+              # its inner Adam's step count, and the inner step it counts its progress from (its last load)
+              "inner_step": int(inner.state[next(iter(net.parameters()))]["step"]),
+              "entered": group.catchup.replayers[0].entered}
     save_and_leave(a.out, rank, life, result, group)
 
 

@@ -206,7 +206,17 @@ def test_a_restart_on_the_same_host_takes_the_unchanged_state_from_its_copy(frag
     assert cu["seeded_bytes"] == joiner["stats"]["heal_bytes"] > 0 and cu["download_bytes"] == 0, why
     assert all(s["seed_writes"] >= 2 for s in final), why   # the initial state, then after rounds
     assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
+    _assert_own_resumed(joiner, why)
     _assert_equal(final, why)
+
+
+def _assert_own_resumed(joiner: dict[str, Any], why: str, resumed: bool = True) -> None:
+    """The restart's inner Adam resumed the step count its first life had at the kill (2 periods: its host's
+    copy, seed.py, was written after that round), not an empty one: it counts those plus its steps since its
+    last load (not resumed: only those)."""
+    since = joiner["step"] - joiner["entered"]
+    assert (joiner["catchup"]["own_restored"] >= 1) == resumed, why
+    assert joiner["inner_step"] == (2 * PERIOD if resumed else 0) + since and since > 0, why
 
 
 
@@ -239,6 +249,7 @@ def test_a_restart_holding_the_state_trains_before_its_admission_and_its_round_t
         assert cu["seeded_bytes"] == joiner["stats"]["heal_bytes"] and cu["download_bytes"] == 0, why
     else:
         assert 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why
+    _assert_own_resumed(joiner, why, resumed=seeded)   # without a host's copy its inner optimizer starts empty
     weight = min(1.0, k / PERIOD)
     assert cu["first_weight"] == pytest.approx(weight), why
     for s in survivors:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,8 +21,9 @@ from shoal.comm.objects import from_bytes, to_bytes
 from shoal.errors import ConfigError
 from shoal.membership import seed as seed_mod
 from shoal.membership import stateserve
-from shoal.membership.seed import StateSeed
+from shoal.membership.seed import StateSeed, keep_own, restore_own
 from shoal.membership.stateserve import Download, SnapshotServer, Source, clone_tree, digest_span, range_digests
+from shoal.strategies.diloco_heal import OuterReplay
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_stateserve import RUN, TOKEN  # noqa: E402
@@ -147,3 +149,81 @@ def test_the_environment_names_one_file(tmp_path: Any, monkeypatch: pytest.Monke
     monkeypatch.setenv(seed_mod.ENV, str(tmp_path / "a.state"))
     got = StateSeed.from_env()
     assert got is not None and got.path == str(tmp_path / "a.state")
+
+
+# --- the slot's own state beside the copy (seed.keep_own / restore_own; DiLoCo's inner optimizer) ---
+
+RUN_TAG = "run-a/own-state"
+
+
+def _inner(seed: int = 0, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer, OuterReplay]:
+    """A small model with an AdamW that stepped ``steps`` times, and the DiLoCo replayer that keeps its state."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for _ in range(steps):
+        net(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return net, opt, OuterReplay(SimpleNamespace(config=SimpleNamespace(overlap_steps=0)), "k", opt)
+
+
+def _same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    return sa.keys() == sb.keys() and all(
+        sa[i].keys() == sb[i].keys() and all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i]) for i in sa)
+
+
+def test_the_own_state_is_written_beside_the_copy_and_a_next_life_resumes_it(tmp_path: Any) -> None:
+    path = str(tmp_path / "slot-0.state")
+    seed = StateSeed(path)
+    _, old, old_replay = _inner(steps=3)
+    assert keep_own([_inner(steps=0)[2]], RUN_TAG) is None   # nothing to keep before the first step
+    seed.save(clone_tree(_tree()), keep_own([old_replay], RUN_TAG))
+    assert seed.flush(30) and seed.writes == 1
+    assert sorted(os.listdir(tmp_path)) == ["slot-0.state", "slot-0.state" + seed_mod.OWN]
+    assert seed.read() == _blob(_tree())   # the copy the download compares is unchanged by the own part
+    _, new, replay = _inner(seed=1, steps=0)   # the next life: its optimizer empty after the heal's reset
+    assert restore_own(seed, [replay], RUN_TAG) and _same_state(new, old)
+    new.param_groups[0]["lr"] = 5e-3   # this life's hyperparameters stay (a scheduler's lr)
+    assert restore_own(seed, [replay], RUN_TAG) and new.param_groups[0]["lr"] == 5e-3
+    kept = seed.read_own()
+    net = [p for g in new.param_groups for p in g["params"]]
+    for p in net:
+        p.grad = torch.ones_like(p)
+    new.step()   # it trains on from there; what it loaded was a copy: a later load gets the kept state again
+    assert torch.equal(kept["kept"][0]["state"][0]["exp_avg"], seed.read_own()["kept"][0]["state"][0]["exp_avg"])
+    assert int(new.state[net[0]]["step"]) == 4
+
+
+@pytest.mark.parametrize("case", ["other run", "other optimizer", "other shapes", "unreadable", "none"])
+def test_an_own_state_that_is_not_this_runs_or_does_not_fit_is_not_loaded(case: str, tmp_path: Any,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tmp_path / "slot-0.state")
+    seed = StateSeed(path)
+    _, _, old_replay = _inner(steps=2)
+    if case == "other optimizer":
+        net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+        sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        net(torch.randn(4, 6)).sum().backward()
+        sgd.step()
+        old_replay = OuterReplay(SimpleNamespace(config=SimpleNamespace(overlap_steps=0)), "k", sgd)
+    if case == "other shapes":
+        torch.manual_seed(0)
+        wide = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 2))
+        opt = torch.optim.AdamW(wide.parameters(), lr=1e-2)
+        wide(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        old_replay = OuterReplay(SimpleNamespace(config=SimpleNamespace(overlap_steps=0)), "k", opt)
+    if case != "none":
+        seed.save(clone_tree(_tree()), keep_own([old_replay], "run-b/own-state" if case == "other run" else RUN_TAG))
+        assert seed.flush(30)
+    if case == "unreadable":
+        with open(path + seed_mod.OWN, "wb") as f:
+            f.write(b"not a torch.save")
+    _, new, replay = _inner(seed=1, steps=0)
+    assert not restore_own(seed, [replay], RUN_TAG)
+    assert new.state_dict()["state"] == {}   # left empty: it starts as without a cache
+    why = {"other run": "is not this run's", "other optimizer": "another optimizer than this AdamW",
+           "other shapes": "has shape (7, 6), the parameter (5, 6)", "unreadable": "could not read", "none": ""}
+    assert why[case] in caplog.text
