@@ -182,7 +182,11 @@ class OuterReplay:
                     return (f"its {name!r} of parameter {i} has shape {tuple(v.shape)}, the parameter "
                             f"{tuple(params[i].shape)}")
         # A copy: on the CPU load_state_dict keeps the tensors it is given, which the optimizer then updates.
-        opt.load_state_dict({"state": clone_tree(kept["state"]), "param_groups": opt.state_dict()["param_groups"]})
+        try:
+            opt.load_state_dict({"state": clone_tree(kept["state"]), "param_groups": opt.state_dict()["param_groups"]})
+        except Exception as e:  # noqa: BLE001 - whatever else does not fit: this worker trains on, from empty
+            opt.state.clear()
+            return f"loading it raised {type(e).__name__}: {e}"
         return None
 
 

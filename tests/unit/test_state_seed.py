@@ -196,7 +196,7 @@ def test_the_own_state_is_written_beside_the_copy_and_a_next_life_resumes_it(tmp
     assert int(new.state[net[0]]["step"]) == 4
 
 
-@pytest.mark.parametrize("case", ["other run", "other optimizer", "other shapes", "unreadable", "none"])
+@pytest.mark.parametrize("case", ["other run", "other optimizer", "other shapes", "unreadable", "none", "load fails"])
 def test_an_own_state_that_is_not_this_runs_or_does_not_fit_is_not_loaded(case: str, tmp_path: Any,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
     path = str(tmp_path / "slot-0.state")
@@ -222,8 +222,15 @@ def test_an_own_state_that_is_not_this_runs_or_does_not_fit_is_not_loaded(case: 
         with open(path + seed_mod.OWN, "wb") as f:
             f.write(b"not a torch.save")
     _, new, replay = _inner(seed=1, steps=0)
+    if case == "load fails":   # anything the checks above miss: logged, and the optimizer left empty
+
+        def half_then_raise(state: Any) -> None:
+            new.state[next(iter(new.param_groups[0]["params"]))]["step"] = torch.tensor(9.0)
+            raise ValueError("no")
+        new.load_state_dict = half_then_raise  # type: ignore[method-assign]
     assert not restore_own(seed, [replay], RUN_TAG)
     assert new.state_dict()["state"] == {}   # left empty: it starts as without a cache
     why = {"other run": "is not this run's", "other optimizer": "another optimizer than this AdamW",
-           "other shapes": "has shape (7, 6), the parameter (5, 6)", "unreadable": "could not read", "none": ""}
+           "other shapes": "has shape (7, 6), the parameter (5, 6)", "unreadable": "could not read", "none": "",
+           "load fails": "loading it raised ValueError: no"}
     assert why[case] in caplog.text
