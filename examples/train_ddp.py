@@ -5,10 +5,13 @@ Run on 2 local workers:
     torchrun --nproc-per-node 2 examples/train_ddp.py --steps 200
     shoal run -n 2 examples/train_ddp.py --steps 200
     shoal run -n 2 --elastic examples/train_ddp.py --steps 200 --elastic
+    shoal run -n 3 --elastic --max-restarts 1 --kill 2@5 examples/train_ddp.py --elastic --global-batch 192 --steps 800
 
 With ``--elastic`` it builds an ElasticGroup from the launcher's environment
 (workers may die, restart and join; docs/elastic.md); across machines see
-docs/multinode.md and examples/multinode/.
+docs/multinode.md and examples/multinode/. ``--global-batch`` keeps the
+step's batch when a worker is lost: the survivors take over its share
+(docs/elastic.md, "Keeping the global batch when a worker is lost").
 
 The only shoal-specific lines are `shoal.init()` and the wrapper; everything
 else is a plain PyTorch loop. Each rank reads its own shard of the batches.
@@ -28,6 +31,8 @@ from pydoc_data.topics import topics
 from torch import nn
 
 import shoal
+from shoal.elastic import global_share
+from shoal.steps import open_step
 
 CONTEXT = 16  # bytes of context the model sees
 
@@ -48,6 +53,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="per worker")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--elastic", action="store_true", help="an elastic run (shoal run --elastic)")
+    ap.add_argument("--global-batch", type=int, default=0,
+                    help="samples per step over all workers, the survivors of a kill taking its "
+                         "share (0: --batch per worker, so the step's batch shrinks while one is missing)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -67,7 +75,11 @@ def main() -> None:
     t0 = time.perf_counter()
     step = 0
     while step < args.steps:
-        starts = torch.randint(0, len(data) - CONTEXT - 1, (args.batch,), generator=g)
+        n = args.batch
+        if args.global_batch:
+            open_step(group)                          # adopt this step's quorum first: who is there to share
+            n = global_share(group, args.global_batch)   # e.g. 64 of 3 workers, 96 of 2 survivors
+        starts = torch.randint(0, len(data) - CONTEXT - 1, (n,), generator=g)
         window = data[starts.to(device).unsqueeze(1) + torch.arange(CONTEXT + 1, device=device)]
         loss = F.cross_entropy(model(window[:, :-1]), window[:, -1])
         loss.backward()
@@ -77,7 +89,8 @@ def main() -> None:
         step = group.step if args.elastic else step + 1
         if step and group.rank == 0 and (step % 50 == 0 or step == args.steps):
             s = model.comm_stats()
-            print(f"step {step}: loss {loss.item():.3f}  {(time.perf_counter() - t0) / step * 1e3:.1f} ms/step  "
+            print(f"step {step}: loss {loss.item():.3f}  {n} samples here of {group.size} workers  "
+                  f"{(time.perf_counter() - t0) / step * 1e3:.1f} ms/step  "
                   f"{s.last.bytes_sent / 1e6:.2f} MB sent/step  {s.total.wait_seconds:.2f} s waiting in total",
                   flush=True)
     if args.elastic:

@@ -39,13 +39,13 @@ from shoal.comm.group import Group
 from shoal.membership.catchup import OptimizerReplay
 from shoal.membership.elastic import BackendSpec, ElasticGroup, ElasticStats, gloo_backend
 from shoal.membership.coordinator import Coordinator, Quorum, Timeouts
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, ShoalError
 from shoal.steps import open_step
 from shoal.strategies.rounds import FailurePolicy, run_round
 
 __all__ = [
     "ElasticGroup", "ElasticOptimizer", "ElasticSampler", "ElasticStats", "Timeouts", "Quorum",
-    "Coordinator", "BackendSpec", "gloo_backend", "FailurePolicy", "run_round", "shard",
+    "Coordinator", "BackendSpec", "gloo_backend", "FailurePolicy", "run_round", "shard", "global_share",
 ]
 
 
@@ -102,11 +102,27 @@ class ElasticSampler:
     """Hands each worker its share of every step's global batch, following membership.
 
     The run reads one stream of sample indices (a fresh permutation per epoch,
-    seeded identically everywhere). A step of a quorum of ``size`` workers
-    takes the next ``size * batch_size`` indices; the worker of rank ``r``
-    gets the ``r``-th slice. The stream's cursor advances only when a step
-    commits, so a discarded step's samples are read again, and it is healed
-    into newcomers, so nobody restarts the epoch.
+    seeded identically everywhere). A step takes the next indices of the
+    stream for the workers whose data counts in it (its *contributors*: every
+    worker, except joiners still catching up in the background, whose
+    gradients count zero); the contributor of order ``i`` among them (by rank)
+    gets the ``i``-th slice. A joiner catching up gets the slice after them
+    (samples the next step reads again), so no sample is skipped on its
+    account. The stream's cursor advances only when a step commits, so a
+    discarded step's samples are read again, and it is healed into
+    newcomers, so nobody restarts the epoch.
+
+    Two ways to size a step (give exactly one):
+
+    - ``batch_size``: samples per worker per step; the global batch shrinks
+      when a worker dies (and while a joiner catches up) and grows back.
+    - ``global_batch``: samples per step over the whole run; each contributor
+      takes ``ceil(global_batch / contributors)`` (:func:`global_share`), so
+      the survivors of a kill take over its share and the step's global batch
+      stays ``global_batch`` (rounded up to a multiple of the contributors:
+      equal shares keep the gradient mean exact). For loops bound by a slow
+      network, where the extra samples cost little; a step's sample count is
+      :attr:`last_global` after :meth:`next_batch`.
 
     Args:
         num_samples: length of the dataset.
@@ -114,21 +130,32 @@ class ElasticSampler:
         batch_size: samples per worker per step.
         seed: permutation seed (the same on every worker).
         shuffle: False reads the dataset in order.
+        global_batch: samples per step over all contributors (instead of ``batch_size``).
 
     Example::
 
         data = ElasticSampler(len(ds), group, batch_size=32)
         idx = data.next_batch()           # list of 32 indices for this worker
+        data = ElasticSampler(len(ds), group, global_batch=128)
+        idx = data.next_batch()           # 32 of 4 workers, 43 of 3 survivors
     """
 
-    def __init__(self, num_samples: int, group: Group | ElasticGroup, batch_size: int, seed: int = 0,
-                 shuffle: bool = True, key: str = "sampler") -> None:
-        for name, v in (("num_samples", num_samples), ("batch_size", batch_size)):
+    def __init__(self, num_samples: int, group: Group | ElasticGroup, batch_size: int | None = None, seed: int = 0,
+                 shuffle: bool = True, key: str = "sampler", *, global_batch: int | None = None) -> None:
+        if (batch_size is None) == (global_batch is None):
+            raise ConfigError("ElasticSampler takes exactly one of batch_size (samples per worker per step) and "
+                              f"global_batch (samples per step over all workers), got batch_size={batch_size!r}, "
+                              f"global_batch={global_batch!r}")
+        for name, v in (("num_samples", num_samples), ("batch_size", batch_size), ("global_batch", global_batch)):
+            if v is None and name != "num_samples":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
         self.num_samples, self.batch_size, self.seed, self.shuffle = num_samples, batch_size, seed, shuffle
+        self.global_batch = global_batch
         self.group = group
         self.cursor = 0          # position in the run's index stream of the next step
+        self.last_global = 0     # samples the current step's contributors read (after next_batch)
         self._pending = 0
         self._perm: tuple[int, torch.Tensor] | None = None
         group.register_state(group.unique_name(key), lambda: {"cursor": self.cursor}, self._load)
@@ -149,9 +176,11 @@ class ElasticSampler:
         if self._pending and members_fixed(self.group):
             self._advance()   # a static group's step always commits, whether or not anything voted it
         open_step(self.group)   # no round: the step's quorum gives the slice; the optimizer votes it
-        self._pending = self.group.size * self.batch_size
-        start = self.cursor + self.group.rank * self.batch_size
-        return [self._index(p) for p in range(start, start + self.batch_size)]
+        order, contributors = _contributor_order(self.group)
+        per = self.batch_size if self.batch_size is not None else -(-int(self.global_batch or 0) // contributors)
+        self._pending = self.last_global = contributors * per
+        start = self.cursor + order * per   # a joiner catching up (order == contributors): read again next step
+        return [self._index(p) for p in range(start, start + per)]
 
     def _index(self, pos: int) -> int:
         epoch, off = divmod(pos, self.num_samples)
@@ -161,6 +190,36 @@ class ElasticSampler:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm = (epoch, torch.randperm(self.num_samples, generator=g, device="cpu"))   # host indices
         return int(self._perm[1][off])
+
+
+def _contributor_order(group: Group | Any) -> tuple[int, int]:
+    """(this worker's order among the step's contributors, or their count if it is not one; their count)."""
+    out = group.out_ranks()
+    contributors = group.size - len(out)
+    if contributors < 1:
+        raise ShoalError(f"no member of this step's quorum contributes (size {group.size}, catching up: "
+                         f"{sorted(out)}): the group's catch-up state is inconsistent")
+    if group.rank in out:
+        return contributors, contributors
+    return group.rank - sum(1 for r in out if r < group.rank), contributors
+
+
+def global_share(group: Group | Any, global_batch: int) -> int:
+    """Samples this worker takes in the current step so that the step's contributors together take
+    ``global_batch``: ``ceil(global_batch / contributors)``, the same on every member (a joiner catching up,
+    whose gradients count zero, gets the same number, to train on and throw away).
+
+    Call it after the step began (``open_step(group)`` or the first forward of shoal's DDP adopt the step's
+    quorum); :class:`ElasticSampler` with ``global_batch`` does this and also picks the indices. For loops
+    that draw their own samples::
+
+        open_step(group)
+        n = global_share(group, 128)         # 32 of 4 workers, 43 of 3 survivors
+        loss_fn(model(*draw(n))).backward()
+    """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch must be an integer >= 1, got {global_batch!r}")
+    return -(-global_batch // _contributor_order(group)[1])
 
 
 def shard(num_samples: int, group: Group | Any) -> range:

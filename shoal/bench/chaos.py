@@ -75,7 +75,8 @@ from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.rates import parse_rate
 from shoal.membership.pace import parse_pace
 from shoal.cli.elastic_launch import NamespacedCoordinator
-from shoal.elastic import Coordinator, ElasticGroup, Timeouts
+from shoal.elastic import Coordinator, ElasticGroup, Timeouts, global_share
+from shoal.steps import open_step
 
 VOCAB, SEQ, BATCH = 64, 32, 16
 
@@ -159,11 +160,17 @@ class _Task:
             return self.lm.build_model()
         return CausalLM(vocab=VOCAB, d=a.width, layers=a.layers)
 
-    def train_loss(self, model: torch.nn.Module) -> torch.Tensor:
+    def per_worker(self) -> int:
+        """Samples a worker trains on in a step of the default size (a window of 128 bytes for lm)."""
+        return 8 if self.kind == "lm" else BATCH
+
+    def train_loss(self, model: torch.nn.Module, n: int | None = None) -> torch.Tensor:
+        """The loss of this worker's next batch of ``n`` samples (default :meth:`per_worker`)."""
         self.batches += 1
+        n = self.per_worker() if n is None else n
         if self.kind == "lm":
-            return self.lm.loss(model, self.lm.corpus.train_batch(self.batches, self.seed, 8, 0, 1))
-        x, y = sample(self.chain, BATCH, self.g)
+            return self.lm.loss(model, self.lm.corpus.train_batch(self.batches, self.seed, n, 0, 1))
+        x, y = sample(self.chain, n, self.g)
         return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
     def val_loss(self, model: torch.nn.Module) -> float:
@@ -200,7 +207,11 @@ def worker(a: argparse.Namespace) -> None:
     contributed, early_steps = False, 0
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
         t0, d0 = time.time(), group.stats.discards
-        task.train_loss(model).backward()
+        n = task.per_worker()
+        if a.global_batch:   # DDP: the step's contributors share the global batch (the survivors take a kill's)
+            open_step(group)
+            n = global_share(group, a.global_batch)
+        task.train_loss(model, n).backward()
         # Read within the step: a background heal's joiner counts zero, except once it has loaded between two
         # rounds (an averaging strategy): its inner steps from there go into the next round, weighted.
         mine = group.contribution()[0] or group.catchup.entering
@@ -213,7 +224,7 @@ def worker(a: argparse.Namespace) -> None:
             mine = took > 0
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
                               "discards": group.stats.discards - d0, "round": group.step, "contributes": mine,
-                              "early": early}) + "\n")
+                              "early": early, "samples": n}) + "\n")
         if early_steps and not early:   # admitted: how many of the steps it logged early did its round take?
             # (those since it last loaded, this step aside; none if dropped: chaos_stats.progress_steps)
             log.write(json.dumps({"event": "early", "t": time.time(), "steps": early_steps,
@@ -285,7 +296,8 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
     argv = [sys.executable, "-m", "shoal.bench.chaos", "--worker", "--out", out, "--task", a.task,
             "--strategy", a.strategy,
             "--steps", str(a.steps), "--period", str(a.period), "--width", str(a.width),
-            "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe), "--fragments", str(a.fragments)]
+            "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe), "--fragments", str(a.fragments),
+            "--global-batch", str(a.global_batch)]
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
 
     def start(rank: int, life: int) -> None:
@@ -339,7 +351,7 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
             if pr.poll() is None:
                 os.killpg(pr.pid, signal.SIGKILL)
                 pr.wait()
-    res = _summarise(out, kills, time.monotonic() - t0, 8 if a.task == "lm" else BATCH, began)
+    res = _summarise(out, kills, time.monotonic() - t0, 8 if a.task == "lm" else BATCH, began)   # lost steps
     if os.path.isdir(os.path.join(out, "trace")):
         res["recovery"] = _recovery(os.path.join(out, "trace"), kills, out)
         res["kill_log"] = kills
@@ -514,10 +526,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-cache", action="store_true",
                     help="each worker slot keeps a copy of the averaged state in /dev/shm for its restart "
                          "(SHOAL_STATE_CACHE; background heal of diloco and streaming)")
+    ap.add_argument("--global-batch", type=int, default=0,
+                    help="ddp: samples per step over all workers, shared by the step's contributors "
+                         "(shoal.elastic.global_share: the survivors of a kill take its share); 0: 8 windows "
+                         "per worker (lm), so the global batch shrinks while a worker is missing")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     (parse_rate(a.heal_rate) if a.heal_rate else None, parse_pace(a.heal_pace))   # bad: ConfigError here, once
+    if a.global_batch and (a.strategy != "ddp" or a.global_batch < 1):
+        ap.error(f"--global-batch {a.global_batch}: for --strategy ddp only (a step-synchronous strategy, whose "
+                 "steps all workers share), as an integer >= 1")
     if a.worker:
         worker(a)
         return 0

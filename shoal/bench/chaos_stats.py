@@ -358,10 +358,15 @@ def unsynced_steps(log: list[dict[str, Any]], sync: dict[str, Any] | None = None
 
 
 def goodput(logs: Logs, samples_per_step: int, wall: float, lost: float = 0.0) -> float:
-    """Committed samples per second: every incarnation's steps that made progress, less ``lost`` local steps
-    (:func:`unsynced_steps` of every killed incarnation)."""
-    n = sum(len(committed_times(lg)) for lg in logs.values()) - lost
-    return samples_per_step * n / wall if wall > 0 else 0.0
+    """Committed samples per second: every incarnation's steps that made progress (each of the ``samples`` it
+    logged, else ``samples_per_step``), less ``lost`` local steps of ``samples_per_step`` (:func:`unsynced_steps`
+    of every killed incarnation).
+
+    >>> goodput({(0, 0): [{"t": 1.0, "dt": 1.0, "step": 1, "samples": 11}]}, samples_per_step=8, wall=2.0)
+    5.5
+    """
+    n = sum(int(e.get("samples", samples_per_step)) for lg in logs.values() for e in progress_steps(lg))
+    return (n - lost * samples_per_step) / wall if wall > 0 else 0.0
 
 
 def trained_s(logs: Logs, began: float, wall: float) -> float:

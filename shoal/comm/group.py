@@ -364,6 +364,11 @@ class Group(metaclass=abc.ABCMeta):
         joiner that entered between two rounds): none here."""
         return 0.0
 
+    def out_ranks(self) -> frozenset[int]:
+        """The ranks whose data counts zero in this step's means (an elastic group's joiners catching up in the
+        background): none here. ``size - len(out_ranks())`` is :meth:`contribution`'s count."""
+        return frozenset()
+
     def register_replay(self, replayer: Any) -> None:
         """Nothing here: only an elastic group's background heal replays the updates a joiner received."""
 

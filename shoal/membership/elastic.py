@@ -377,6 +377,9 @@ class ElasticGroup(ElasticCollectives):
         """The weight this step's means lack from joiners entering with part of a period (0.0 mostly)."""
         return self.catchup.shortfall()
 
+    def out_ranks(self) -> frozenset[int]:
+        return frozenset(self.catchup.out_ranks())
+
     def register_replay(self, replayer: Replayer) -> None:
         self.catchup.register(replayer)
 

@@ -340,6 +340,10 @@ class ElasticCollectives(abc.ABC):
         """How much weight this step's means lack from joiners counted with part of one (0.0 mostly)."""
 
     @abc.abstractmethod
+    def out_ranks(self) -> frozenset[int]:
+        """The ranks whose data counts zero in this step's means (joiners catching up), the same on every member."""
+
+    @abc.abstractmethod
     def register_replay(self, replayer: Any) -> None:
         """Replay the updates a joiner received while it downloads (the background heal)."""
 

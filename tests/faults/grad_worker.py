@@ -8,12 +8,12 @@ three buckets of :data:`OVERLAP_CAP_MB`).
 
 Started by harness.py as a plain process (so that it can be SIGKILLed and
 restarted). Data: an :class:`ElasticSampler` without shuffling, so the test
-can rebuild every committed step's global batch from ``(cursor, size)``. The
+can rebuild every committed step's global batch from its cursor and sample count. The
 loop is the user's; every worker stops at the first step start at or past
 ``--steps`` committed steps once the last four commits had ``--want-size``
 members (a count healed into newcomers, so all members stop together).
 Writes ``<out>/<rank>-<incarnation>.pt``: the batches of every committed step
-(``{step: (cursor, size)}``), final parameters and optimizer state (ZeRO:
+(``{step: (cursor, size, samples)}``), final parameters and optimizer state (ZeRO:
 this member's shard and replica, keyed by global parameter index), counters.
 """
 
@@ -67,12 +67,12 @@ def _net_from(init: list[torch.Tensor]) -> nn.Module:
     return net
 
 
-def _train_fault_free(model: nn.Module, opt: Any, batches: dict[int, tuple[int, int]], rank: int,
+def _train_fault_free(model: nn.Module, opt: Any, batches: dict[int, tuple[int, int, int]], rank: int,
                       world: int) -> None:
     """The elastic run's committed batches, this rank's slice of each, one optimizer step each."""
     x, y = data()
     for step in range(len(batches)):
-        cursor, size = batches[step]
+        cursor, size, _ = batches[step]
         assert size == world, "the reference runs fault-free elastic runs only"
         idx = torch.arange(cursor + rank * BATCH, cursor + (rank + 1) * BATCH) % N
         F.mse_loss(model(x[idx]), y[idx]).backward()
@@ -81,7 +81,7 @@ def _train_fault_free(model: nn.Module, opt: Any, batches: dict[int, tuple[int, 
 
 
 def static_nonblocking(rank: int, world: int, init: list[torch.Tensor],
-                       batches: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
+                       batches: dict[int, tuple[int, int, int]]) -> list[torch.Tensor]:
     """The reference run: NonBlocking on a static world group, from ``init``, over ``batches``.
 
     ``shoal.testing.run_workers`` calls it in each process. Step ``k`` of a
@@ -98,7 +98,7 @@ def static_nonblocking(rank: int, world: int, init: list[torch.Tensor],
 
 
 def static_zero_overlap(rank: int, world: int, init: list[torch.Tensor],
-                        batches: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
+                        batches: dict[int, tuple[int, int, int]]) -> list[torch.Tensor]:
     """The reference run: ZeRO overlapped with DDP on a static world group, from ``init``, over ``batches``."""
     torch.set_num_threads(1)
     net = _net_from(init)
@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--want-size", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--width", type=int, default=32, help="hidden width (measurements; the tests use 32)")
+    ap.add_argument("--global-batch", type=int, default=0, help="ElasticSampler(global_batch=...) (0: batch_size)")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step (pretend compute)")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -165,7 +166,8 @@ def main() -> None:
     full = {"rounds": 0}
     group.register_state("test/full", lambda: dict(full), full.update)
     group.on_commit(lambda: full.update(rounds=full["rounds"] + 1 if group.size == a.want_size else 0))
-    sampler = ElasticSampler(N, group, batch_size=BATCH, shuffle=False)
+    sampler = (ElasticSampler(N, group, global_batch=a.global_batch, shuffle=False) if a.global_batch
+               else ElasticSampler(N, group, batch_size=BATCH, shuffle=False))
     zero = None
     if a.kind == "nonblocking":
         codec = shoal.codecs.PowerSGD(rank=2, min_compression_rate=1.0, start_iter=0) if a.codec == "powersgd" else None
@@ -191,7 +193,7 @@ def main() -> None:
             model = shoal.DistributedDataParallel(net, process_group=group)
         opt = zero
     x, y = data()
-    batches: dict[int, tuple[int, int]] = {}   # committed step -> (cursor, quorum size)
+    batches: dict[int, tuple[int, int, int]] = {}   # committed step -> (cursor, quorum size, samples)
     init: list[torch.Tensor] | None = None      # parameters at this worker's first step (healed)
     t0, first = time.perf_counter(), 0
     while True:
@@ -201,7 +203,7 @@ def main() -> None:
             t0, first = time.perf_counter(), group.step
         if group.step >= a.max_steps or (group.step >= a.steps and (not a.want_size or full["rounds"] >= 4)):
             break
-        batches[group.step] = (sampler.cursor, group.size)
+        batches[group.step] = (sampler.cursor, group.size, sampler.last_global)
         if os.environ.get("GRAD_WORKER_VERBOSE"):
             print(f"rank {rank}.{life} step {group.step} size {group.size} stats {group.stats}", flush=True)
         loss = F.mse_loss(model(x[idx]), y[idx])

@@ -2,7 +2,7 @@
 
 The oracle is serial: plain torch (the same optimizer, unsharded, one process)
 replaying the run's committed steps, each on the global batch its quorum read
-(``ElasticSampler`` without shuffling: ``size * 8`` samples from the step's
+(``ElasticSampler`` without shuffling: ``size * 8`` samples, or ``global_batch``, from the step's
 cursor), the mean loss over that batch being what data-parallel averaging of
 the members' gradients computes. A discarded step must leave no trace, so the
 survivors' final parameters and optimizer state equal that replay; where a
@@ -48,8 +48,8 @@ def replay(result: dict[str, Any], optim: str, resets: list[tuple[int, list[int]
     batches = result["batches"]
     assert sorted(batches) == list(range(result["step"])), "a committed step has no recorded batch"
     for step in range(result["step"]):
-        cursor, size = batches[step]
-        idx = torch.arange(cursor, cursor + size * grad_worker.BATCH) % grad_worker.N
+        cursor, size, samples = batches[step]
+        idx = torch.arange(cursor, cursor + samples) % grad_worker.N
         for i in reset_at.get(step, []):
             opt.state.pop(params[i], None)
         opt.zero_grad()

@@ -72,6 +72,19 @@ def test_goodput_counts_committed_steps_only_less_the_lost_ones() -> None:
     assert goodput(ff, 16, 20.0) == 16 * 120 / 20.0
 
 
+def test_goodput_counts_each_steps_logged_samples() -> None:
+    """``--global-batch``: a survivor's step logs the samples it took (11 of 32 with 3 contributors); a
+    discarded attempt's samples do not count, nor do a joiner's steps before it contributes."""
+    lg = [{"t": 1.0, "dt": 1.0, "step": 1, "discards": 0, "samples": 8},
+          {"t": 3.0, "dt": 2.0, "step": 1, "discards": 1, "samples": 8},    # the kill's step: re-run
+          {"t": 4.0, "dt": 1.0, "step": 2, "discards": 0, "samples": 11},
+          {"t": 5.0, "dt": 1.0, "step": 3, "discards": 0, "samples": 11}]
+    joiner = [{"t": 4.0, "dt": 1.0, "step": 2, "discards": 0, "samples": 11, "contributes": False},
+              {"t": 5.0, "dt": 1.0, "step": 3, "discards": 0, "samples": 11}]
+    assert goodput({(0, 0): lg, (1, 1): joiner}, samples_per_step=8, wall=10.0) == (8 + 11 + 11 + 11) / 10.0
+    assert goodput({(0, 0): lg}, samples_per_step=8, wall=10.0, lost=1) == (8 + 11 + 11 - 8) / 10.0
+
+
 def test_spread() -> None:
     assert spread([None, 3.0, 1.0, 2.0]) == {"n": 3, "median": 2.0, "max": 3.0}
     assert spread([None]) == {"n": 0}
