@@ -32,7 +32,6 @@ from torch import nn
 
 import shoal
 from shoal.elastic import global_share
-from shoal.steps import open_step
 
 CONTEXT = 16  # bytes of context the model sees
 
@@ -76,9 +75,8 @@ def main() -> None:
     step = 0
     while step < args.steps:
         n = args.batch
-        if args.global_batch:
-            open_step(group)                          # adopt this step's quorum first: who is there to share
-            n = global_share(group, args.global_batch)   # e.g. 64 of 3 workers, 96 of 2 survivors
+        if args.global_batch:   # starts the step (adopts its quorum): e.g. 64 of 3 workers, 96 of 2 survivors
+            n = global_share(group, args.global_batch)
         starts = torch.randint(0, len(data) - CONTEXT - 1, (n,), generator=g)
         window = data[starts.to(device).unsqueeze(1) + torch.arange(CONTEXT + 1, device=device)]
         loss = F.cross_entropy(model(window[:, :-1]), window[:, -1])

@@ -209,16 +209,18 @@ def global_share(group: Group | Any, global_batch: int) -> int:
     ``global_batch``: ``ceil(global_batch / contributors)``, the same on every member (a joiner catching up,
     whose gradients count zero, gets the same number, to train on and throw away).
 
-    Call it after the step began (``open_step(group)`` or the first forward of shoal's DDP adopt the step's
-    quorum); :class:`ElasticSampler` with ``global_batch`` does this and also picks the indices. For loops
-    that draw their own samples::
+    It starts the step first (:func:`~shoal.steps.open_step`: adopts the latest quorum, as the first
+    forward of shoal's DDP would; in a step already begun it stays in it), since the share depends on who
+    is in it. :class:`ElasticSampler` with ``global_batch`` does the same and also picks the indices. For
+    loops that draw their own samples::
 
-        open_step(group)
         n = global_share(group, 128)         # 32 of 4 workers, 43 of 3 survivors
         loss_fn(model(*draw(n))).backward()
+        opt.step()
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch must be an integer >= 1, got {global_batch!r}")
+    open_step(group)
     return -(-global_batch // _contributor_order(group)[1])
 
 

@@ -76,7 +76,6 @@ from shoal.rates import parse_rate
 from shoal.membership.pace import parse_pace
 from shoal.cli.elastic_launch import NamespacedCoordinator
 from shoal.elastic import Coordinator, ElasticGroup, Timeouts, global_share
-from shoal.steps import open_step
 
 VOCAB, SEQ, BATCH = 64, 32, 16
 
@@ -209,8 +208,7 @@ def worker(a: argparse.Namespace) -> None:
         t0, d0 = time.time(), group.stats.discards
         n = task.per_worker()
         if a.global_batch:   # DDP: the step's contributors share the global batch (the survivors take a kill's)
-            open_step(group)
-            n = global_share(group, a.global_batch)
+            n = global_share(group, a.global_batch)   # (starts the step: who is in it decides the share)
         task.train_loss(model, n).backward()
         # Read within the step: a background heal's joiner counts zero, except once it has loaded between two
         # rounds (an averaging strategy): its inner steps from there go into the next round, weighted.

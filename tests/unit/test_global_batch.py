@@ -93,7 +93,9 @@ def test_global_batch_is_split_over_the_contributors(size: int, out: frozenset[i
     read, slices = _run([(size, out, True)], global_batch=32)
     assert all(len(s) == per for s in slices[0])
     assert read == list(range(per * (size - len(out))))
-    assert global_share(Member(0, size, out), 32) == per
+    member = Member(0, size, out)
+    assert global_share(member, 32) == per
+    assert member.began == 1   # it started the step: the share is the step's quorum's
 
 
 def test_global_batch_keeps_the_stream_across_a_kill_a_discard_and_a_join() -> None:
