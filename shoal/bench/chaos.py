@@ -145,8 +145,9 @@ class _Task:
 
     def __init__(self, a: argparse.Namespace, rank: int, life: int) -> None:
         self.kind = a.task
-        self.g = torch.Generator().manual_seed(1000 * rank + 17 * life + 1)
-        self.seed, self.batches = 1000 * rank + 17 * life + 1, 0
+        seed = 1000 * rank + 17 * life + 1 + 100_003 * a.data_seed   # each worker's and each life's own batches
+        self.g = torch.Generator().manual_seed(seed)
+        self.seed, self.batches = seed, 0
         if a.task == "lm":
             from shoal.bench.tasks import LMConfig, LMTask
             self.lm = LMTask(LMConfig())
@@ -295,7 +296,7 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
             "--strategy", a.strategy,
             "--steps", str(a.steps), "--period", str(a.period), "--width", str(a.width),
             "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe), "--fragments", str(a.fragments),
-            "--global-batch", str(a.global_batch)]
+            "--global-batch", str(a.global_batch), "--data-seed", str(a.data_seed)]
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
 
     def start(rank: int, life: int) -> None:
@@ -509,7 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe", type=float, default=1.0, help="Timeouts.probe (s); heartbeat_timeout is 5x")
     ap.add_argument("--kill-every", type=float, default=10.0)
     ap.add_argument("--chaos-for", type=float, default=120.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the kill schedule's seed")
+    ap.add_argument("--data-seed", type=int, default=0,
+                    help="shifts every worker's batch seed: a fault-free run with another data order shows "
+                         "how far the final loss moves without any fault (the loss band's noise floor)")
     ap.add_argument("--limit", type=float, default=1200.0, help="hard limit per run (s)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--chaos-only", action="store_true", help="skip the fault-free run")

@@ -41,8 +41,9 @@ class Replayer(Protocol):
         """After the snapshot is loaded and every recorded update replayed."""
 
     def keep_own(self) -> Any:
-        """A copy (cloned on the training thread's stream) of what of :meth:`own` this worker slot's next life on
-        this host may start from (``SHOAL_STATE_CACHE``, :mod:`shoal.membership.seed`), or None: nothing."""
+        """What of :meth:`own` this worker slot's next life on this host may start from (``SHOAL_STATE_CACHE``,
+        :mod:`shoal.membership.seed`), or None: nothing. Live tensors may be returned: the caller
+        (:func:`~shoal.membership.seed.keep_own`) copies them to the host at once, on the training thread."""
 
     def restore_own(self, kept: Any) -> str | None:
         """After :meth:`caught_up`: load ``kept`` (what an earlier life's :meth:`keep_own` returned, read back

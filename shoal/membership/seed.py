@@ -33,14 +33,19 @@ a cache. Nobody else can check these bytes, and nobody else uses them: they
 shape only this worker's own steps from there on.
 
 The files hold one model's worth of state per worker slot and the slot's
-own optimizer state (in RAM if they are on ``/dev/shm``); a write that fails
-(a full disk) is logged once and the cache is switched off for this life.
+own optimizer state (in RAM if they are on ``/dev/shm``); a write of the copy
+that fails (a full disk) is logged once and the cache is switched off for
+this life. A write of the own part that fails (room for the copy but not for
+the optimizer state beside it) switches off only the own part. Either way,
+and whenever a copy is written without an own part, the own file is
+removed: the own part on the host is never older than the copy beside it by
+more than the round a kill between the two writes can leave.
 
 Example::
 
     seed = StateSeed.from_env()            # None without SHOAL_STATE_CACHE
     if seed is not None:
-        seed.save(clone_tree(states), own=clone_tree(inner))   # after a round: written on a background thread
+        seed.save(clone_tree(states), own=keep_own(replayers, run))   # after a round: written on a background thread
         old = seed.read()                  # the next life: the bytes, or None
         mine = seed.read_own()             # ... and its own part (a tree), or None
 """
@@ -57,7 +62,7 @@ import torch
 from shoal.comm.objects import from_bytes
 from shoal.comm.streams import SideStream
 from shoal.errors import ConfigError
-from shoal.membership.stateserve import serialise_snapshot, side_after
+from shoal.membership.stateserve import host_copy, serialise_snapshot, side_after
 
 log = logging.getLogger("shoal.elastic")
 ENV = "SHOAL_STATE_CACHE"
@@ -73,9 +78,10 @@ class StateSeed:
             raise ConfigError(f"{ENV} must name a file (one per worker slot), got {path!r}")
         self.path = path
         self.broken: str | None = None      # why writing was switched off (None: it works)
+        self.own_broken: str | None = None  # why writing the own part was switched off (the copy goes on)
         self.writes = 0                     # files written this life
         self._lock = threading.Lock()
-        self._next: tuple[Any, Any, SideStream, Any] | None = None   # the newest trees not written yet
+        self._next: tuple[Any, Any, SideStream, Any, Any] | None = None   # the newest trees not written yet
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -111,13 +117,15 @@ class StateSeed:
 
     def save(self, tree: Any, own: Any = None) -> None:
         """Write ``tree`` (a :func:`~shoal.membership.stateserve.clone_tree` copy, taken at a step boundary on the
-        training thread) to the file, and ``own`` (such a copy too; None: nothing) to the file beside it, from a
-        background thread; newer trees replace ones still waiting."""
+        training thread) to the file, and ``own`` (what :func:`keep_own` returned; None: nothing, and an own
+        file left by an earlier life is removed) to the file beside it, from a background thread; newer trees
+        replace ones still waiting."""
         if self.broken is not None:
             return
+        own_ready = own.pop("ready", None) if isinstance(own, dict) else None   # keep_own's host copy: done when
         side, ready = side_after((tree, own))
         with self._lock:
-            self._next = (tree, own, side, ready)
+            self._next = (tree, own, side, ready, own_ready)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._write, name="shoal-state-cache", daemon=True)
                 self._thread.start()
@@ -137,33 +145,67 @@ class StateSeed:
                 if job is None or self.broken is not None:
                     self._thread = None
                     return
-            tree, own, side, ready = job
+            tree, own, side, ready, own_ready = job
             # The own part first: a copy on disk is never newer than the own part beside it (a kill between the
             # two leaves the new own part with the old copy: a round's difference in the slot's own state).
-            for path, part in ([(self.path + OWN, own)] if own is not None else []) + [(self.path, tree)]:
-                tmp = f"{path}.{os.getpid()}.tmp"   # the launcher removes what a kill leaves
-                try:
-                    data = serialise_snapshot(part, side, ready)
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                    os.replace(tmp, path)   # the file is the old one or the new one, never half of one
-                except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder: no cache, training goes on
-                    self.broken = f"{type(e).__name__}: {e}"
-                    log.warning("could not write the state cache %s (%s); it is off for this worker's life", path, e)
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
-                    break
+            if own is None or self.own_broken is not None:
+                self._drop_own()   # none kept now: an older life's must not be resumed beside a newer copy
+            else:
+                if own_ready is not None:
+                    own_ready.synchronize()   # the host copy keep_own issued (this thread waits, not training)
+                why = self._put(self.path + OWN, own, side, ready)
+                if why is not None:
+                    self.own_broken = why
+                    log.warning("could not write this worker's own state beside the state cache (%s%s: %s); the "
+                                "copy goes on without it, and its next life's own optimizer starts empty",
+                                self.path, OWN, why)
+                    self._drop_own()
+            why = self._put(self.path, tree, side, ready)
+            if why is not None:
+                self.broken = why
+                log.warning("could not write the state cache %s (%s); it is off for this worker's life", self.path,
+                            why)
+                self._drop_own()
             else:
                 self.writes += 1
+
+    def _put(self, path: str, part: Any, side: SideStream, ready: Any) -> str | None:
+        """Write ``part`` to ``path`` atomically; None, or why it failed (the partial file removed)."""
+        tmp = f"{path}.{os.getpid()}.tmp"   # the launcher removes what a kill leaves
+        try:
+            data = serialise_snapshot(part, side, ready)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)   # the file is the old one or the new one, never half of one
+            return None
+        except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder: no cache, training goes on
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return f"{type(e).__name__}: {e}"
+
+    def _drop_own(self) -> None:
+        try:
+            os.unlink(self.path + OWN)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove %s%s (%s): a later life may resume an older own state", self.path, OWN, e)
 
 
 def keep_own(replayers: Sequence[Any], run: str) -> Any:
     """What the replayers (:class:`~shoal.membership.replay.Replayer`) keep of a member's own state for its next
-    life, tagged with the run (``run``: a key of this run's), or None where none keeps anything yet."""
+    life, tagged with the run (``run``: a key of this run's), or None where none keeps anything yet.
+
+    Copied to the host here, on the training thread at a step boundary, without a host sync and without GPU
+    memory (:func:`~shoal.membership.stateserve.host_copy`); ``"ready"``, the copy's event (None on the CPU),
+    is for :meth:`StateSeed.save`, which takes it out and has the writer wait for it."""
     kept = [r.keep_own() for r in replayers]
-    return {"run": run, "kept": kept} if any(k is not None for k in kept) else None
+    if all(k is None for k in kept):
+        return None
+    host, ready = host_copy(kept)
+    return {"run": run, "kept": host, "ready": ready}
 
 
 def restore_own(seed: StateSeed, replayers: Sequence[Any], run: str) -> bool:
@@ -174,7 +216,8 @@ def restore_own(seed: StateSeed, replayers: Sequence[Any], run: str) -> bool:
     got = seed.read_own()
     if got is None:
         return False
-    if not isinstance(got, dict) or got.get("run") != run or len(got.get("kept") or ()) != len(replayers):
+    if not isinstance(got, dict) or got.get("run") != run or not isinstance(got.get("kept"), list) or len(
+            got["kept"]) != len(replayers):
         log.warning("the own state kept in %s%s is not this run's: this worker's own optimizer starts empty",
                     seed.path, OWN)
         return False
@@ -182,7 +225,10 @@ def restore_own(seed: StateSeed, replayers: Sequence[Any], run: str) -> bool:
     for r, kept in zip(replayers, got["kept"]):
         if kept is None:
             continue
-        why = r.restore_own(kept)
+        try:
+            why = r.restore_own(kept)
+        except Exception as e:  # noqa: BLE001 - a file this run wrote but of a shape the checks did not foresee
+            why = f"{type(e).__name__}: {e}"
         if why is None:
             loaded = True
         else:

@@ -142,6 +142,36 @@ def clone_tree(obj: Any) -> Any:
     return obj
 
 
+def host_copy(obj: Any) -> tuple[Any, Any]:
+    """A host copy of ``obj`` (nested dicts, lists, tuples) taken without a host sync, and when it is complete.
+
+    CUDA tensors are copied to the host with ``non_blocking=True`` on the current stream (no GPU memory is
+    taken for it), CPU tensors cloned. Returns ``(copy, ready)``: ``ready`` is an event recorded right behind
+    the copies (None where no tensor was on CUDA); the copy may be read once it has completed
+    (``ready.synchronize()``, on a background thread).
+    """
+    devices: list[torch.device] = []
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            if o.is_cuda:
+                devices.append(o.device)
+                return o.detach().to("cpu", non_blocking=True)
+            return o.detach().clone()
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(walk(v) for v in o)
+        return o
+
+    out = walk(obj)
+    if not devices:
+        return out, None
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record(torch.cuda.current_stream(devices[0]))
+    return out, ready
+
+
 def tree_tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors of ``obj`` (nested dicts, lists, tuples), in the order :func:`clone_tree` walks them.
 

@@ -161,9 +161,10 @@ class OuterReplay:
     def keep_own(self) -> dict[str, Any] | None:
         """The inner optimizer's per-parameter state (None before its first step), for this worker slot's next
         life on this host: it then resumes a warm optimizer instead of an empty one (a fresh Adam's first steps
-        are about the learning rate in every coordinate, several times a warm one's)."""
+        are about the learning rate in every coordinate, several times a warm one's). The live tensors, not a
+        copy: :func:`~shoal.membership.seed.keep_own` copies them to the host at once (no GPU memory taken)."""
         state = self.optimizer.state_dict()["state"]
-        return {"type": type(self.optimizer).__name__, "state": clone_tree(state)} if state else None
+        return {"type": type(self.optimizer).__name__, "state": state} if state else None
 
     def restore_own(self, kept: Any) -> str | None:
         """Load the inner optimizer state ``kept`` (:meth:`keep_own` of an earlier life) into the empty inner

@@ -196,7 +196,8 @@ def test_the_own_state_is_written_beside_the_copy_and_a_next_life_resumes_it(tmp
     assert int(new.state[net[0]]["step"]) == 4
 
 
-@pytest.mark.parametrize("case", ["other run", "other optimizer", "other shapes", "unreadable", "none", "load fails"])
+@pytest.mark.parametrize("case", ["other run", "other optimizer", "other shapes", "unreadable", "none", "load fails",
+                                  "kept not a list"])
 def test_an_own_state_that_is_not_this_runs_or_does_not_fit_is_not_loaded(case: str, tmp_path: Any,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
     path = str(tmp_path / "slot-0.state")
@@ -221,6 +222,9 @@ def test_an_own_state_that_is_not_this_runs_or_does_not_fit_is_not_loaded(case: 
     if case == "unreadable":
         with open(path + seed_mod.OWN, "wb") as f:
             f.write(b"not a torch.save")
+    if case == "kept not a list":   # loadable with weights_only, this run's tag, but not what keep_own writes
+        with open(path + seed_mod.OWN, "wb") as f:
+            torch.save({"run": RUN_TAG, "kept": 3}, f)
     _, new, replay = _inner(seed=1, steps=0)
     if case == "load fails":   # anything the checks above miss: logged, and the optimizer left empty
 
@@ -232,5 +236,53 @@ def test_an_own_state_that_is_not_this_runs_or_does_not_fit_is_not_loaded(case: 
     assert new.state_dict()["state"] == {}   # left empty: it starts as without a cache
     why = {"other run": "is not this run's", "other optimizer": "another optimizer than this AdamW",
            "other shapes": "has shape (7, 6), the parameter (5, 6)", "unreadable": "could not read", "none": "",
-           "load fails": "loading it raised ValueError: no"}
+           "load fails": "loading it raised ValueError: no", "kept not a list": "is not this run's"}
     assert why[case] in caplog.text
+
+
+def test_an_own_part_that_cannot_be_written_leaves_the_copy_written(tmp_path: Any,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Room for the copy but not for the optimizer state beside it: only the own part is switched off."""
+    path = str(tmp_path / "slot-0.state")
+    seed = StateSeed(path)
+    os.mkdir(path + seed_mod.OWN)   # where the own part would go, something it cannot replace
+    _, _, replay = _inner(steps=2)
+    seed.save(clone_tree(_tree()), keep_own([replay], RUN_TAG))
+    assert seed.flush(30)
+    assert seed.broken is None and seed.own_broken is not None and seed.writes == 1, (seed.broken, seed.own_broken)
+    assert seed.read() == _blob(_tree())
+    seed.save(clone_tree(_tree(change=0)), keep_own([replay], RUN_TAG))   # the copy goes on being written
+    assert seed.flush(30) and seed.writes == 2 and seed.read() == _blob(_tree(change=0))
+    assert "the copy goes on without it" in caplog.text
+
+
+def test_an_older_lifes_own_part_is_removed_when_it_is_not_written_with_the_copy(tmp_path: Any) -> None:
+    """A life that writes a copy without an own part (its optimizer has not stepped), or whose copy cannot be
+    written, removes the own file: a later life must not resume an own state older than the copy beside it."""
+    path = str(tmp_path / "slot-0.state")
+    _, _, replay = _inner(steps=2)
+    first = StateSeed(path)
+    first.save(clone_tree(_tree()), keep_own([replay], RUN_TAG))
+    assert first.flush(30) and os.path.exists(path + seed_mod.OWN)
+    second = StateSeed(path)   # the next life: a copy, nothing of its own kept yet
+    second.save(clone_tree(_tree(change=0)), keep_own([_inner(steps=0)[2]], RUN_TAG))
+    assert second.flush(30) and second.writes == 1 and not os.path.exists(path + seed_mod.OWN)
+    assert not restore_own(second, [_inner(seed=1, steps=0)[2]], RUN_TAG)
+    third = StateSeed(path)   # a life whose copy cannot be written: its own part is not left behind alone
+    os.unlink(path)
+    os.mkdir(path)
+    third.save(clone_tree(_tree()), keep_own([replay], RUN_TAG))
+    assert third.flush(30) and third.broken is not None and not os.path.exists(path + seed_mod.OWN)
+
+
+def test_what_keep_own_returns_is_a_copy_taken_at_once() -> None:
+    """The writer serialises it later, on its own thread: the training steps meanwhile must not change it."""
+    net, opt, replay = _inner(steps=2)
+    before = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+    kept = keep_own([replay], RUN_TAG)
+    assert kept is not None and kept["ready"] is None   # on the CPU nothing to wait for
+    net(torch.randn(4, 6)).square().sum().backward()
+    opt.step()   # the live state moves on
+    for i, st in kept["kept"][0]["state"].items():
+        assert all(torch.equal(v, before[i][k]) for k, v in st.items())
+    assert not torch.equal(opt.state_dict()["state"][0]["exp_avg"], before[0]["exp_avg"])
