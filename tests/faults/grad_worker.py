@@ -194,6 +194,7 @@ def main() -> None:
         opt = zero
     x, y = data()
     batches: dict[int, tuple[int, int, int]] = {}   # committed step -> (cursor, quorum size, samples)
+    counted: dict[int, int] = {}   # step -> members whose gradients count (a background joiner's do not)
     init: list[torch.Tensor] | None = None      # parameters at this worker's first step (healed)
     t0, first = time.perf_counter(), 0
     while True:
@@ -204,6 +205,7 @@ def main() -> None:
         if group.step >= a.max_steps or (group.step >= a.steps and (not a.want_size or full["rounds"] >= 4)):
             break
         batches[group.step] = (sampler.cursor, group.size, sampler.last_global)
+        counted[group.step] = group.contribution()[1]
         if os.environ.get("GRAD_WORKER_VERBOSE"):
             print(f"rank {rank}.{life} step {group.step} size {group.size} stats {group.stats}", flush=True)
         loss = F.mse_loss(model(x[idx]), y[idx])
@@ -213,6 +215,7 @@ def main() -> None:
         if a.pace:
             time.sleep(a.pace)
     result: dict[str, Any] = {"rank": rank, "life": life, "step": group.step, "batches": batches, "init": init,
+                              "contributors": {k: counted[k] for k in batches},
                               "params": [p.detach().clone() for p in net.parameters()],
                               "stats": vars(group.stats),
                               "tags": {t: c.bytes_sent for t, c in group.meter.by_tag().items()},

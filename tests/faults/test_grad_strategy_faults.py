@@ -75,8 +75,8 @@ def assert_close_params(got: list[torch.Tensor], want: list[torch.Tensor], why: 
 
 
 def launch(tmp_path: Any, args: list[str], plan: FaultPlan | None, world: int = 3,
-           hard_limit: float = 95) -> tuple[list[dict[str, Any]], str]:
-    env = {"SHOAL_FAULT_PLAN": plan.to_json()} if plan is not None else {}
+           hard_limit: float = 95, env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str]:
+    env = {**(env or {}), **({"SHOAL_FAULT_PLAN": plan.to_json()} if plan is not None else {})}
     launcher = ["--min-workers", "2", "--max-restarts", "1"]
     code, out = harness.run_launcher(str(tmp_path), world, launcher, args, env=env, hard_limit=hard_limit,
                                      script=WORKER)
