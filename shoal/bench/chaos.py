@@ -25,7 +25,10 @@ received. ``--heal background`` heals restarted workers in the background (SHOAL
 ``--heal-pace`` paces it by the run's steps (SHOAL_HEAL_PACE). ``--state-cache`` gives each worker slot a
 file in ``/dev/shm`` (SHOAL_STATE_CACHE, :mod:`shoal.membership.seed`): a restart on the same host then
 fetches only the ranges of the state that changed since its last life wrote it (each join reports its
-``seeded_bytes``); without it every restart downloads all, as on a replacement host.
+``seeded_bytes``); without it every restart downloads all, as on a replacement host. ``--global-batch N`` (DDP)
+has each step's contributors share N samples (:func:`shoal.elastic.global_share`: the survivors of a kill take
+over its share; each step logs its ``samples`` and the goodput counts them); ``--data-seed`` shifts every
+worker's batch seed, so fault-free runs of other data orders show how far the final loss moves without a fault.
 
 Two tasks. ``--task markov`` (default) is a small real one that 2 CPU cores
 can train in minutes: a character-level LM (2-layer causal transformer,
