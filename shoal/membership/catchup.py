@@ -853,7 +853,10 @@ class CatchUp:
                 or g.quorum is None or not self._after_commit()):
             return False
         self._seed_due = False
-        self.seed.save(self._snapshot(), keep_own(self.replayers, g.client.key(OWN_TAG)))
+        if self.seed.broken is not None:   # switched off for this life: no clone, no host copy
+            return False
+        own = keep_own(self.replayers, g.client.key(OWN_TAG)) if self.seed.own_broken is None else None
+        self.seed.save(self._snapshot(), own)
         return True
 
     def _record(self) -> None:

@@ -146,9 +146,9 @@ def host_copy(obj: Any) -> tuple[Any, Any]:
     """A host copy of ``obj`` (nested dicts, lists, tuples) taken without a host sync, and when it is complete.
 
     CUDA tensors are copied to the host with ``non_blocking=True`` on the current stream (no GPU memory is
-    taken for it), CPU tensors cloned. Returns ``(copy, ready)``: ``ready`` is an event recorded right behind
-    the copies (None where no tensor was on CUDA); the copy may be read once it has completed
-    (``ready.synchronize()``, on a background thread).
+    taken for it), CPU tensors cloned. Returns ``(copy, ready)``: ``ready`` holds an event per CUDA device,
+    recorded right behind that device's copies (None where no tensor was on CUDA); the copy may be read once
+    they have completed (``ready.synchronize()``, on a background thread).
     """
     devices: list[torch.device] = []
 
@@ -165,11 +165,23 @@ def host_copy(obj: Any) -> tuple[Any, Any]:
         return o
 
     out = walk(obj)
-    if not devices:
-        return out, None
-    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    ready.record(torch.cuda.current_stream(devices[0]))
-    return out, ready
+    return out, (_Events(sorted(set(devices), key=str)) if devices else None)
+
+
+class _Events:
+    """One event per CUDA device that :func:`host_copy` copied from, each recorded on that device's current
+    stream right behind its copies; :meth:`synchronize` waits for all of them."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.events: list[Any] = []
+        for d in devices:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(d))
+            self.events.append(event)
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
 
 
 def tree_tensors(obj: Any) -> list[torch.Tensor]:

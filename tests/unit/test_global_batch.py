@@ -49,26 +49,35 @@ class Member:
 
 
 def _run(steps: list[tuple[int, frozenset[int], bool]], **kw: Any) -> tuple[list[int], list[list[list[int]]]]:
-    """Play ``steps`` (quorum size, out ranks, committed) on members sharing one sampler state (as healed
-    members do); the indices the committed steps' contributors read in order, and every step's slices."""
-    cursor = 0
+    """Play ``steps`` (quorum size, out ranks, committed): ranks ``0..size-1`` are the step's members. Each rank's
+    sampler lives on across steps (a discarded step leaves it as it is); a rank outside the quorum is dead and
+    its sampler dropped; one that comes back is a new sampler that loads a live member's registered state, as
+    a heal does. The indices the committed steps' contributors read, in order, and every step's slices."""
+    members: dict[int, Member] = {}
+    samplers: dict[int, ElasticSampler] = {}
     read: list[int] = []
     slices = []
     for size, out, ok in steps:
-        members = [Member(r, size, out) for r in range(size)]
-        samplers = [ElasticSampler(1000, m, shuffle=False, **kw) for m in members]
-        for s in samplers:
-            s.cursor = cursor
-        got = [s.next_batch() for s in samplers]
-        assert all(m.began == 1 for m in members)
-        assert len({s.last_global for s in samplers}) == 1
+        for r in [r for r in samplers if r >= size]:
+            del samplers[r], members[r]
+        for r in range(size):
+            if r not in samplers:
+                members[r] = Member(r, size, out)
+                samplers[r] = ElasticSampler(1000, members[r], shuffle=False, **kw)
+                live = next((m for q, m in members.items() if q != r and q in samplers), None)
+                if live is not None:   # the heal: the survivors' cursor, through the registered state
+                    members[r].states["sampler"][1](live.states["sampler"][0]())
+            members[r].size, members[r].out = size, out
+        began = [members[r].began for r in range(size)]
+        got = [samplers[r].next_batch() for r in range(size)]
+        assert [members[r].began for r in range(size)] == [b + 1 for b in began]   # it started the step
+        assert len({samplers[r].last_global for r in range(size)}) == 1
         slices.append(got)
         if ok:
             read += [i for r in range(size) if r not in out for i in got[r]]
-            for m in members:
-                m.commit()
-            assert len({s.cursor for s in samplers}) == 1
-            cursor = samplers[0].cursor
+            for r in range(size):
+                members[r].commit()
+            assert len({samplers[r].cursor for r in range(size)}) == 1
     return read, slices
 
 
