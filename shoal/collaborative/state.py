@@ -32,7 +32,7 @@ from shoal.codecs.base import Codec
 from shoal.codecs.cast import Cast
 from shoal.collaborative.rounds import RoundGroup, as_group
 from shoal.comm.flat import flat_views
-from shoal.comm.objects import broadcast_bytes, from_bytes, to_bytes
+from shoal.comm.objects import broadcast_bytes, from_bytes, map_tensors, to_bytes
 from shoal.collaborative.validate import Verdict, check_finite_tree, check_state
 from shoal.errors import PeerLostError
 
@@ -150,12 +150,3 @@ def average_tensors(g: RoundGroup, tensors: list[torch.Tensor], names: list[str]
     return True
 
 
-def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``x`` with ``fn`` applied to every tensor in its nested dicts, lists and tuples."""
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return {k: map_tensors(v, fn) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(map_tensors(v, fn) for v in x)
-    return x

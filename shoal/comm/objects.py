@@ -30,7 +30,7 @@ Example::
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -154,3 +154,18 @@ def all_gather_object(group: Any, obj: Any, tag: str = "control") -> list[Any]:
     if blobs is None:
         return [obj] * group.size
     return [from_bytes(b) for b in blobs]
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with each tensor replaced by ``fn(tensor)``, the rest kept.
+
+    >>> map_tensors({"a": torch.ones(2), "b": [torch.zeros(1), 3]}, lambda t: t + 1)["b"]
+    [tensor([1.]), 3]
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj

@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 import torch
 
-from shoal.comm.objects import to_bytes
+from shoal.comm.objects import map_tensors, to_bytes
 from shoal.comm.streams import SideStream
 from shoal.membership import auth
 
@@ -133,13 +133,7 @@ def clone_tree(obj: Any) -> Any:
     Issued on the current stream: the copy is ordered after the step that
     produced the values and before the next one changes them, with no host sync.
     """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_tree(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.detach().clone())
 
 
 def host_copy(obj: Any) -> tuple[Any, Any]:
@@ -152,19 +146,13 @@ def host_copy(obj: Any) -> tuple[Any, Any]:
     """
     devices: list[torch.device] = []
 
-    def walk(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            if o.is_cuda:
-                devices.append(o.device)
-                return o.detach().to("cpu", non_blocking=True)
-            return o.detach().clone()
-        if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(walk(v) for v in o)
-        return o
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda:
+            devices.append(t.device)
+            return t.detach().to("cpu", non_blocking=True)
+        return t.detach().clone()
 
-    out = walk(obj)
+    out = map_tensors(obj, copy)
     return out, (_Events(sorted(set(devices), key=str)) if devices else None)
 
 
