@@ -146,9 +146,8 @@ class ElasticSampler:
             raise ConfigError("ElasticSampler takes exactly one of batch_size (samples per worker per step) and "
                               f"global_batch (samples per step over all workers), got batch_size={batch_size!r}, "
                               f"global_batch={global_batch!r}")
-        for name, v in (("num_samples", num_samples), ("batch_size", batch_size), ("global_batch", global_batch)):
-            if v is None and name != "num_samples":
-                continue
+        sized = ("batch_size", batch_size) if batch_size is not None else ("global_batch", global_batch)
+        for name, v in (("num_samples", num_samples), sized):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
         self.num_samples, self.batch_size, self.seed, self.shuffle = num_samples, batch_size, seed, shuffle
@@ -177,7 +176,11 @@ class ElasticSampler:
             self._advance()   # a static group's step always commits, whether or not anything voted it
         open_step(self.group)   # no round: the step's quorum gives the slice; the optimizer votes it
         order, contributors = _contributor_order(self.group)
-        per = self.batch_size if self.batch_size is not None else -(-int(self.global_batch or 0) // contributors)
+        if self.global_batch is not None:
+            per = _per_contributor(self.global_batch, contributors)
+        else:
+            assert self.batch_size is not None   # __init__ took exactly one of the two
+            per = self.batch_size
         self._pending = self.last_global = contributors * per
         start = self.cursor + order * per   # a joiner catching up (order == contributors): read again next step
         return [self._index(p) for p in range(start, start + per)]
@@ -204,6 +207,10 @@ def _contributor_order(group: Group | Any) -> tuple[int, int]:
     return group.rank - sum(1 for r in out if r < group.rank), contributors
 
 
+def _per_contributor(global_batch: int, contributors: int) -> int:
+    return -(-global_batch // contributors)   # ceil: equal shares, so the gradient mean stays exact
+
+
 def global_share(group: Group | Any, global_batch: int) -> int:
     """Samples this worker takes in the current step so that the step's contributors together take
     ``global_batch``: ``ceil(global_batch / contributors)``, the same on every member (a joiner catching up,
@@ -221,7 +228,7 @@ def global_share(group: Group | Any, global_batch: int) -> int:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch must be an integer >= 1, got {global_batch!r}")
     open_step(group)
-    return -(-global_batch // _contributor_order(group)[1])
+    return _per_contributor(global_batch, _contributor_order(group)[1])
 
 
 def shard(num_samples: int, group: Group | Any) -> range:

@@ -83,6 +83,11 @@ from shoal.elastic import Coordinator, ElasticGroup, Timeouts, global_share
 VOCAB, SEQ, BATCH = 64, 32, 16
 
 
+def per_worker(task: str) -> int:
+    """Samples a worker trains on in a step of the default size (8 windows of 128 bytes for lm)."""
+    return 8 if task == "lm" else BATCH
+
+
 def _chain() -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
     logits = torch.randn(VOCAB, VOCAB, generator=g) * 2.5
@@ -163,14 +168,10 @@ class _Task:
             return self.lm.build_model()
         return CausalLM(vocab=VOCAB, d=a.width, layers=a.layers)
 
-    def per_worker(self) -> int:
-        """Samples a worker trains on in a step of the default size (a window of 128 bytes for lm)."""
-        return 8 if self.kind == "lm" else BATCH
-
     def train_loss(self, model: torch.nn.Module, n: int | None = None) -> torch.Tensor:
-        """The loss of this worker's next batch of ``n`` samples (default :meth:`per_worker`)."""
+        """The loss of this worker's next batch of ``n`` samples (default :func:`per_worker`)."""
         self.batches += 1
-        n = self.per_worker() if n is None else n
+        n = per_worker(self.kind) if n is None else n
         if self.kind == "lm":
             return self.lm.loss(model, self.lm.corpus.train_batch(self.batches, self.seed, n, 0, 1))
         x, y = sample(self.chain, n, self.g)
@@ -210,7 +211,7 @@ def worker(a: argparse.Namespace) -> None:
     contributed, early_steps = False, 0
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
         t0, d0 = time.time(), group.stats.discards
-        n = task.per_worker()
+        n = per_worker(a.task)
         if a.global_batch:   # DDP: the step's contributors share the global batch (the survivors take a kill's)
             n = global_share(group, a.global_batch)   # (starts the step: who is in it decides the share)
         task.train_loss(model, n).backward()
@@ -353,7 +354,7 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
             if pr.poll() is None:
                 os.killpg(pr.pid, signal.SIGKILL)
                 pr.wait()
-    res = _summarise(out, kills, time.monotonic() - t0, 8 if a.task == "lm" else BATCH, began)   # lost steps
+    res = _summarise(out, kills, time.monotonic() - t0, per_worker(a.task), began)
     if os.path.isdir(os.path.join(out, "trace")):
         res["recovery"] = _recovery(os.path.join(out, "trace"), kills, out)
         res["kill_log"] = kills

@@ -218,13 +218,7 @@ def serialise_snapshot(tree: Any, side: SideStream, ready: Any) -> bytes:
 
 
 def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to("cpu", non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.to("cpu", non_blocking=True))
 
 
 @dataclass
