@@ -158,6 +158,7 @@ class NodeRendezvous:
         self.spec, self.nproc, self.interrupted = spec, nproc, interrupted
         self.store: dist.TCPStore | None = None
         self.joined = False
+        self._claimed = False   # this launcher holds its node rank (a second claimant is refused and does not)
         self._probe: socket.socket | None = None
 
     def _key(self, name: str) -> str:
@@ -233,14 +234,18 @@ class NodeRendezvous:
                              f"met (its store does not answer: {str(e).splitlines()[0] if str(e) else e!r})") from e
 
     def _linger(self) -> None:
-        """Node 0, stopping before the run started: keep serving until every machine that registered has read
-        why (its ``ack``), at most ``_ACK_S``, so that none of them meets a closed store instead."""
+        """Node 0, stopping before the run started: keep serving until every machine that claimed its node rank
+        has read why (its ``ack``), at most ``_ACK_S``, so that none of them meets a closed store instead.
+
+        Claimed, not registered: a launcher registers just after its claim, and one that node 0 did not wait
+        for would meet a closed store there. Only the claimant acknowledges for its rank (:meth:`acknowledge`):
+        a second launcher refused for that rank must not release node 0 before the claimant has read why."""
         if self.store is None:
             return
         deadline = time.monotonic() + _ACK_S
         try:
             while time.monotonic() < deadline:
-                others = [r for r in range(1, self.spec.nnodes) if self.store.check([self._key(f"node/{r}")])]
+                others = [r for r in range(1, self.spec.nnodes) if self.store.check([self._key(f"claim/{r}")])]
                 if all(self.store.check([self._key(f"ack/{r}")]) for r in others):
                     return
                 time.sleep(0.05)
@@ -257,6 +262,7 @@ class NodeRendezvous:
         if store.add(self._key(f"claim/{s.node_rank}"), 1) > 1:
             raise ConfigError(f"two launchers claim --node-rank {s.node_rank} in run {s.run_id!r}: "
                               "give each machine its own node rank")
+        self._claimed = True
         me = {"node_rank": s.node_rank, "nnodes": s.nnodes, "run_id": s.run_id, "nproc": self.nproc, "address": addr,
               "probe": probe_port, "host": socket.gethostname()}
         store.set(self._key(f"node/{s.node_rank}"), json.dumps(me))
@@ -384,8 +390,10 @@ class NodeRendezvous:
                 pass
 
     def acknowledge(self) -> None:
-        """Say this launcher read the failure (node 0 may stop serving once all did)."""
-        if self.store is not None:
+        """Say this launcher read the failure (node 0 may stop serving once all did).
+
+        Only the launcher that holds its node rank speaks for it: node 0 waits for that one."""
+        if self.store is not None and self._claimed:
             try:
                 self.store.set(self._key(f"ack/{self.spec.node_rank}"), "1")
             except Exception:

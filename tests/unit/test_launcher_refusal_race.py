@@ -11,6 +11,7 @@ holds for every launcher. Two NodeRendezvous on loopback, driven into that order
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -89,3 +90,49 @@ def test_a_refusal_after_the_meeting_is_complete_stops_nobody() -> None:
     assert isinstance(out[0], NodeLayout) and isinstance(out[1], NodeLayout), out
     node1.fail(f"2:{REFUSAL}", key="refused")   # too late: the run is under way and goes on
     assert node0.failure("refused") is None and node1.failure("refused") is None
+
+
+@pytest.mark.timeout(60)
+def test_node_0_serves_until_the_claimant_of_a_rank_has_read_its_refusal() -> None:
+    # Node 1 twice, node 2 not yet started. The second node 1 is refused and acknowledges; node 0 stops for
+    # the refusal and serves on until the first node 1, which holds the rank, has read why too. It once
+    # took the refused launcher's ack for node 1's and closed its store, so the first node 1 met a closed
+    # store and said only "node 0's launcher is gone" (seen in tests/dist/test_multinode.py under load).
+    port = free_port()
+    node0, first, second = (NodeRendezvous(NodeSpec(3, r, "127.0.0.1", port, join_timeout_s=20), 1)
+                            for r in (0, 1, 1))
+    claimed, node0_left = threading.Event(), threading.Event()
+    wait_all = first._wait_all
+
+    def first_waits_late(what: str, step: str) -> Any:
+        claimed.set()
+        node0_left.wait(3)   # node 0 leaves only once this launcher acknowledged; or it left without that
+        if node0_left.is_set():
+            node0.store = None   # what its process's exit does: the store goes with it
+            gc.collect()
+        return wait_all(what, step)
+    first._wait_all = first_waits_late  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+
+    def run(name: str, rdv: NodeRendezvous) -> threading.Thread:
+        def go() -> None:
+            try:
+                out[name] = rdv.join()
+            except (ShoalError, ConfigError) as e:
+                out[name] = e.with_traceback(None)   # its frames would hold node 0's store open
+            if rdv is node0:
+                node0_left.set()
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        return t
+
+    threads = [run("node0", node0), run("first", first)]
+    assert claimed.wait(20)
+    threads.append(run("second", second))
+    for t in threads:
+        t.join(40)
+    assert isinstance(out["second"], ConfigError) and "two launchers claim --node-rank 1" in str(out["second"]), out
+    for name in ("node0", "first"):
+        assert isinstance(out[name], ShoalError), out
+        assert f"the run stopped before it started: {REFUSAL}" in str(out[name]), out
+    node0.store = first.store = second.store = None
