@@ -25,10 +25,16 @@ received. ``--heal background`` heals restarted workers in the background (SHOAL
 ``--heal-pace`` paces it by the run's steps (SHOAL_HEAL_PACE). ``--state-cache`` gives each worker slot a
 file in ``/dev/shm`` (SHOAL_STATE_CACHE, :mod:`shoal.membership.seed`): a restart on the same host then
 fetches only the ranges of the state that changed since its last life wrote it (each join reports its
-``seeded_bytes``); without it every restart downloads all, as on a replacement host. ``--global-batch N`` (DDP)
-has each step's contributors share N samples (:func:`shoal.elastic.global_share`: the survivors of a kill take
-over its share; each step logs its ``samples`` and the goodput counts them); ``--data-seed`` shifts every
-worker's batch seed, so fault-free runs of other data orders show how far the final loss moves without a fault.
+``seeded_bytes``); without it every restart downloads all, as on a replacement host.
+
+The data depends on the run's position only, never on a worker's life, so the chaos half trains on the
+fault-free half's samples and the final losses differ by the faults alone. DDP reads the run's one sample
+stream through an :class:`~shoal.elastic.ElasticSampler` (each step logs its ``samples`` and the stream's
+``cursor``; the goodput counts the samples); ``--global-batch N`` has each step's contributors share N of
+them (the survivors of a kill take over its share), so both halves read the same samples in the same order.
+A local-step strategy's worker reads its own batch of each local step, whichever life takes that step.
+``--data-seed`` shifts every stream, so fault-free runs of other data orders show how far the final loss
+moves without a fault.
 
 Two tasks. ``--task markov`` (default) is a small real one that 2 CPU cores
 can train in minutes: a character-level LM (2-layer causal transformer,
@@ -78,9 +84,10 @@ from shoal.cli.cluster import ClusterSpec, EmulatedCluster
 from shoal.rates import parse_rate
 from shoal.membership.pace import parse_pace
 from shoal.cli.elastic_launch import NamespacedCoordinator
-from shoal.elastic import Coordinator, ElasticGroup, Timeouts, global_share
+from shoal.elastic import Coordinator, ElasticGroup, ElasticSampler, Timeouts
 
 VOCAB, SEQ, BATCH = 64, 32, 16
+STREAM = 1 << 40   # positions in a step-synchronous run's sample stream: never wraps
 
 
 def per_worker(task: str) -> int:
@@ -151,11 +158,13 @@ def _timeouts(a: argparse.Namespace) -> Timeouts:
 class _Task:
     """What a worker trains: a model, its training batches and its validation loss."""
 
-    def __init__(self, a: argparse.Namespace, rank: int, life: int) -> None:
+    def __init__(self, a: argparse.Namespace, rank: int) -> None:
         self.kind = a.task
-        seed = 1000 * rank + 17 * life + 1 + 100_003 * a.data_seed   # each worker's and each life's own batches
-        self.g = torch.Generator().manual_seed(seed)
-        self.seed, self.batches = seed, 0
+        # The data depends on the run's position, never on a life: a restart reads what the worker it replaces
+        # would have read, so the chaos half trains on the fault-free half's samples (and loses only those of
+        # its lost steps), and the final losses compare runs that differ by the faults alone.
+        self.stream = 1 + 100_003 * a.data_seed               # step-synchronous: the run's one sample stream
+        self.seed = 1000 * (rank + 1) + 1 + 100_003 * a.data_seed   # local steps: this worker's own batches
         if a.task == "lm":
             from shoal.bench.tasks import LMConfig, LMTask
             self.lm = LMTask(LMConfig())
@@ -168,13 +177,21 @@ class _Task:
             return self.lm.build_model()
         return CausalLM(vocab=VOCAB, d=a.width, layers=a.layers)
 
-    def train_loss(self, model: torch.nn.Module, n: int | None = None) -> torch.Tensor:
-        """The loss of this worker's next batch of ``n`` samples (default :func:`per_worker`)."""
-        self.batches += 1
-        n = per_worker(self.kind) if n is None else n
+    def stream_loss(self, model: torch.nn.Module, positions: list[int]) -> torch.Tensor:
+        """The loss of the run's sample stream at ``positions`` (an :class:`ElasticSampler`'s share)."""
         if self.kind == "lm":
-            return self.lm.loss(model, self.lm.corpus.train_batch(self.batches, self.seed, n, 0, 1))
-        x, y = sample(self.chain, n, self.g)
+            return self.lm.loss(model, self.lm.corpus.samples(self.stream, positions))
+        pairs = [sample(self.chain, 1, torch.Generator().manual_seed(self.stream * 1_000_003 + p)) for p in positions]
+        return self._chain_loss(model, torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs]))
+
+    def own_loss(self, model: torch.nn.Module, step: int, n: int) -> torch.Tensor:
+        """The loss of this worker's batch of its local step ``step`` (``n`` samples)."""
+        if self.kind == "lm":
+            return self.lm.loss(model, self.lm.corpus.train_batch(step, self.seed, n, 0, 1))
+        return self._chain_loss(model, *sample(self.chain, n, torch.Generator().manual_seed(self.seed * 1_000_003 + step)))
+
+    @staticmethod
+    def _chain_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
     def val_loss(self, model: torch.nn.Module) -> float:
@@ -190,7 +207,7 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
     started = time.time()
-    task = _Task(a, rank, life)
+    task = _Task(a, rank)
     group = ElasticGroup(timeouts=_timeouts(a), min_workers=2)
     net = task.model(a)
     strategy = _strategy(a.strategy, a.period, a.fragments)
@@ -207,14 +224,22 @@ def worker(a: argparse.Namespace) -> None:
                           "params": sum(q.numel() for q in net.parameters()), "sync": sync_schedule(strategy)}) + "\n")
     # Stop right after a round, so that every worker holds the same parameters.
     after_round = {"localsgd": 1, "diloco": 0, "streaming": 0}.get(a.strategy)
+    # DDP reads the run's one stream: per step, per_worker samples each, or (--global-batch) the contributors
+    # share N (the survivors of a kill take over its share). The cursor is healed into restarts.
+    sampler = None if after_round is not None else (
+        ElasticSampler(STREAM, group, global_batch=a.global_batch, shuffle=False) if a.global_batch
+        else ElasticSampler(STREAM, group, batch_size=per_worker(a.task), shuffle=False))
     log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
     contributed, early_steps = False, 0
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
         t0, d0 = time.time(), group.stats.discards
-        n = per_worker(a.task)
-        if a.global_batch:   # DDP: the step's contributors share the global batch (the survivors take a kill's)
-            n = global_share(group, a.global_batch)   # (starts the step: who is in it decides the share)
-        task.train_loss(model, n).backward()
+        if sampler is not None:   # starts the step: who is in it decides the share
+            positions = sampler.next_batch()
+            n = len(positions)
+            task.stream_loss(model, positions).backward()
+        else:
+            n = per_worker(a.task)
+            task.own_loss(model, step_of(), n).backward()
         # Read within the step: a background heal's joiner counts zero, except once it has loaded between two
         # rounds (an averaging strategy): its inner steps from there go into the next round, weighted.
         mine = group.contribution()[0] or group.catchup.entering
@@ -227,7 +252,8 @@ def worker(a: argparse.Namespace) -> None:
             mine = took > 0
         log.write(json.dumps({"t": time.time(), "dt": time.time() - t0, "step": step_of(), "size": group.size,
                               "discards": group.stats.discards - d0, "round": group.step, "contributes": mine,
-                              "early": early, "samples": n}) + "\n")
+                              "early": early, "samples": n,
+                              "cursor": None if sampler is None else sampler.cursor}) + "\n")
         if early_steps and not early:   # admitted: how many of the steps it logged early did its round take?
             # (those since it last loaded, this step aside; none if dropped: chaos_stats.progress_steps)
             log.write(json.dumps({"event": "early", "t": time.time(), "steps": early_steps,
@@ -516,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chaos-for", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0, help="the kill schedule's seed")
     ap.add_argument("--data-seed", type=int, default=0,
-                    help="shifts every worker's batch seed: a fault-free run with another data order shows "
+                    help="shifts every sample stream: a fault-free run with another data order shows "
                          "how far the final loss moves without any fault (the loss band's noise floor)")
     ap.add_argument("--limit", type=float, default=1200.0, help="hard limit per run (s)")
     ap.add_argument("--json", default=None)
@@ -534,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(SHOAL_STATE_CACHE; background heal of diloco and streaming)")
     ap.add_argument("--global-batch", type=int, default=0,
                     help="ddp: samples per step over all workers, shared by the step's contributors "
-                         "(shoal.elastic.global_share: the survivors of a kill take its share); 0: 8 windows "
+                         "(ElasticSampler(global_batch=N): the survivors of a kill take its share); 0: 8 windows "
                          "per worker (lm), so the global batch shrinks while a worker is missing")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -100,6 +101,29 @@ class ByteCorpus:
         block = torch.tensor(self.train_ids)[which[sl]]
         cols = offset[sl, None] + torch.arange(self.window)
         return self.blocks[block[:, None], cols].long()
+
+    def samples(self, seed: int, positions: Sequence[int]) -> torch.Tensor:
+        """The training windows at ``positions`` of the sample stream ``seed``, as int64 byte ids.
+
+        Window ``p`` of a stream is a pure function of ``(seed, p)``: runs that cut one stream into steps
+        differently (a global batch that 4 workers share, then 3 survivors of a kill) read the same
+        windows in the same order (:class:`shoal.elastic.ElasticSampler` hands out the positions).
+
+        >>> c = ByteCorpus.load(window=65)
+        >>> bool((c.samples(3, [5, 6])[1] == c.samples(3, [6])[0]).all())
+        True
+        """
+        if not positions:
+            raise ConfigError("samples() needs at least one stream position")
+        rows = []
+        for p in positions:
+            if p < 0:
+                raise ConfigError(f"stream positions are >= 0, got {p}")
+            g = torch.Generator().manual_seed(_mix(seed, p))
+            block = self.train_ids[int(torch.randint(len(self.train_ids), (1,), generator=g))]
+            off = int(torch.randint(self.blocks.shape[1] - self.window + 1, (1,), generator=g))
+            rows.append(self.blocks[block, off:off + self.window])
+        return torch.stack(rows).long()
 
     def val_windows(self, limit: int | None = None) -> torch.Tensor:
         """Non-overlapping validation windows, in corpus order; ``limit`` takes an evenly spaced subset.

@@ -84,3 +84,19 @@ def test_bad_arguments_raise_config_errors(corpus: ByteCorpus) -> None:
         ByteCorpus(corpus.blocks, corpus.train_ids, corpus.val_ids, window=BLOCK + 1)
     with pytest.raises(ConfigError):
         split_blocks(10, val_fraction=1.5)
+
+
+def test_a_sample_stream_reads_the_same_windows_however_steps_cut_it(corpus: ByteCorpus) -> None:
+    # 4 workers x 8, then 3 survivors x 11 (a global batch of 32 after a kill): the same windows in order.
+    whole = corpus.samples(5, list(range(64)))
+    cut = torch.cat([corpus.samples(5, list(range(a, b))) for a, b in ((0, 8), (8, 19), (19, 30), (30, 64))])
+    assert torch.equal(whole, cut)
+    assert whole.shape == (64, 129) and whole.dtype == torch.int64
+    assert len({tuple(r.tolist()) for r in whole}) == 64   # distinct windows, not one repeated
+    assert not torch.equal(whole, corpus.samples(6, list(range(64))))   # another stream, other windows
+    val_rows = {tuple(r.tolist()) for r in corpus.val_windows()}
+    assert not any(tuple(row.tolist()) in val_rows for row in whole)
+    with pytest.raises(ConfigError, match="at least one"):
+        corpus.samples(5, [])
+    with pytest.raises(ConfigError, match=">= 0"):
+        corpus.samples(5, [3, -1])
