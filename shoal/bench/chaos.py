@@ -424,7 +424,8 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
     normal = median_step(logs)
     per_kill, per_join = kill_stalls(logs, kills, normal), join_stalls(logs, kills, normal)
     at_join, cost = admission_stalls(logs, kills, normal), download_costs(logs, kills, normal)
-    at_round = admission_stalls(logs, kills, median_round_step(logs))   # DiLoCo: beyond a median round
+    round_step = median_round_step(logs)   # DiLoCo: a step that ran an outer round (DDP: every step)
+    at_round = admission_stalls(logs, kills, round_step)   # beyond a median round
     trained = trained_s(logs, began, wall)
     rate = goodput(logs, batch, trained, sum(lost))
     return {
@@ -441,6 +442,8 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         "joins": join_table(logs, normal),
         # Per kill and per join (shoal.bench.chaos_stats): the survivors' stall, minus a median step.
         "stall_per_kill_s": spread([k["stall_s"] for k in per_kill]),
+        # DiLoCo: a kill that meets a round in flight costs a round again; beyond a median round step.
+        "stall_per_kill_vs_round_s": spread([k["stall_s"] for k in kill_stalls(logs, kills, round_step)]),
         "stall_per_join_s": spread([j["stall_s"] for j in per_join]),   # ready -> first contribution
         # Issue #20's stall per join (the gap that admitted the joiner), and what its download cost.
         "stall_per_join_admission_s": spread([j["admission_stall_s"] for j in at_join]),
@@ -594,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         res["goodput_ratio"] = round(res["chaos"]["goodput_exact"] / base, 4) if base else math.nan
         c = res["chaos"]
         print(f"goodput (committed samples/s, chaos / fault-free): {res['goodput_ratio']}; survivors' stall per "
-              f"kill {c['stall_per_kill_s']}; per join: at admission {c['stall_per_join_admission_s']} "
+              f"kill {c['stall_per_kill_s']} (beyond a median round step: {c['stall_per_kill_vs_round_s']}); "
+              f"per join: at admission {c['stall_per_join_admission_s']} "
               f"(beyond a median round step: {c['stall_per_join_admission_vs_round_s']}; and "
               f"{c['joins_admitted_in_their_kills_gap']} admitted in their kill's own gap), over the window "
               f"to first contribution {c['stall_per_join_s']}, the download's cost "
