@@ -424,7 +424,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
     normal = median_step(logs)
     per_kill, per_join = kill_stalls(logs, kills, normal), join_stalls(logs, kills, normal)
     at_join, cost = admission_stalls(logs, kills, normal), download_costs(logs, kills, normal)
-    round_step = median_round_step(logs)   # DiLoCo: a step that ran an outer round (DDP: every step)
+    round_step = median_round_step(logs) or normal   # DiLoCo: a step that ran an outer round (DDP: every step)
     at_round = admission_stalls(logs, kills, round_step)   # beyond a median round
     trained = trained_s(logs, began, wall)
     rate = goodput(logs, batch, trained, sum(lost))

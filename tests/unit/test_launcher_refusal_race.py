@@ -106,7 +106,7 @@ def test_node_0_serves_until_the_claimant_of_a_rank_has_read_its_refusal() -> No
 
     def first_waits_late(what: str, step: str) -> Any:
         claimed.set()
-        node0_left.wait(3)   # node 0 leaves only once this launcher acknowledged; or it left without that
+        node0_left.wait(5)   # node 0 leaves only once this launcher acknowledged (or after _ACK_S, 10 s)
         if node0_left.is_set():
             node0.store = None   # what its process's exit does: the store goes with it
             gc.collect()
