@@ -119,6 +119,18 @@ def sample(p: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tensor, t
     return seq[:, :-1], seq[:, 1:]
 
 
+def sample_rows(p: torch.Tensor, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of the chain ``p``, row ``i`` a pure function of ``seeds[i]``: one draw of uniforms per row,
+    then the rows step through the chain together (inverse CDF), not one sequence at a time."""
+    u = torch.stack([torch.rand(SEQ + 1, generator=torch.Generator().manual_seed(s)) for s in seeds], dim=1)
+    cdf = p.cumsum(1)
+    seq = torch.empty(len(seeds), SEQ + 1, dtype=torch.long)
+    seq[:, 0] = (u[0] * VOCAB).long().clamp_max(VOCAB - 1)
+    for t in range(SEQ):
+        seq[:, t + 1] = torch.searchsorted(cdf[seq[:, t]], u[t + 1, :, None]).squeeze(1).clamp_max(VOCAB - 1)
+    return seq[:, :-1], seq[:, 1:]
+
+
 class CausalLM(TinyTransformer):
     """The bench's TinyTransformer with a causal mask (position t sees tokens <= t only)."""
 
@@ -181,8 +193,7 @@ class _Task:
         """The loss of the run's sample stream at ``positions`` (an :class:`ElasticSampler`'s share)."""
         if self.kind == "lm":
             return self.lm.loss(model, self.lm.corpus.samples(self.stream, positions))
-        pairs = [sample(self.chain, 1, torch.Generator().manual_seed(self.stream * 1_000_003 + p)) for p in positions]
-        return self._chain_loss(model, torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs]))
+        return self._chain_loss(model, *sample_rows(self.chain, [self.stream * 1_000_003 + p for p in positions]))
 
     def own_loss(self, model: torch.nn.Module, step: int, n: int) -> torch.Tensor:
         """The loss of this worker's batch of its local step ``step`` (``n`` samples)."""

@@ -41,3 +41,16 @@ def test_a_workers_own_batches_depend_on_its_rank_and_step_only() -> None:
             assert float(restart.own_loss(model, 7, 8)) == float(first_life.own_loss(model, 7, 8)) == before
             assert float(_Task(a, 2).own_loss(model, 7, 8)) != before
             assert float(first_life.own_loss(model, 6, 8)) != before
+
+
+def test_the_streams_markov_rows_follow_the_chain_and_each_depends_on_its_own_seed_only() -> None:
+    from shoal.bench.chaos import VOCAB, _chain, sample_rows
+    p = _chain()
+    x, y = sample_rows(p, list(range(3000)))
+    counts = torch.zeros(VOCAB, VOCAB).index_put_((x.reshape(-1), y.reshape(-1)), torch.ones(x.numel()),
+                                                   accumulate=True)
+    # ~1,500 transitions out of each symbol: the empirical rows are the chain's within sampling noise.
+    assert float((counts / counts.sum(1, keepdim=True) - p).abs().max()) < 0.06
+    assert int(x[:, 0].min()) == 0 and int(x[:, 0].max()) == VOCAB - 1   # uniform start over all symbols
+    together, alone = sample_rows(p, [5, 6, 7]), sample_rows(p, [6])
+    assert torch.equal(together[0][1], alone[0][0]) and torch.equal(together[1][1], alone[1][0])
