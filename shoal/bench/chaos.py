@@ -34,7 +34,10 @@ stream through an :class:`~shoal.elastic.ElasticSampler` (each step logs its ``s
 them (the survivors of a kill take over its share), so both halves read the same samples in the same order.
 A local-step strategy's worker reads its own batch of each local step, whichever life takes that step.
 ``--data-seed`` shifts every stream, so fault-free runs of other data orders show how far the final loss
-moves without a fault.
+moves without a fault. A local-step strategy's chaos half commits fewer samples than its fault-free half (a
+kill loses the victim's steps since its last round): ``loss_at_equal_samples`` compares its final loss with
+the fault-free half's loss curve read at the chaos half's committed samples (``--curve``,
+:mod:`shoal.bench.chaos_curve`), beside the same-length comparison.
 
 Two tasks. ``--task markov`` (default) is a small real one that 2 CPU cores
 can train in minutes: a character-level LM (2-layer causal transformer,
@@ -76,6 +79,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal
+from shoal.bench.chaos_curve import at_equal_samples, due as curve_due, read_curve, save_point, worker_steps
 from shoal.bench.chaos_stats import (admission_stalls, download_costs, goodput, join_stalls, joins as join_table,
                                      kill_stalls, median_round_step, median_step, spread, sync_of, trained_s,
                                      unsynced_steps)
@@ -270,6 +274,8 @@ def worker(a: argparse.Namespace) -> None:
             log.write(json.dumps({"event": "early", "t": time.time(), "steps": early_steps,
                                   "kept": max(0, took - 1)}) + "\n")
         early_steps = early_steps + 1 if early else 0
+        if curve_due(step_of(), a.steps, a.period, after_round, a.curve):   # fault-free: its loss curve's points
+            save_point(net, a.out, rank, step_of())   # (between two steps: off the step's clock)
         if mine and not early and not contributed:   # what it received to get here (it may be killed before "done")
             contributed, cu = True, group.catchup.stats
             log.write(json.dumps({"event": "contributing", "t": time.time(), "heal_bytes": group.stats.heal_bytes,
@@ -337,7 +343,8 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
             "--strategy", a.strategy,
             "--steps", str(a.steps), "--period", str(a.period), "--width", str(a.width),
             "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe), "--fragments", str(a.fragments),
-            "--global-batch", str(a.global_batch), "--data-seed", str(a.data_seed)]
+            "--global-batch", str(a.global_batch), "--data-seed", str(a.data_seed),
+            "--curve", str(0 if chaos else a.curve)]
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
 
     def start(rank: int, life: int) -> None:
@@ -392,6 +399,18 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
                 os.killpg(pr.pid, signal.SIGKILL)
                 pr.wait()
     res = _summarise(out, kills, time.monotonic() - t0, per_worker(a.task), began)
+    if not chaos and a.curve:   # the points its workers kept, evaluated as they evaluate their final model
+        task = _Task(a, 0)
+        net = task.model(a)
+
+        def evaluate(state: dict[str, torch.Tensor]) -> float:
+            net.load_state_dict(state)
+            return task.val_loss(net)
+
+        res["curve"] = read_curve(out, evaluate, a.workers)
+        for n in os.listdir(out):   # 13 MB each on lm: read, not kept
+            if n.startswith("curve-"):
+                os.unlink(os.path.join(out, n))
     if os.path.isdir(os.path.join(out, "trace")):
         res["recovery"] = _recovery(os.path.join(out, "trace"), kills, out)
         res["kill_log"] = kills
@@ -442,6 +461,7 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
     return {
         "wall_s": wall, "kills": len(kills), "val_loss": statistics.mean(vals) if vals else math.nan,
         "val_loss_spread": (max(vals) - min(vals)) if vals else math.nan,
+        "worker_steps": worker_steps(logs, lost),   # committed, each of ``batch`` samples (chaos_curve)
         "rounds_rerun": sum(1 for e in steps if e["discards"]),
         "local_steps_lost_per_failure": statistics.mean(lost) if lost else 0.0,
         "recover_s": [round(e["dt"] - normal, 2) for e in steps if e["discards"]],
@@ -536,6 +556,18 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def equal_samples(res: dict[str, Any], workers: int) -> dict[str, Any] | None:
+    """The chaos half's final loss against the fault-free curve at its committed samples
+    (:mod:`shoal.bench.chaos_curve`); None without a curve (a step-synchronous strategy, ``--curve 0``)."""
+    curve, done = res["fault_free"].get("curve") or [], res["chaos"]["worker_steps"]
+    if not curve:
+        return None
+    ff = at_equal_samples(curve, done / workers)
+    ch = res["chaos"]["val_loss"]
+    return {"worker_steps": done, "samples_ratio": round(done / res["fault_free"]["worker_steps"], 4),
+            "fault_free": ff, "delta_pct": None if ff is None else round(100 * (ch - ff) / ff, 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shoal.bench.chaos", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -576,6 +608,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="ddp: samples per step over all workers, shared by the step's contributors "
                          "(ElasticSampler(global_batch=N): the survivors of a kill take its share); 0: 8 windows "
                          "per worker (lm), so the global batch shrinks while a worker is missing")
+    ap.add_argument("--curve", type=int, default=4,
+                    help="local-step strategies: the fault-free half keeps its workers' models at its last N "
+                         "round boundaries, to read its loss at the chaos half's committed samples "
+                         "(loss_at_equal_samples; shoal.bench.chaos_curve); 0: none")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -583,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.global_batch and (a.strategy != "ddp" or a.global_batch < 1):
         ap.error(f"--global-batch {a.global_batch}: for --strategy ddp only (a step-synchronous strategy, whose "
                  "steps all workers share), as an integer >= 1")
+    if a.curve < 0:
+        ap.error(f"--curve {a.curve}: the number of round boundaries to keep, >= 0")
     if a.worker:
         worker(a)
         return 0
@@ -604,6 +642,14 @@ def main(argv: list[str] | None = None) -> int:
     if not a.chaos_only:
         ff, ch = res["fault_free"]["val_loss"], res["chaos"]["val_loss"]
         print(f"validation loss: fault-free {ff:.4f}, chaos {ch:.4f} ({100 * (ch - ff) / ff:+.2f} %)")
+        res["loss_at_equal_samples"] = equal_samples(res, a.workers)
+        if res["loss_at_equal_samples"]:
+            e = res["loss_at_equal_samples"]
+            head = (f"at equal samples (the chaos half's {e['worker_steps']:.0f} committed worker-steps, "
+                    f"{e['samples_ratio']:.3f} of the fault-free half's): ")
+            print(head + (f"fault-free {e['fault_free']:.4f}, chaos {ch:.4f} ({e['delta_pct']:+.2f} %)"
+                          if e["fault_free"] is not None else
+                          "before the fault-free curve's first point: keep more of it (--curve)"))
         base = res["fault_free"]["goodput_exact"]
         res["goodput_ratio"] = round(res["chaos"]["goodput_exact"] / base, 4) if base else math.nan
         c = res["chaos"]
