@@ -473,6 +473,8 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
         "joins": join_table(logs, normal),
         # Per kill and per join (shoal.bench.chaos_stats): the survivors' stall, minus a median step.
         "stall_per_kill_s": spread([k["stall_s"] for k in per_kill]),
+        # Issue #20's bound: beyond the step in flight (what it had run when the kill struck), at most 2 s.
+        "stall_per_kill_beyond_in_flight_s": spread([k["beyond_in_flight_s"] for k in per_kill]),
         # DiLoCo: a kill that meets a round in flight costs a round again; beyond a median round step.
         "stall_per_kill_vs_round_s": spread([k["stall_s"] for k in kill_stalls(logs, kills, round_step)]),
         "stall_per_join_s": spread([j["stall_s"] for j in per_join]),   # ready -> first contribution
@@ -654,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         res["goodput_ratio"] = round(res["chaos"]["goodput_exact"] / base, 4) if base else math.nan
         c = res["chaos"]
         print(f"goodput (committed samples/s, chaos / fault-free): {res['goodput_ratio']}; survivors' stall per "
-              f"kill {c['stall_per_kill_s']} (beyond a median round step: {c['stall_per_kill_vs_round_s']}); "
+              f"kill {c['stall_per_kill_s']} (beyond a median round step: {c['stall_per_kill_vs_round_s']}; "
+              f"beyond the step in flight: {c['stall_per_kill_beyond_in_flight_s']}); "
               f"per join: at admission {c['stall_per_join_admission_s']} "
               f"(beyond a median round step: {c['stall_per_join_admission_vs_round_s']}; and "
               f"{c['joins_admitted_in_their_kills_gap']} admitted in their kill's own gap), over the window "

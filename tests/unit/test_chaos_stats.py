@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shoal.bench.chaos_stats import goodput, join_stalls, kill_stalls, median_step, spread
+from shoal.bench.chaos_stats import goodput, in_flight, join_stalls, kill_stalls, median_step, spread
 
 
 def _log(pid: int, started: float, ready: float, steps: list[tuple[float, int]], first: int = 1,
@@ -59,7 +59,8 @@ def test_a_kill_without_a_commit_after_it_has_no_stall_and_a_restart_that_never_
     logs[(2, 1)] = logs[(2, 1)][:1]                       # ready, but never committed
     late = [{"rank": 0, "life": 0, "t": 30.0, "pid": 100, "survivors": [101]}]   # after the last step
     assert join_stalls(logs, kills, 0.5) == []
-    assert kill_stalls(logs, late, 0.5) == [{"rank": 0, "life": 0, "n": 0, "stall_s": None}]
+    assert kill_stalls(logs, late, 0.5) == [{"rank": 0, "life": 0, "n": 0, "stall_s": None,
+                                             "beyond_in_flight_s": None}]
 
 
 def test_goodput_counts_committed_steps_only_less_the_lost_ones() -> None:
@@ -348,3 +349,21 @@ def test_steps_trained_before_the_admission_count_only_if_the_round_that_admitte
             (1, 1): restart(3)}
     got = admission_stalls(logs, [{"t": 0.5, "rank": 1, "life": 0, "survivors": [1]}], median=1.0)
     assert got[0]["admission_stall_s"] == 1.5   # the survivor's gap 7.0 -> 9.5 that committed round 10
+
+
+def test_the_stall_beyond_the_step_in_flight_leaves_out_what_that_step_had_run_at_the_kill() -> None:
+    """Issue #20's "a kill costs at most the step in flight + 2 s": the work the step in flight had done when the
+    kill struck is lost anyway; what comes after (detection, the new quorum, waits) is the kill's own cost."""
+    def log(pid: int, start_of_failed: float) -> list[dict[str, object]]:
+        return [{"event": "joined", "t": 0.0, "started": 0.0, "pid": pid},
+                {"t": 10.0, "dt": 10.0, "step": 1, "discards": 0},
+                # the step in flight began at start_of_failed; the kill at 20.0 failed it at 21.0
+                {"t": 21.0, "dt": 21.0 - start_of_failed, "step": 1, "discards": 1},
+                {"t": 31.0, "dt": 10.0, "step": 2, "discards": 0}]
+    kill = [{"rank": 2, "life": 0, "t": 20.0, "survivors": [1, 2]}]
+    # survivor 1's step had run 9.5 s at the kill (from 10.5), survivor 2's 2 s (it began late, at 18)
+    k = kill_stalls({(0, 0): log(1, 10.5), (1, 0): log(2, 18.0)}, kill, median=10.0)[0]
+    assert k["stall_s"] == 11.0                        # the gap 10 -> 31, less a median step
+    assert k["beyond_in_flight_s"] == 9.0              # survivor 2: 21 - 2 - 10 (its 8 s before that step count)
+    assert in_flight(log(1, 10.5), 20.0) == 9.5
+    assert in_flight(log(1, 10.5), 40.0) == 0.0        # no step spans it
