@@ -271,8 +271,11 @@ def worker(a: argparse.Namespace) -> None:
                               "cursor": None if sampler is None else sampler.cursor}) + "\n")
         if early_steps and not early:   # admitted: how many of the steps it logged early did its round take?
             # (those since it last loaded, this step aside; none if dropped: chaos_stats.progress_steps)
+            # (resumed: its last life's steps since this host's copy that it went on from, counted in ``took``;
+            # they are the killed incarnation's, whose loss _summarise reduces by them)
+            resumed = group.catchup.stats.resumed_steps if took > 0 else 0
             log.write(json.dumps({"event": "early", "t": time.time(), "steps": early_steps,
-                                  "kept": max(0, took - 1)}) + "\n")
+                                  "kept": max(0, took - 1 - resumed), "resumed": resumed}) + "\n")
         early_steps = early_steps + 1 if early else 0
         if curve_due(step_of(), a.steps, a.period, after_round, a.curve):   # fault-free: its loss curve's points
             save_point(net, a.out, rank, step_of())   # (between two steps: off the step's clock)
@@ -325,12 +328,17 @@ def _run(a: argparse.Namespace, chaos: bool, out: str) -> dict[str, Any]:
         return res
 
 
+def resumed(log: list[dict[str, Any]]) -> int:
+    """The inner steps of its last life that a restart went on from and its admitting round took (0: none)."""
+    return max((int(e.get("resumed", 0)) for e in log if e.get("event") == "early"), default=0)
+
+
 def _cache_dir(a: argparse.Namespace) -> str | None:
     """Where ``--state-cache`` keeps the slots' files: ``/dev/shm`` if it has room for them (a container's is
     often 64 MB), else the default temporary folder (on disk: slower to write, the same bytes)."""
-    # a slot's copy (global copies and outer momentum) and its own inner AdamW state beside it: 4 fp32 numbers a
-    # parameter; twice while a write's .tmp replaces them; and margin
-    need = a.workers * 40 * (3_300_000 if a.task == "lm" else 120_000)
+    # a slot's copy (global copies and outer momentum), its own inner AdamW state beside it and its progress (the
+    # model and that state again): 7 fp32 numbers a parameter; twice while a write's .tmp replaces them; margin
+    need = a.workers * 64 * (3_300_000 if a.task == "lm" else 120_000)
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need:
         return "/dev/shm"
     print(f"--state-cache: /dev/shm lacks {need >> 20} MB; the files go to {tempfile.gettempdir()}", flush=True)
@@ -448,8 +456,10 @@ def _summarise(out: str, kills: list[dict[str, Any]], wall: float, batch: int, b
             logs[rank, life] = _read(os.path.join(out, n))
     vals = [e["val"] for lg in logs.values() for e in lg if e.get("event") == "done"]
     steps = [e for lg in logs.values() for e in lg if "dt" in e]
-    # The killed incarnation's progress no committed round holds (each fragment's since its last launch).
-    lost = [unsynced_steps(lg, sync_of(lg)) for k in kills for lg in [logs.get((k["rank"], k["life"]), [])]]
+    # The killed incarnation's progress no committed round holds (each fragment's since its last launch), less
+    # what its restart went on from (its progress kept on the host, SHOAL_STATE_CACHE_EVERY).
+    lost = [max(0.0, unsynced_steps(lg, sync_of(lg)) - resumed(logs.get((k["rank"], k["life"] + 1), [])))
+            for k in kills for lg in [logs.get((k["rank"], k["life"]), [])]]
     joins = [e for (_, life), lg in logs.items() if life > 0 for e in lg if e.get("event") == "joined"]
     normal = median_step(logs)
     per_kill, per_join = kill_stalls(logs, kills, normal), join_stalls(logs, kills, normal)

@@ -52,7 +52,7 @@ from types import TracebackType
 from shoal.cli.cluster import EmulatedCluster
 from shoal.cli.supervise import _Output, _Supervisor, _Worker
 from shoal.membership.auth import check_token
-from shoal.membership.seed import OWN
+from shoal.membership.seed import OWN, PROGRESS
 from shoal.errors import ConfigError, ShoalError
 
 COORDINATOR_PORT = 29400  # a fresh namespace has every port free
@@ -208,7 +208,7 @@ class ElasticSupervisor(_Supervisor):
         """The launch is over: its workers' state-cache files go (each holds a model's worth of state)."""
         for path in self.cache_files:
             # .own: the slot's own state beside it; .<pid>.tmp: a write cut off by a kill
-            for name in [path, path + OWN, *glob.glob(f"{glob.escape(path)}.*.tmp")]:
+            for name in [path, path + OWN, path + PROGRESS, *glob.glob(f"{glob.escape(path)}.*.tmp")]:
                 try:
                     os.unlink(name)
                 except FileNotFoundError:

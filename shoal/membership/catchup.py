@@ -69,7 +69,7 @@ from shoal.membership.pace import StepPace, heal_pace, heal_rate
 from shoal.membership.preadmit import ADMIT_WAIT_S, EarlyEntry, held_mark
 from shoal.membership.received import check_received
 from shoal.membership.replay import OptimizerReplay, Replayer
-from shoal.membership.seed import StateSeed, keep_own, restore_own
+from shoal.membership.seed import StateSeed, keep_own, keep_progress, restore_own, resume_progress
 from shoal.membership.stateserve import SnapshotServer, clone_tree, local_address
 
 log = logging.getLogger("shoal.elastic")
@@ -114,6 +114,8 @@ class CatchUpStats:
     early_reloads: int = 0                # ... that copy was stale: it reloaded the offered state meanwhile
     own_restored: int = 0         # loads after which its own state (DiLoCo's inner optimizer) resumed its last
     #                               life's, kept on this host (seed.py), instead of starting empty
+    resumed_steps: int = 0        # inner steps of its last life since this host's copy that it went on from
+    #                               (seed.resume_progress: its model and own optimizer; 0: none)
     first_weight: float = 0.0     # its weight in the first round it contributed to (its share of a period)
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
@@ -156,6 +158,8 @@ class CatchUp:
         self._seed_read = False
         self._seed_lock = threading.Lock()      # the fetch threads read it (an early one, then the admission's)
         self._seed_due = True                   # a member holding the state writes it after the next inner step
+        self._copy_gen = 0                      # copies asked to be written (their progress names the one it is of)
+        self._since_copy = 0                    # inner steps since the last copy was asked to be written
         self.hid = -1                           # joiner: the heal it downloads, -1 when none
         self.records: list[list[Any]] = []
         self.loaded = False
@@ -591,6 +595,11 @@ class CatchUp:
             log.warning("could not load this host's copy of the state (%s): waiting for the admission", e)
             self._rebase(None)
             return False
+        if entry.from_seed and self.seed is not None:   # ... and its last life's inner steps since that copy
+            self.stats.resumed_steps = resume_progress(self.seed, self.replayers, self.group.client.key(OWN_TAG),
+                                                       entry.blob)
+            if self.stats.resumed_steps:
+                self.group.trace("progress-resumed", steps=self.stats.resumed_steps)
         if not entry.announce(self):
             self._rebase(None)
             return False
@@ -849,15 +858,31 @@ class CatchUp:
         beside it what is its own (the inner optimizer's state), from a background thread; only the clones run
         here. True if it asked for a write."""
         g = self.group
-        if (self.seed is None or not self.enabled or not self._seed_due or g._in_step or not self.caught_up
-                or g.quorum is None or not self._after_commit()):
+        if (self.seed is None or not self.enabled or g._in_step or not self.caught_up or g.quorum is None
+                or not self._after_commit()):
+            return False
+        if not self._seed_due:   # an inner step since the copy: every SHOAL_STATE_CACHE_EVERY, the progress too
+            self._since_copy += 1
+            self._save_progress()
             return False
         self._seed_due = False
         if self.seed.broken is not None:   # switched off for this life: no clone, no host copy
             return False
         own = keep_own(self.replayers, g.client.key(OWN_TAG)) if self.seed.own_broken is None else None
-        self.seed.save(self._snapshot(), own)
+        self._copy_gen, self._since_copy = self._copy_gen + 1, 0
+        self.seed.save(self._snapshot(), own, gen=self._copy_gen)
         return True
+
+    def _save_progress(self) -> None:
+        """Every ``seed.every`` inner steps since the copy: this member's model and own optimizer, for its next
+        life on this host to go on from (seed.resume_progress), written once that copy is."""
+        seed = self.seed
+        if (seed is None or seed.every < 1 or self._since_copy % seed.every or seed.broken is not None
+                or seed.progress_broken is not None):
+            return
+        part = keep_progress(self.replayers, self.group.client.key(OWN_TAG), self._since_copy)
+        if part is not None:
+            seed.save_progress(self._copy_gen, part)
 
     def _record(self) -> None:
         self._seed_due = True   # the state a joiner would download may have changed: written again (save_seed)

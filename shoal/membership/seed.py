@@ -32,6 +32,15 @@ tensor fits its parameter; otherwise the optimizer starts empty, as without
 a cache. Nobody else can check these bytes, and nobody else uses them: they
 shape only this worker's own steps from there on.
 
+A DiLoCo member also writes, every ``SHOAL_STATE_CACHE_EVERY`` inner steps
+(default :data:`EVERY`; 0: never), its progress since the copy to
+``<file>.inner``: its model's parameters and its inner optimizer's state,
+the number of inner steps since the copy, and a digest of the copy's bytes,
+only once that copy is written (a newer copy removes the file first). A next
+life that loads exactly that copy goes on from there
+(:func:`resume_progress`) instead of from the copy: a kill then loses at
+most the steps since the last progress write, not all those since the round.
+
 The files hold one model's worth of state per worker slot and the slot's
 own optimizer state (in RAM if they are on ``/dev/shm``); a write of the copy
 that fails (a full disk) is logged once and the cache is switched off for
@@ -48,10 +57,13 @@ Example::
         seed.save(clone_tree(states), own=keep_own(replayers, run))   # after a round: written on a background thread
         old = seed.read()                  # the next life: the bytes, or None
         mine = seed.read_own()             # ... and its own part (a tree), or None
+    seed.save_progress(gen, keep_progress(replayers, run, steps))   # every EVERY inner steps after copy ``gen``
+    resume_progress(seed, replayers, run, old)   # the next life, once it loaded ``old``: the steps it goes on from
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -66,8 +78,26 @@ from shoal.membership.stateserve import host_copy, serialise_snapshot, side_afte
 
 log = logging.getLogger("shoal.elastic")
 ENV = "SHOAL_STATE_CACHE"
+EVERY_ENV = "SHOAL_STATE_CACHE_EVERY"   # inner steps between two writes of the slot's progress (0: none)
+EVERY = 4
 OWN = ".own"   # the suffix of the file beside it that holds the slot's own state
-__all__ = ["ENV", "OWN", "StateSeed", "keep_own", "restore_own"]
+PROGRESS = ".inner"   # ... and of the one that holds its progress since the copy (its model, its own optimizer)
+__all__ = ["ENV", "EVERY", "EVERY_ENV", "OWN", "PROGRESS", "StateSeed", "copy_digest", "keep_own", "keep_progress",
+           "restore_own", "resume_progress"]
+
+
+def copy_digest(data: bytes) -> str:
+    """What ties a progress file to the copy it went on from: a BLAKE2b digest of the copy's bytes."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+def _every() -> int:
+    raw = os.environ.get(EVERY_ENV, "")
+    if not raw:
+        return EVERY
+    if not raw.isdigit():
+        raise ConfigError(f"{EVERY_ENV} must be a whole number of inner steps >= 0 (0: no progress kept), got {raw!r}")
+    return int(raw)
 
 
 class StateSeed:
@@ -77,11 +107,17 @@ class StateSeed:
         if not path or os.path.isdir(path):
             raise ConfigError(f"{ENV} must name a file (one per worker slot), got {path!r}")
         self.path = path
+        self.every = _every()               # inner steps between two writes of the progress (0: none)
         self.broken: str | None = None      # why writing was switched off (None: it works)
         self.own_broken: str | None = None  # why writing the own part was switched off (the copy goes on)
+        self.progress_broken: str | None = None   # why writing the progress was switched off (the copy goes on)
         self.writes = 0                     # files written this life
+        self.progress_writes = 0            # progress files written this life
         self._lock = threading.Lock()
-        self._next: tuple[Any, Any, SideStream, Any, Any] | None = None   # the newest trees not written yet
+        self._next: tuple[Any, Any, SideStream, Any, Any, int | None] | None = None   # the newest copy not written yet
+        self._progress: tuple[int, Any, SideStream, Any, Any] | None = None   # the newest progress not written yet
+        self._written: tuple[int | None, str] | None = None   # the last copy written: its generation and digest
+        self._data = b""                    # the copy's bytes while the writer takes their digest
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -100,35 +136,58 @@ class StateSeed:
             log.warning("could not read the state cache %s (%s): the heal downloads everything", self.path, e)
             return None
 
+    def read_progress(self) -> Any:
+        """The progress the last life wrote (a tree of CPU tensors), or None: no such file, or one that cannot be
+        read or unpickled (logged)."""
+        return self._read_tree(self.path + PROGRESS, "progress", "its inner steps start from the copy")
+
     def read_own(self) -> Any:
         """The own part the last life wrote beside the copy (a tree of CPU tensors), or None: no such file, or one
         that cannot be read or unpickled (logged)."""
-        path = self.path + OWN
+        return self._read_tree(self.path + OWN, "own state", "it starts empty")
+
+    @staticmethod
+    def _read_tree(path: str, what: str, then: str) -> Any:
         try:
             with open(path, "rb") as f:
                 data = f.read()
             return from_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         except FileNotFoundError:
             return None
-        except Exception as e:  # noqa: BLE001 - unreadable or not a torch.save of a tree: start that state empty
-            log.warning("could not read this worker's own state kept in %s (%s: %s): it starts empty", path,
-                        type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - unreadable or not a torch.save of a tree: start without it
+            log.warning("could not read this worker's %s kept in %s (%s: %s): %s", what, path, type(e).__name__, e,
+                        then)
             return None
 
-    def save(self, tree: Any, own: Any = None) -> None:
+    def save(self, tree: Any, own: Any = None, gen: int | None = None) -> None:
         """Write ``tree`` (a :func:`~shoal.membership.stateserve.clone_tree` copy, taken at a step boundary on the
         training thread) to the file, and ``own`` (what :func:`keep_own` returned; None: nothing, and an own
         file left by an earlier life is removed) to the file beside it, from a background thread; newer trees
-        replace ones still waiting."""
+        replace ones still waiting. ``gen`` names this copy for :meth:`save_progress`."""
         if self.broken is not None:
             return
         own_ready = own.pop("ready", None) if isinstance(own, dict) else None   # keep_own's host copy: done when
         side, ready = side_after((tree, own))
         with self._lock:
-            self._next = (tree, own, side, ready, own_ready)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._write, name="shoal-state-cache", daemon=True)
-                self._thread.start()
+            self._next = (tree, own, side, ready, own_ready, gen)
+            self._start()
+
+    def save_progress(self, gen: int, part: Any) -> None:
+        """Write ``part`` (:func:`keep_progress`'s: the model and own optimizer ``steps`` inner steps after copy
+        ``gen``) to the progress file, from the background thread, once copy ``gen`` is written; dropped if a
+        newer copy was asked for meanwhile (it no longer goes on from the file's copy)."""
+        if self.broken is not None or self.progress_broken is not None:
+            return
+        part_ready = part.pop("ready", None) if isinstance(part, dict) else None
+        side, ready = side_after(part)
+        with self._lock:
+            self._progress = (gen, part, side, ready, part_ready)
+            self._start()
+
+    def _start(self) -> None:   # (under self._lock)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write, name="shoal-state-cache", daemon=True)
+            self._thread.start()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the writes asked for so far; True if none is left (tests wait so before a kill)."""
@@ -142,10 +201,16 @@ class StateSeed:
         while True:
             with self._lock:
                 job, self._next = self._next, None
-                if job is None or self.broken is not None:
+                progress = None
+                if job is None:   # a copy first: a progress goes on from the copy before it
+                    progress, self._progress = self._progress, None
+                if (job is None and progress is None) or self.broken is not None:
                     self._thread = None
                     return
-            tree, own, side, ready, own_ready = job
+            if job is None:
+                self._write_progress(*progress)  # type: ignore[misc]
+                continue
+            tree, own, side, ready, own_ready, gen = job
             # The own part first: a copy on disk is never newer than the own part beside it (a kill between the
             # two leaves the new own part with the old copy: a round's difference in the slot's own state).
             if own is None or self.own_broken is not None:
@@ -160,7 +225,9 @@ class StateSeed:
                                 "copy goes on without it, and its next life's own optimizer starts empty",
                                 self.path, OWN, why)
                     self._drop_own()
-            why = self._put(self.path, tree, side, ready)
+            self._written = None   # the progress file on disk goes on from the copy being replaced: gone first
+            self._drop(PROGRESS)
+            why = self._put(self.path, tree, side, ready, keep=True)
             if why is not None:
                 self.broken = why
                 log.warning("could not write the state cache %s (%s); it is off for this worker's life", self.path,
@@ -168,15 +235,36 @@ class StateSeed:
                 self._drop_own()
             else:
                 self.writes += 1
+                self._written = (gen, copy_digest(self._data))
+            self._data = b""
 
-    def _put(self, path: str, part: Any, side: SideStream, ready: Any) -> str | None:
-        """Write ``part`` to ``path`` atomically; None, or why it failed (the partial file removed)."""
+    def _write_progress(self, gen: int, part: Any, side: SideStream, ready: Any, part_ready: Any) -> None:
+        if self._written is None or self._written[0] != gen or self.progress_broken is not None:
+            return   # its copy was not written (or failed): a progress on disk must go on from the copy beside it
+        if part_ready is not None:
+            part_ready.synchronize()
+        part["copy"] = self._written[1]
+        why = self._put(self.path + PROGRESS, part, side, ready)
+        if why is not None:
+            self.progress_broken = why
+            log.warning("could not write this worker's progress beside the state cache (%s%s: %s); the copy goes "
+                        "on without it, and its next life starts its inner steps from the copy", self.path, PROGRESS,
+                        why)
+            self._drop(PROGRESS)
+        else:
+            self.progress_writes += 1
+
+    def _put(self, path: str, part: Any, side: SideStream, ready: Any, keep: bool = False) -> str | None:
+        """Write ``part`` to ``path`` atomically; None, or why it failed (the partial file removed). ``keep``:
+        the bytes written stay in ``self._data`` (for the copy's digest)."""
         tmp = f"{path}.{os.getpid()}.tmp"   # the launcher removes what a kill leaves
         try:
             data = serialise_snapshot(part, side, ready)
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)   # the file is the old one or the new one, never half of one
+            if keep:
+                self._data = data
             return None
         except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder: no cache, training goes on
             try:
@@ -185,13 +273,16 @@ class StateSeed:
                 pass
             return f"{type(e).__name__}: {e}"
 
-    def _drop_own(self) -> None:
+    def _drop(self, suffix: str) -> None:
         try:
-            os.unlink(self.path + OWN)
+            os.unlink(self.path + suffix)
         except FileNotFoundError:
             pass
         except OSError as e:
-            log.warning("could not remove %s%s (%s): a later life may resume an older own state", self.path, OWN, e)
+            log.warning("could not remove %s%s (%s)", self.path, suffix, e)
+
+    def _drop_own(self) -> None:
+        self._drop(OWN)
 
 
 def keep_own(replayers: Sequence[Any], run: str) -> Any:
@@ -237,3 +328,53 @@ def restore_own(seed: StateSeed, replayers: Sequence[Any], run: str) -> bool:
         log.info("resumed this worker's own optimizer state from its last life's copy on this host (%s%s)",
                  seed.path, OWN)
     return loaded
+
+
+def keep_progress(replayers: Sequence[Any], run: str, steps: int) -> Any:
+    """What the replayers keep of a member's progress ``steps`` inner steps after the copy last saved (its model
+    and own optimizer, :meth:`~shoal.strategies.diloco_heal.OuterReplay.keep_progress`), tagged with the run, for
+    :meth:`StateSeed.save_progress`; None where none keeps any (streaming DiLoCo, overlapped reductions).
+    Copied to the host here, without a host sync (``"ready"``: the copy's event, for the writer)."""
+    kept = [r.keep_progress() if hasattr(r, "keep_progress") else None for r in replayers]
+    if all(k is None for k in kept):
+        return None
+    host, ready = host_copy(kept)
+    return {"run": run, "steps": steps, "kept": host, "ready": ready}
+
+
+def resume_progress(seed: StateSeed, replayers: Sequence[Any], run: str, copy: bytes) -> int:
+    """A restart that just loaded this host's copy (``copy``, its bytes) before its admission: load what its last
+    life kept of its progress from that copy on (:func:`keep_progress`), if the file is this run's and goes on
+    from exactly these bytes (its digest) and every part fits; the inner steps it resumes (0: none, and nothing
+    was changed). Its model then holds the last life's inner steps since that copy, its own optimizer their
+    state, and the replayers count those steps as trained since it loaded (the round that admits it takes them,
+    weighted by their share of the period)."""
+    got = seed.read_progress()
+    if got is None:
+        return 0
+    raw = got.get("steps") if isinstance(got, dict) else None
+    steps = raw if isinstance(raw, int) and not isinstance(raw, bool) else 0
+    why: str | None
+    if not isinstance(got, dict) or got.get("run") != run or not isinstance(got.get("kept"), list) or len(
+            got["kept"]) != len(replayers) or steps < 1:
+        why = "it is not this run's"
+    elif got.get("copy") != copy_digest(copy):
+        why = "it goes on from another copy than the one loaded"
+    else:
+        why = next((w for r, k in zip(replayers, got["kept"]) if k is not None
+                    for w in [r.progress_fits(k) if hasattr(r, "progress_fits") else "no part of it is kept"]
+                    if w is not None), None)
+    if why is not None:
+        log.info("not resuming the progress kept in %s%s (%s): the inner steps start from the copy", seed.path,
+                 PROGRESS, why)
+        return 0
+    for r, kept in zip(replayers, got["kept"]):
+        if kept is not None:
+            why = r.restore_progress(kept, steps)
+            if why is not None:   # what the checks did not foresee: the model is back at the copy (optimizer empty)
+                log.warning("could not resume the progress kept in %s%s (%s): the inner steps start from the copy",
+                            seed.path, PROGRESS, why)
+                return 0
+    log.info("resumed this worker's last life's %d inner steps since this host's copy (%s%s)", steps, seed.path,
+             PROGRESS)
+    return steps

@@ -166,10 +166,48 @@ class OuterReplay:
         state = self.optimizer.state_dict()["state"]
         return {"type": type(self.optimizer).__name__, "state": state} if state else None
 
-    def restore_own(self, kept: Any) -> str | None:
-        """Load the inner optimizer state ``kept`` (:meth:`keep_own` of an earlier life) into the empty inner
-        optimizer, keeping this life's hyperparameters (a scheduler's learning rate): None if loaded, else why
-        not (a different optimizer, parameters of other shapes)."""
+    def keep_progress(self) -> dict[str, Any] | None:
+        """This member's progress since its last round, for this worker slot's next life on this host: its model's
+        parameters and its inner optimizer's state (the live tensors; :func:`~shoal.membership.seed.keep_progress`
+        copies them to the host). None where a restart could not go on from them exactly: several fragments
+        (streaming DiLoCo synchronises them at different steps, so no one copy is what they went on from) or
+        overlapped reductions (a joiner then loads only at a round's begin)."""
+        if len(self.strategy.fragments) != 1 or not self.enters_between_rounds:
+            return None
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {"type": type(self.optimizer).__name__, "params": [p.detach() for p in params],
+                "state": self.optimizer.state_dict()["state"]}
+
+    def progress_fits(self, kept: Any) -> str | None:
+        """Why ``kept`` (:meth:`keep_progress` of an earlier life) cannot be resumed here, or None."""
+        if self.keep_progress() is None:
+            return "this strategy keeps no progress"
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        got = kept.get("params") if isinstance(kept, dict) else None
+        if not isinstance(got, list) or len(got) != len(params):
+            return f"it holds {len(got) if isinstance(got, list) else 'no'} parameters, the model {len(params)}"
+        for i, (v, p) in enumerate(zip(got, params)):
+            if not isinstance(v, torch.Tensor) or v.shape != p.shape or v.dtype != p.dtype:
+                return f"its parameter {i} is not a {p.dtype} tensor of shape {tuple(p.shape)}"
+        return self._own_fits(kept)
+
+    @torch.no_grad()
+    def restore_progress(self, kept: dict[str, Any], steps: int) -> str | None:
+        """Load ``kept`` (checked by :meth:`progress_fits`) into the model and the inner optimizer, just after
+        this joiner loaded the copy it was kept from, and count its ``steps`` inner steps as trained since it
+        loaded; None, or why not (then the model is back at the global copies and the optimizer empty)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for p, v in zip(params, kept["params"]):
+            p.copy_(v)
+        why = self.restore_own(kept)
+        if why is not None:
+            self.caught_up()
+            return why
+        self.entered = self.strategy.step - steps
+        return None
+
+    def _own_fits(self, kept: Any) -> str | None:
+        """Why ``kept`` (an own or progress part) does not fit the inner optimizer, or None."""
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         if not isinstance(kept, dict) or kept.get("type") != type(opt).__name__ or not isinstance(
@@ -182,6 +220,16 @@ class OuterReplay:
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != params[i].shape:
                     return (f"its {name!r} of parameter {i} has shape {tuple(v.shape)}, the parameter "
                             f"{tuple(params[i].shape)}")
+        return None
+
+    def restore_own(self, kept: Any) -> str | None:
+        """Load the inner optimizer state ``kept`` (:meth:`keep_own` of an earlier life) into the empty inner
+        optimizer, keeping this life's hyperparameters (a scheduler's learning rate): None if loaded, else why
+        not (a different optimizer, parameters of other shapes)."""
+        opt = self.optimizer
+        why = self._own_fits(kept)
+        if why is not None:
+            return why
         # A copy: on the CPU load_state_dict keeps the tensors it is given, which the optimizer then updates.
         try:
             opt.load_state_dict({"state": clone_tree(kept["state"]), "param_groups": opt.state_dict()["param_groups"]})

@@ -136,6 +136,10 @@ def main() -> None:
                     help="a survivor that waited for the restart to be in a published quorum then holds the step "
                          "that runs its next round until it has sent the restart bytes (it was offered early)")
     ap.add_argument("--hidden", type=int, default=32, help="the width of the model's two hidden layers")
+    ap.add_argument("--kill-phase", type=int, default=0,
+                    help="--early: the crashed rank kills itself this many inner steps after the round (its model "
+                         "and inner optimizer then go to <out>/at-kill.keep; a restart that resumed them from its "
+                         "host's progress file writes what it resumed to <out>/resumed.keep)")
     ap.add_argument("--state-cache", default="",
                     help="a folder: each rank keeps its copy of the state in a file there for its restart "
                          "(SHOAL_STATE_CACHE)")
@@ -197,6 +201,8 @@ def main() -> None:
     group.on_commit(committed)
     inner = torch.optim.Adam(net.parameters(), lr=1e-2)
     model, opt = shoal.wrap(net, inner, strategy, process_group=group)
+    if group.catchup.stats.resumed_steps:   # went on from its last life's progress (before any step of its own)
+        _keep(os.path.join(a.out, "resumed.keep"), net, inner)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(512, 16, generator=g)
     y = torch.tanh(x @ torch.randn(16, 4, generator=g))
@@ -206,14 +212,16 @@ def main() -> None:
     while group.catchup.pre is not None or not (strategy.step >= a.steps and strategy.step % PERIOD == 0
                                                 and (full["rounds"] >= 4 or strategy.step >= a.max_steps)):
         # (a restart training before its admission counts its own steps: it ends only once admitted)
-        if a.early and rank == a.crash_rank and life == 0 and strategy.step == 2 * PERIOD:
+        if a.early and rank == a.crash_rank and life == 0 and strategy.step == 2 * PERIOD + a.kill_phase:
             if group.catchup.seed is not None:   # --state-cache: killed once its copy of that round is written
-                group.catchup.seed.flush(30)
+                group.catchup.seed.flush(30)     # (and its progress since, SHOAL_STATE_CACHE_EVERY)
+            if a.kill_phase:
+                _keep(os.path.join(a.out, "at-kill.keep"), net, inner)
             os.kill(os.getpid(), signal.SIGKILL)   # between two rounds: no collective of it fails
         if a.stale_copy and rank == a.crash_rank and life == 0 and strategy.step == PERIOD + 1:
             group.catchup.seed.flush(30)   # its copy stays at the first round's state: a round behind at the kill
             group.catchup.seed = None
-        if a.early and life == 0 and not early["served"] and strategy.step >= 2 * PERIOD:
+        if a.early and life == 0 and rank != a.crash_rank and not early["served"] and strategy.step >= 2 * PERIOD:
             hold_for_early(group, strategy, early)
         if alone["seen"] and not alone["waited"]:   # once, between two rounds: until the restart is in a quorum
             alone["waited"] = True
@@ -254,6 +262,11 @@ def main() -> None:
               "inner_step": int(inner.state[next(iter(net.parameters()))]["step"]),
               "entered": group.catchup.replayers[0].entered}
     save_and_leave(a.out, rank, life, result, group)
+
+
+def _keep(path: str, net: torch.nn.Module, inner: torch.optim.Optimizer) -> None:
+    torch.save({"params": [p.detach().clone() for p in net.parameters()], "inner": inner.state_dict()["state"]},
+               path)
 
 
 if __name__ == "__main__":

@@ -311,3 +311,39 @@ def test_a_restart_admitted_before_its_download_checked_a_stale_copy_drops_the_s
         assert [e["counted"] for e in s["log"] if e["step"] == cu["admitted_step"]] == [2], why
     assert all(s <= cu["admitted_step"] for r in final for s in r["discarded"]), why
     _assert_equal(final, why)
+
+
+@pytest.mark.timeout(150)
+def test_a_restart_goes_on_from_its_last_lifes_inner_steps_kept_on_its_host(tmp_path: Any) -> None:
+    # SHOAL_STATE_CACHE_EVERY=1: each member also writes its model and inner optimizer after every inner step
+    # beside its host's copy. Rank 2 dies 2 inner steps after a round; its restart loads that copy (no round
+    # committed since) and goes on from those 2 steps: its model and inner Adam are bitwise its first life's at
+    # the kill, and the round that admits it takes them with the steps it trains itself (weight k/H, the same
+    # shortfall on every member). All three end bitwise equal.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    out = harness.run(str(tmp_path), 3, ["--early", "--park", "0", "--train-before-admission", "2", "--hidden", "64",
+                                         "--state-cache", str(cache), "--kill-phase", "2"],
+                      env={**ENV, "SHOAL_STATE_CACHE_EVERY": "1"}, hard_limit=130, restarts=1,
+                      script="diloco_heal_worker.py")
+    why = out.logs
+    assert [r for r, _ in out.deaths] == [2], why
+    final = out.final()
+    assert [(r["rank"], r["life"]) for r in final] == [(0, 0), (1, 0), (2, 1)], why
+    *survivors, joiner = final
+    cu = joiner["catchup"]
+    assert cu["resumed_steps"] == 2 and cu["early_from_copy"] and cu["early_reloads"] == 0, why
+    at_kill, resumed = (torch.load(tmp_path / f, weights_only=True) for f in ("at-kill.keep", "resumed.keep"))
+    assert all(torch.equal(a, b) for a, b in zip(at_kill["params"], resumed["params"])), why
+    assert at_kill["inner"].keys() == resumed["inner"].keys() and all(
+        torch.equal(v, resumed["inner"][i][k]) for i, st in at_kill["inner"].items() for k, v in st.items()), why
+    k, admitted = cu["trained_before_admission"], cu["admitted_step"]
+    assert k >= 3 and admitted > 0 and cu["admissions"] == 1, why   # the 2 resumed and at least 1 of its own
+    weight = min(1.0, k / PERIOD)
+    assert cu["first_weight"] == pytest.approx(weight), why
+    for s in survivors:
+        at = [e for e in s["log"] if e["step"] == admitted]
+        assert len(at) == 1 and at[0]["counted"] == 3 and at[0]["short"] == pytest.approx(1.0 - weight), why
+    assert all(s <= admitted for r in final for s in r["discarded"]), why
+    _assert_own_resumed(joiner, why)   # its inner Adam counts on from its first life's steps at the kill
+    _assert_equal(final, why)

@@ -69,3 +69,31 @@ def test_equal_samples_reads_the_fault_free_curve_at_the_chaos_halfs_samples() -
     assert equal_samples(res, workers=4)["delta_pct"] is None
     res["fault_free"]["curve"] = []                               # DDP, --curve 0
     assert equal_samples(res, workers=4) is None
+
+
+def test_a_restart_that_went_on_from_its_last_lifes_steps_gives_them_back_to_the_committed_count(
+        tmp_path: Path) -> None:
+    """SHOAL_STATE_CACHE_EVERY: the killed life's steps since its last round are lost, less those its restart
+    resumed from the host's progress file and its admitting round took (the restart's ``early`` event)."""
+    import json
+
+    from shoal.bench.chaos import _summarise, resumed
+
+    def write(name: str, entries: list[dict[str, object]]) -> None:
+        (tmp_path / name).write_text("".join(json.dumps(e) + "\n" for e in entries))
+
+    joined = {"event": "joined", "t": 0.0, "started": 0.0, "pid": 1, "step": 0, "heal_s": 0.0, "heal_bytes": 0,
+              "params": 10}
+    survivor = [dict(joined, pid=1)] + _steps(12)
+    victim = [dict(joined, pid=2)] + _steps(7)        # killed 3 steps after its round at step 4
+    restart = [dict(joined, pid=3, t=7.5)] + [dict(e, early=True) for e in _steps(2, start=1)] + [
+        {"event": "early", "t": 9.0, "steps": 2, "kept": 2, "resumed": 2}] + _steps(5, start=8)
+    write("log-0-0.jsonl", survivor)
+    write("log-1-0.jsonl", victim)
+    write("log-1-1.jsonl", restart)
+    kills = [{"rank": 1, "life": 0, "t": 7.2, "pid": 2, "survivors": [1]}]
+    assert resumed(restart) == 2 and resumed(victim) == 0
+    res = _summarise(str(tmp_path), kills, 20.0, 8, 0.0)
+    # 12 + 7 + (2 early kept + 5) progress steps, less the victim's 3 unsynced steps, 2 of which were resumed
+    assert res["worker_steps"] == 12 + 7 + 7 - (3 - 2)
+    assert res["local_steps_lost_per_failure"] == 1.0
