@@ -601,7 +601,8 @@ class CatchUp:
             if self.stats.resumed_steps:
                 self.group.trace("progress-resumed", steps=self.stats.resumed_steps)
         if not entry.announce(self):
-            self._rebase(None)
+            self._rebase(None)   # (its admission heals it as a downloader: the load then resets the model)
+            self.stats.resumed_steps = 0
             return False
         with self._seed_lock:   # a later download (a newer quorum's) keeps the ranges this copy still has right
             self._seed_blob, self._seed_read = entry.blob, True
@@ -627,6 +628,7 @@ class CatchUp:
             self._replay(blob, count=False)
             pre.blob = blob
             self.stats.early_reloads += 1
+            self.stats.resumed_steps = 0   # (its last life's steps went on from that copy: dropped with it)
             with self._seed_lock:
                 self._seed_blob = blob
             log.info("this host's copy was stale: training from the state offered for quorum %d from now on",
@@ -649,6 +651,7 @@ class CatchUp:
         """The steps trained before the admission do not count: it is a zero-weight downloader as before."""
         self.pre = None
         self._rebase(None)
+        self.stats.resumed_steps = 0   # (those of its last life it went on from are dropped with them)
         log.warning("dropping the %d inner steps trained before the admission: %s", trained, why)
         self.group.trace("early-entry-dropped", trained=trained, why=why)
 

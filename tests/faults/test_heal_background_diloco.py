@@ -264,21 +264,27 @@ def test_a_restart_holding_the_state_trains_before_its_admission_and_its_round_t
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("progress", [False, True])
 def test_a_restart_with_a_stale_copy_trains_from_it_then_from_the_offered_state_which_its_round_takes(
-        tmp_path: Any) -> None:
+        progress: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Rank 2 dies in a round; the survivors rerun it without it, so its host's copy (written before that round)
     # is one round behind. Its restart loads the copy at once and trains from it while the download the
     # survivors offer runs; that download ends with other bytes, so it reloads them and trains from there
     # (the steps from the stale copy count for nothing). The survivors hold their next round until it trained
     # 2 steps from the offered state; their round admits it with the 3 it trained (weight 3/4), and all three
-    # end bitwise equal.
+    # end bitwise equal. With its first life's progress kept after every inner step (SHOAL_STATE_CACHE_EVERY=1)
+    # the restart first goes on from those steps, which went on from the stale copy: dropped with it.
     cache = tmp_path / "cache"
     cache.mkdir()
+    if progress:
+        monkeypatch.setenv("SHOAL_STATE_CACHE_EVERY", "1")
     final, why = _rank_2_restarted(tmp_path, ["--park", "0", "--served-before-round", "--train-before-admission",
                                               "2", "--hidden", "64", "--state-cache", str(cache)])
     *survivors, joiner = final
     cu = joiner["catchup"]
     assert cu["early_from_copy"] and cu["early_reloads"] == 1, why
+    traced = "".join(p.read_text() for p in (tmp_path / "trace").glob("*.jsonl"))
+    assert ('"progress-resumed"' in traced) == progress and cu["resumed_steps"] == 0, why
     assert cu["trained_before_admission"] == 3 and cu["admissions"] == 1 and cu["caught_up_step"] == \
         cu["admitted_step"], why
     assert 0 < cu["download_bytes"] == joiner["stats"]["heal_bytes"], why   # the copy matched no range
