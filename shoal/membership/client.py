@@ -146,15 +146,16 @@ class MemberClient:
     def join(self) -> int:
         """Register (a new id every call) and start heartbeating; returns the id."""
         st = self.store
-        if self.member_id == 0 and st.add(f"runs/known/{self.run_id}", 1) == 1:
+        if (self.member_id == 0 or self._rejoin) and st.add(f"runs/known/{self.run_id}", 1) == 1:
             st.set(f"runs/{st.add('runs/n', 1)}", self.run_id)
         self.leave()
-        self._rejoin, self._last_q = False, None
+        self._last_q = None
         self.incarnation = incarnation_of(st)
         while True:
             self.member_id = st.add(self.key("next_id"), 1)
             if self._authenticate(self.member_id):
                 break    # else: a restarted coordinator gave this id back to a member that held it: take another
+        self._rejoin = False   # once a new id is held: a join anew that failed before is tried again (wait_quorum)
         st.add(self.key(f"hb/{self.member_id}"), 1)
         record = {"timeouts": asdict(self.timeouts), "min_workers": self.min_workers, **self.info}
         self._record = record
@@ -266,7 +267,9 @@ class MemberClient:
 
         Back at the same incarnation (it was stalled or cut off, not restarted) the member carries on
         (:meth:`_resume`); a new incarnation (a restart: an empty store) learns the run back from
-        the members (:mod:`shoal.membership.reclaim`)."""
+        the members (:mod:`shoal.membership.reclaim`). One that does not take this member back (its id
+        taken, or no quorum to claim) gets it as a newcomer: the client's store is then the new one, and
+        the next quorum wait joins anew there."""
         from shoal.membership.reclaim import reclaim   # the re-announcement protocol (its own module)
 
         self.lost_prefix, self._lost_at = self.abort.prefix, time.monotonic()
@@ -288,11 +291,16 @@ class MemberClient:
                 if now is not None and now == self.incarnation:
                     return self._resume(st, member_id)
                 verdict = reclaim(self, member_id)
+                if verdict != "ok":
+                    # Joining anew, at the new coordinator: the training thread's store client went with the
+                    # old one (a TCPStore client never reconnects; every call on it would fail until
+                    # Timeouts.quorum, and the member stop, saying the coordinator is unreachable).
+                    st = connect(self.address, self.timeouts.quorum)
             except Exception as e:  # noqa: BLE001 - it went away again, or is still starting: try again
                 log.debug("re-announcing to the coordinator failed: %s", e)
                 continue
-            self.down.clear()
             if verdict == "ok":
+                self.down.clear()
                 if stop.is_set():
                     return False                     # this member left (or joined anew) meanwhile
                 self._relink(st, member_id, now)      # the new coordinator listens on its own port
@@ -303,7 +311,11 @@ class MemberClient:
             log.warning("the coordinator at %s is back but did not take member %d back (%s): joining anew "
                         "(this worker is healed like a newcomer)", self.address, member_id, verdict)
             self.dropped_prefix = self.lost_prefix
-            self._rejoin = True
+            self._rejoin = True                      # first: leave() must not end the refused id (see there)
+            self.book, self.store = RecordBook(st, self.run_id, 0, self.token, log), st
+            # Only now: until then the training thread must not read the new store under the refused id (a
+            # newcomer may hold it there, and a quorum of that newcomer's would pass for this member's).
+            self.down.clear()
             return False
         return False
 
@@ -340,7 +352,8 @@ class MemberClient:
         self._hb.join(timeout=2 * self.timeouts.heartbeat_interval + 1)
         self._hb = None
         try:
-            self.store.set(self.key(f"hb/{self.member_id}"), "-1")
+            if not self._rejoin:   # an id the coordinator did not take back is not this member's to end: at a
+                self.store.set(self.key(f"hb/{self.member_id}"), "-1")   # restarted one a newcomer may hold it
         except Exception:  # noqa: BLE001 - coordinator gone: it will not miss us
             pass
         with self._link_lock:

@@ -21,9 +21,13 @@ coordinator``) also waits ``CLAIM_GRACE_S`` after its start before it
 publishes a run's first quorum (``Coordinator(claim_grace=...)``), so that a
 surviving run's members are back before a newcomer could start one alone.
 
-Ids: a claim wins over a join of the same id whose proof is not verified yet
-(the joiner is told ``taken`` and takes a new id); a join already verified
-wins over a later claim (the claimer joins anew and is healed).
+Ids: the first verified claim raises ``next_id`` above every member of the
+quorum it hands in, so a newcomer never takes the id of a member that is yet
+to re-announce itself. Before it (a newcomer that joins a restarted
+coordinator before any member is back) a claim wins over a join of the same
+id whose proof is not verified yet (the joiner is told ``taken`` and takes a
+new id); a join already verified wins over a later claim (the claimer joins
+anew, at the new coordinator, and is healed).
 
 Example (inside :meth:`Coordinator._tick_run`)::
 
@@ -133,9 +137,12 @@ class Recovery:
         run.pending_join.discard(i)
         run.authed.add(i)
         admit(i, info)
+        # Above every member of the quorum it hands in, not only its own id: a newcomer must not take the id of
+        # a member yet to re-announce itself (that one would be told "taken" and had to join anew).
+        top = max([i, *members])
         cur = int(st.add(run.key("next_id"), 0))
-        if cur < i:
-            st.add(run.key("next_id"), i - cur)
+        if cur < top:
+            st.add(run.key("next_id"), top - cur)
         if self.first is None:
             self.first = now
         if qid > self.top:
