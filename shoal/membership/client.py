@@ -247,6 +247,16 @@ class MemberClient:
             try:
                 if st is None:
                     st = connect(self.address, wait)
+                    if self.incarnation is not None and incarnation_of(st) != self.incarnation:
+                        # Restarted within a blip (back before an outage was declared): its store is empty, so
+                        # beating on into it would leave this member unknown there. Re-announce, as after an
+                        # outage (or, still starting, wait for it there).
+                        st = None
+                        if stop.is_set() or not self._outage(member_id, stop, ShoalError(
+                                f"the coordinator at {self.address} was restarted")):
+                            return
+                        last_ok, fails = time.monotonic(), 0
+                        continue
                 st.add(self.key(f"hb/{member_id}"), 1)
                 self.abort.poll(st)
                 if self.peek_latest.is_set() and time.monotonic() - self._latest_at >= LATEST_EVERY_S:

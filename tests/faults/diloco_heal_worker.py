@@ -212,6 +212,8 @@ def main() -> None:
     while group.catchup.pre is not None or not (strategy.step >= a.steps and strategy.step % PERIOD == 0
                                                 and (full["rounds"] >= 4 or strategy.step >= a.max_steps)):
         # (a restart training before its admission counts its own steps: it ends only once admitted)
+        if rank == a.crash_rank and life == 0 and group.catchup.seed is not None:
+            group.catchup.seed.flush(30)   # what it asked to keep on its host is there before any kill
         if a.early and rank == a.crash_rank and life == 0 and strategy.step == 2 * PERIOD + a.kill_phase:
             if group.catchup.seed is not None:   # --state-cache: killed once its copy of that round is written
                 group.catchup.seed.flush(30)     # (and its progress since, SHOAL_STATE_CACHE_EVERY)

@@ -173,3 +173,32 @@ def test_a_member_still_waiting_for_its_first_quorum_joins_the_restarted_coordin
             c.leave()
         if second is not None:
             second.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_restarted_within_a_blip_still_has_its_members_re_announce_themselves() -> None:
+    # Restarted at once, before the members' heartbeats took its absence for an outage (a few failed beats and
+    # heartbeat_timeout): a heartbeat thread that reconnects finds another incarnation and re-announces its
+    # member, as after an outage. It used to beat on into the new, empty store: the run unknown there, the
+    # next membership change waited for a quorum that never came.
+    first = Coordinator(port=0, token=TOKEN, join_grace=0.0, initial_workers=2).start()
+    port, run = first.port, uuid.uuid4().hex[:8]
+    members = [MemberClient(first.address, run, TIMEOUTS, min_workers=2, token=TOKEN) for _ in range(2)]
+    second: Coordinator | None = None
+    try:
+        ids = [c.join() for c in members]
+        q1 = members[0].wait_quorum(0, timeout=10)
+        assert members[1].wait_quorum(0, timeout=10) == q1 and list(q1.members) == ids
+        _kill(first)
+        second = Coordinator(port=port, token=TOKEN, join_grace=0.0).start()
+        _until(lambda: run in second._runs and second._runs[run].recovery.admitted == set(ids), 20,
+               "the members never re-announced themselves to the coordinator restarted within a blip")
+        assert all(c.incarnation == second.incarnation for c in members)
+        members[0].request_quorum(q1.qid)     # a membership change now gets a quorum of both, as before
+        q = members[0].wait_quorum(q1.qid, timeout=TIMEOUTS.join)
+        assert sorted(q.members) == sorted(ids), q
+    finally:
+        for c in members:
+            c.leave()
+        if second is not None:
+            second.stop()
