@@ -636,6 +636,11 @@ class CatchUp:
             self.group.trace("early-entry-reloaded", qid=pre.q.qid)
         return pre.due(self)
 
+    def trained(self) -> int:
+        """The inner steps a joiner training before its admission has trained since it loaded, those of its last
+        life it went on from included (0 when it has not loaded)."""
+        return self._progress()
+
     def _progress(self) -> int:
         """The inner steps a joiner trained since it loaded (0 when it has not loaded)."""
         return min((int(r.trained()) for r in self.replayers if hasattr(r, "trained")), default=0)

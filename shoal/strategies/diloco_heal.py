@@ -261,8 +261,16 @@ def train_before_admission(strategy: Any) -> bool:
 
 
 def admission_due(strategy: Any) -> bool:
-    """After an inner step trained before the admission: whether the survivors wait for it at their round."""
-    return bool(strategy.group.catchup.admission_due())
+    """After an inner step trained before the admission: whether to enter the survivors' round now. They wait
+    for it at their round's barrier; or it has trained a whole period from a state its download checked (its
+    host's copy, the resumed steps of its last life included): its pseudo-gradient then spans as many inner
+    steps as the others', and it waits at the barrier with them (a straggler among them would otherwise let it
+    train on, and its drift, weighted 1 like theirs, outgrow theirs)."""
+    catchup = strategy.group.catchup
+    if catchup.admission_due():
+        return True
+    pre = catchup.pre
+    return pre is not None and not pre.from_seed and catchup.trained() >= strategy.config.inner_steps
 
 
 def save_seed(strategy: Any) -> None:

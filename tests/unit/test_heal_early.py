@@ -244,3 +244,24 @@ def test_an_early_download_asks_for_nothing_once_the_joiner_is_past_its_quorums_
     assert early.done.wait(30) and early.result[1] is None and asked
     for s in servers:
         s.close()
+
+
+@pytest.mark.parametrize("survivors_wait, checked, trained, due", [
+    (True, False, 0, True),     # they wait at their round's barrier: enter
+    (False, True, 3, False),    # 3 of 4 inner steps trained: on
+    (False, True, 4, True),     # a whole period from a checked state: to the barrier, whatever keeps them
+    (False, False, 9, False),   # its host's copy not checked yet (it may be stale): on, as before
+])
+def test_a_restart_training_before_its_admission_stops_at_a_whole_period(survivors_wait: bool, checked: bool,
+                                                                         trained: int, due: bool) -> None:
+    """A straggler among the survivors used to let it train on (55 inner steps against their 32 on the chaos
+    bench): its drift, weighted 1 like theirs, outgrew theirs. Once it has trained a period from a state its
+    download checked (its resumed steps included), it waits at the barrier with them."""
+    from types import SimpleNamespace
+
+    from shoal.strategies.diloco_heal import admission_due
+
+    catchup = SimpleNamespace(admission_due=lambda: survivors_wait, pre=SimpleNamespace(from_seed=not checked),
+                              trained=lambda: trained)
+    strategy = SimpleNamespace(group=SimpleNamespace(catchup=catchup), config=SimpleNamespace(inner_steps=4))
+    assert admission_due(strategy) == due
