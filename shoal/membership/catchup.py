@@ -674,6 +674,7 @@ class CatchUp:
         if keys is None or blob is None:
             self._ready_not_taken()
             self._rebase(None)
+            self.stats.resumed_steps = 0   # (dropped with the steps it trained)
             self.hid, g._fresh = -1, True   # needy again in the next quorum
             return
         self._rebase(trained)
@@ -880,6 +881,11 @@ class CatchUp:
         self._copy_gen, self._since_copy = self._copy_gen + 1, 0
         self.seed.save(self._snapshot(), own, gen=self._copy_gen)
         return True
+
+    def state_replaced(self) -> None:
+        """A blocking heal loaded the run's state over this member's: its host's copy is stale, and no progress
+        is written until the next copy is (a progress must go on from the copy beside it)."""
+        self._seed_due = True
 
     def _save_progress(self) -> None:
         """Every ``seed.every`` inner steps since the copy: this member's model and own optimizer, for its next

@@ -361,6 +361,7 @@ class ElasticGroup(ElasticCollectives):
             self.stats.heal_bytes = blob.numel()
             if self.rank in plan.needy:
                 self._load_blob(blob, plan.src)
+                self.catchup.state_replaced()
                 self.step = plan.top
                 self.stats.heals_received += 1
                 self._healed_since_commit = True   # a copy of a peer's progress until a step commits

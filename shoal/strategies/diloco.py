@@ -298,6 +298,7 @@ class DiLoCo(Strategy):
         self._unadmitted = train_before_admission(self)
         if not self._unadmitted:
             self.rounds.join(self._first_state)
+            save_seed(self)   # the module is the global copies now: the host's copy (and its progress) count from here
         self._mark_step()  # the set-up traffic is not the first step's
         return model
 

@@ -181,9 +181,12 @@ def test_a_coordinator_restarted_within_a_blip_still_has_its_members_re_announce
     # heartbeat_timeout): a heartbeat thread that reconnects finds another incarnation and re-announces its
     # member, as after an outage. It used to beat on into the new, empty store: the run unknown there, the
     # next membership change waited for a quorum that never came.
+    # An outage takes heartbeat_timeout (here 30 s) without a beat: only the incarnation check can re-announce
+    # them within the 20 s the test waits.
+    slow = Timeouts(op=2.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=30.0, quorum=40.0, join=60.0)
     first = Coordinator(port=0, token=TOKEN, join_grace=0.0, initial_workers=2).start()
     port, run = first.port, uuid.uuid4().hex[:8]
-    members = [MemberClient(first.address, run, TIMEOUTS, min_workers=2, token=TOKEN) for _ in range(2)]
+    members = [MemberClient(first.address, run, slow, min_workers=2, token=TOKEN) for _ in range(2)]
     second: Coordinator | None = None
     try:
         ids = [c.join() for c in members]
@@ -195,7 +198,7 @@ def test_a_coordinator_restarted_within_a_blip_still_has_its_members_re_announce
                "the members never re-announced themselves to the coordinator restarted within a blip")
         assert all(c.incarnation == second.incarnation for c in members)
         members[0].request_quorum(q1.qid)     # a membership change now gets a quorum of both, as before
-        q = members[0].wait_quorum(q1.qid, timeout=TIMEOUTS.join)
+        q = members[0].wait_quorum(q1.qid, timeout=20)
         assert sorted(q.members) == sorted(ids), q
     finally:
         for c in members:
