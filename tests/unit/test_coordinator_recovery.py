@@ -98,6 +98,24 @@ def test_claims_after_the_recovery_window_are_published_and_newcomers_never_take
         coord.stop()
 
 
+def _in_a_quorum(timeouts: Timeouts) -> tuple[Coordinator, str, list[MemberClient], Any]:
+    """A coordinator and two members of a new run, both in its first quorum: (coordinator, run, members, q1)."""
+    first = Coordinator(port=0, token=TOKEN, join_grace=0.0, initial_workers=2).start()
+    run = uuid.uuid4().hex[:8]
+    members = [MemberClient(first.address, run, timeouts, min_workers=2, token=TOKEN) for _ in range(2)]
+    ids = [c.join() for c in members]
+    q1 = members[0].wait_quorum(0, timeout=10)
+    assert members[1].wait_quorum(0, timeout=10) == q1 and list(q1.members) == ids == [1, 2]
+    return first, run, members, q1
+
+
+def _end(clients: list[MemberClient], coord: Coordinator | None) -> None:
+    for c in clients:
+        c.leave()
+    if coord is not None:
+        coord.stop()
+
+
 def _kill(coord: Coordinator) -> None:
     """The coordinator dies: its loop stops and its store server goes (the members' connections end)."""
     coord.stop()
@@ -115,15 +133,10 @@ def test_a_member_whose_id_a_newcomer_took_joins_anew_at_the_restarted_coordinat
     back = threading.Event()
     real = client_mod._reachable
     monkeypatch.setattr(client_mod, "_reachable", lambda address: back.is_set() and real(address))
-    first = Coordinator(port=0, token=TOKEN, join_grace=0.0, initial_workers=2).start()
-    port, run = first.port, uuid.uuid4().hex[:8]
-    members = [MemberClient(first.address, run, TIMEOUTS, min_workers=2, token=TOKEN) for _ in range(2)]
-    clients = list(members)
+    first, run, members, q1 = _in_a_quorum(TIMEOUTS)
+    port, clients = first.port, list(members)
     second: Coordinator | None = None
     try:
-        ids = [c.join() for c in members]
-        q1 = members[0].wait_quorum(0, timeout=10)
-        assert members[1].wait_quorum(0, timeout=10) == q1 and list(q1.members) == ids == [1, 2]
         with caplog.at_level(logging.WARNING, logger="shoal.elastic"):
             _kill(first)
             _until(lambda: all(c.down.is_set() for c in members), 20, "the members never took it for an outage")
@@ -137,10 +150,7 @@ def test_a_member_whose_id_a_newcomer_took_joins_anew_at_the_restarted_coordinat
         assert members[0].member_id not in (1, 2) and q.members == (1, 2, members[0].member_id), q
         assert newcomer.member_id == 1 and not newcomer.store.check([newcomer.key("dropped/1")])   # id 1 left alone
     finally:
-        for c in clients:
-            c.leave()
-        if second is not None:
-            second.stop()
+        _end(clients, second)
 
 
 @pytest.mark.timeout(60)
@@ -169,10 +179,7 @@ def test_a_member_still_waiting_for_its_first_quorum_joins_the_restarted_coordin
         assert "did not take member 1 back (no quorum)" in caplog.text, caplog.text
         assert sorted(q.members) == sorted([early.member_id, late.member_id]), q
     finally:
-        for c in clients:
-            c.leave()
-        if second is not None:
-            second.stop()
+        _end(clients, second)
 
 
 @pytest.mark.timeout(60)
@@ -184,14 +191,10 @@ def test_a_coordinator_restarted_within_a_blip_still_has_its_members_re_announce
     # An outage takes heartbeat_timeout (here 30 s) without a beat: only the incarnation check can re-announce
     # them within the 20 s the test waits.
     slow = Timeouts(op=2.0, heartbeat_interval=0.05, probe=0.2, heartbeat_timeout=30.0, quorum=40.0, join=60.0)
-    first = Coordinator(port=0, token=TOKEN, join_grace=0.0, initial_workers=2).start()
-    port, run = first.port, uuid.uuid4().hex[:8]
-    members = [MemberClient(first.address, run, slow, min_workers=2, token=TOKEN) for _ in range(2)]
+    first, run, members, q1 = _in_a_quorum(slow)
+    port, ids = first.port, list(q1.members)
     second: Coordinator | None = None
     try:
-        ids = [c.join() for c in members]
-        q1 = members[0].wait_quorum(0, timeout=10)
-        assert members[1].wait_quorum(0, timeout=10) == q1 and list(q1.members) == ids
         _kill(first)
         second = Coordinator(port=port, token=TOKEN, join_grace=0.0).start()
         _until(lambda: run in second._runs and second._runs[run].recovery.admitted == set(ids), 20,
@@ -201,7 +204,4 @@ def test_a_coordinator_restarted_within_a_blip_still_has_its_members_re_announce
         q = members[0].wait_quorum(q1.qid, timeout=20)
         assert sorted(q.members) == sorted(ids), q
     finally:
-        for c in members:
-            c.leave()
-        if second is not None:
-            second.stop()
+        _end(members, second)

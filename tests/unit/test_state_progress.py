@@ -27,7 +27,7 @@ from shoal.membership.stateserve import clone_tree
 from shoal.strategies.diloco_heal import OuterReplay
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_state_seed import _blob, _tree  # noqa: E402
+from test_state_seed import _blob, _inner, _tree  # noqa: E402
 
 RUN_TAG = "run-a/own-state"
 
@@ -35,13 +35,7 @@ RUN_TAG = "run-a/own-state"
 def _member(seed: int = 0, steps: int = 3, fragments: int = 1, overlap: int = 0, at: int = 10
             ) -> tuple[torch.nn.Module, torch.optim.Optimizer, OuterReplay]:
     """A small model whose AdamW stepped ``steps`` times, and the DiLoCo replayer of a strategy at step ``at``."""
-    torch.manual_seed(seed)
-    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    for _ in range(steps):
-        net(torch.randn(4, 6)).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
+    net, opt, _ = _inner(seed, steps)
     strategy = SimpleNamespace(config=SimpleNamespace(overlap_steps=overlap, inner_steps=8), fragments=[object()] * fragments,
                                step=at, _reset_to_global=lambda f: None)
     return net, opt, OuterReplay(strategy, "k", opt)
