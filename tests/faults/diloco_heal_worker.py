@@ -91,13 +91,23 @@ def hold_until_served(group: ElasticGroup, strategy: Any, deadline: float, seede
     server = group.catchup.server
     while time.monotonic() < deadline:
         if trained:
-            if os.path.exists(trained):
-                break
+            if os.path.exists(trained) or _waits_at_barrier(group):
+                break   # (a restart that trained a whole period waits at the barrier: diloco_heal.admission_due)
         elif (server is not None and server.served > 0) or (seeded and os.path.exists(seeded)):
             break
         time.sleep(0.02)
         server = group.catchup.server
     return True
+
+
+def _waits_at_barrier(group: ElasticGroup) -> bool:
+    """Whether a member (the restart) already waits at the newest quorum's barrier (one store read or three)."""
+    try:
+        client = group.client
+        q = client.quorum(client.latest())
+        return int(client.store.add(q.prefix + "arrive", 0)) > 0
+    except Exception:  # noqa: BLE001 - no quorum record readable yet: not there
+        return False
 
 
 def tell_when_seeded(group: ElasticGroup, path: str) -> None:
