@@ -26,7 +26,7 @@ goodput).
 
 Example::
 
-    curve = read_curve(out, evaluate)                       # [(step, mean loss over the workers), ...]
+    curve = read_curve(out, evaluate, workers)              # [(step, mean loss over the workers), ...]
     x = worker_steps(logs, lost) / workers                  # the chaos half's samples, in per-worker steps
     at_equal_samples(curve, x)                              # the fault-free loss there, or None below the curve
 """

@@ -234,8 +234,8 @@ class CatchUp:
         if self.early is not None and (me not in joiners or self.early.hid != q.qid):
             self._stop_early()   # begun for another quorum, or this one heals it blocking: never used
         if self.pre is not None and me not in joiners:
-            self._drop_pre("this quorum heals it blocking", self._progress())
-        trained = self._progress()   # (a joiner training before its admission) before the schedule is loaded
+            self._drop_pre("this quorum heals it blocking", self.trained())
+        trained = self.trained()   # (a joiner training before its admission) before the schedule is loaded
         if self.hid >= 0 and g.rank in plan.needy and not plan.background:
             log.warning("giving up the background heal %d: this quorum heals blocking", self.hid)
             self.hid = -1
@@ -639,10 +639,6 @@ class CatchUp:
     def trained(self) -> int:
         """The inner steps a joiner training before its admission has trained since it loaded, those of its last
         life it went on from included (0 when it has not loaded)."""
-        return self._progress()
-
-    def _progress(self) -> int:
-        """The inner steps a joiner trained since it loaded (0 when it has not loaded)."""
         return min((int(r.trained()) for r in self.replayers if hasattr(r, "trained")), default=0)
 
     def _rebase(self, trained: int | None) -> None:
@@ -785,7 +781,7 @@ class CatchUp:
         self._unpace()   # nobody commits steps any more: the rest of the download goes flat out
         self._stop_early()   # begun for a quorum this worker never entered
         if self.pre is not None:
-            self._drop_pre("it left before its admission", self._progress())
+            self._drop_pre("it left before its admission", self.trained())
         fetch = self.fetch
         if self.hid >= 0 and not self.loaded:
             done = fetch is not None and fetch.done.wait(g.timeouts.quorum)

@@ -117,7 +117,6 @@ class StateSeed:
         self._next: tuple[Any, Any, SideStream, Any, Any, int | None] | None = None   # the newest copy not written yet
         self._progress: tuple[int, Any, SideStream, Any, Any] | None = None   # the newest progress not written yet
         self._written: tuple[int | None, str] | None = None   # the last copy written: its generation and digest
-        self._data = b""                    # the copy's bytes while the writer takes their digest
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -218,7 +217,7 @@ class StateSeed:
             else:
                 if own_ready is not None:
                     own_ready.synchronize()   # the host copy keep_own issued (this thread waits, not training)
-                why = self._put(self.path + OWN, own, side, ready)
+                why, _ = self._put(self.path + OWN, own, side, ready)
                 if why is not None:
                     self.own_broken = why
                     log.warning("could not write this worker's own state beside the state cache (%s%s: %s); the "
@@ -227,7 +226,7 @@ class StateSeed:
                     self._drop_own()
             self._written = None   # the progress file on disk goes on from the copy being replaced: gone first
             self._drop(PROGRESS)
-            why = self._put(self.path, tree, side, ready, keep=True)
+            why, data = self._put(self.path, tree, side, ready)
             if why is not None:
                 self.broken = why
                 log.warning("could not write the state cache %s (%s); it is off for this worker's life", self.path,
@@ -235,8 +234,7 @@ class StateSeed:
                 self._drop_own()
             else:
                 self.writes += 1
-                self._written = (gen, copy_digest(self._data))
-            self._data = b""
+                self._written = (gen, copy_digest(data))
 
     def _write_progress(self, gen: int, part: Any, side: SideStream, ready: Any, part_ready: Any) -> None:
         if self._written is None or self._written[0] != gen or self.progress_broken is not None:
@@ -244,7 +242,7 @@ class StateSeed:
         if part_ready is not None:
             part_ready.synchronize()
         part["copy"] = self._written[1]
-        why = self._put(self.path + PROGRESS, part, side, ready)
+        why, _ = self._put(self.path + PROGRESS, part, side, ready)
         if why is not None:
             self.progress_broken = why
             log.warning("could not write this worker's progress beside the state cache (%s%s: %s); the copy goes "
@@ -254,24 +252,22 @@ class StateSeed:
         else:
             self.progress_writes += 1
 
-    def _put(self, path: str, part: Any, side: SideStream, ready: Any, keep: bool = False) -> str | None:
-        """Write ``part`` to ``path`` atomically; None, or why it failed (the partial file removed). ``keep``:
-        the bytes written stay in ``self._data`` (for the copy's digest)."""
+    def _put(self, path: str, part: Any, side: SideStream, ready: Any) -> tuple[str | None, bytes]:
+        """Write ``part`` to ``path`` atomically: ``(None, the bytes written)``, or why it failed (the partial file
+        removed) and no bytes."""
         tmp = f"{path}.{os.getpid()}.tmp"   # the launcher removes what a kill leaves
         try:
             data = serialise_snapshot(part, side, ready)
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)   # the file is the old one or the new one, never half of one
-            if keep:
-                self._data = data
-            return None
+            return None, data
         except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder: no cache, training goes on
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            return f"{type(e).__name__}: {e}"
+            return f"{type(e).__name__}: {e}", b""
 
     def _drop(self, suffix: str) -> None:
         try:

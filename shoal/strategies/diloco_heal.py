@@ -172,17 +172,25 @@ class OuterReplay:
         copies them to the host). None where a restart could not go on from them exactly: several fragments
         (streaming DiLoCo synchronises them at different steps, so no one copy is what they went on from) or
         overlapped reductions (a joiner then loads only at a round's begin)."""
-        if len(self.strategy.fragments) != 1 or not self.enters_between_rounds:
+        if not self.keeps_progress:
             return None
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return {"type": type(self.optimizer).__name__, "params": [p.detach() for p in params],
+        return {"type": type(self.optimizer).__name__, "params": [p.detach() for p in self._params()],
                 "state": self.optimizer.state_dict()["state"]}
+
+    @property
+    def keeps_progress(self) -> bool:
+        """Whether a restart could go on from this member's progress exactly (see :meth:`keep_progress`)."""
+        return len(self.strategy.fragments) == 1 and self.enters_between_rounds
+
+    def _params(self) -> list[torch.Tensor]:
+        """The inner optimizer's parameters, in its state's order (the module's trained parameters)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def progress_fits(self, kept: Any) -> str | None:
         """Why ``kept`` (:meth:`keep_progress` of an earlier life) cannot be resumed here, or None."""
-        if self.keep_progress() is None:
+        if not self.keeps_progress:
             return "this strategy keeps no progress"
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = self._params()
         got = kept.get("params") if isinstance(kept, dict) else None
         if not isinstance(got, list) or len(got) != len(params):
             return f"it holds {len(got) if isinstance(got, list) else 'no'} parameters, the model {len(params)}"
@@ -196,8 +204,7 @@ class OuterReplay:
         """Load ``kept`` (checked by :meth:`progress_fits`) into the model and the inner optimizer, just after
         this joiner loaded the copy it was kept from, and count its ``steps`` inner steps as trained since it
         loaded; None, or why not (then the model is back at the global copies and the optimizer empty)."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for p, v in zip(params, kept["params"]):
+        for p, v in zip(self._params(), kept["params"]):
             p.copy_(v)
         why = self.restore_own(kept)
         if why is not None:
@@ -208,8 +215,7 @@ class OuterReplay:
 
     def _own_fits(self, kept: Any) -> str | None:
         """Why ``kept`` (an own or progress part) does not fit the inner optimizer, or None."""
-        opt = self.optimizer
-        params = [p for g in opt.param_groups for p in g["params"]]
+        opt, params = self.optimizer, self._params()
         if not isinstance(kept, dict) or kept.get("type") != type(opt).__name__ or not isinstance(
                 kept.get("state"), dict):
             return f"it was kept by another optimizer than this {type(opt).__name__}"

@@ -260,7 +260,7 @@ def main() -> None:
         pre = group.catchup.pre   # trained N steps since it loaded the state it checked (downloaded, or its copy
         #                           matched the download's bytes; with --stale-copy: its copy, unchecked)
         if (trained and pre is not None and (a.stale_copy or not pre.from_seed) and not os.path.exists(trained)
-                and group.catchup._progress() >= a.train_before_admission):
+                and group.catchup.trained() >= a.train_before_admission):
             open(trained, "w").close()   # the survivors may go to their round now
             t1 = time.monotonic()   # ... and it trains one more step once they wait at its barrier: k = N + 1
             while not group.catchup.admission_due() and time.monotonic() < t1 + 60:
