@@ -210,7 +210,6 @@ class ElasticGroup(ElasticCollectives):
             return
         self._tell()
         self.newcomers = ()
-        self.link.release()
         if self.client.member_id == 0:
             self.client.join()
         if self.quorum is None or self._after >= self.quorum.qid:
@@ -417,7 +416,6 @@ class ElasticGroup(ElasticCollectives):
         False: not entered. Its work ends with :meth:`vote_quorum`
         (example: :mod:`shoal.collaborative.rounds`).
         """
-        self.link.release()
         cur = self.quorum
         if cur is not None and q.prefix == cur.prefix and q.members == cur.members \
                 and (self.pg is not None or self.size == 1) and self.error is None:

@@ -8,9 +8,11 @@ Owned here:
     :func:`gloo_backend`), the step's :class:`~shoal.membership.vote.Failures`,
     and the groups abandoned after a failure. A failed gloo group is never
     waited on and never destroyed in the training thread (its destructor would
-    wait for its stuck operations): it is kept until ``Timeouts.op`` has
-    passed, when gloo has failed those operations. :meth:`Link.await_work`
-    waits for one operation without raising.
+    wait for its stuck operations, up to ``Timeouts.op``): it goes to
+    :data:`shoal.comm.lifetime.REAPER`, which destroys it on its own thread a
+    second later (kept longer, a group whose peer reset a connection can spin
+    gloo's loop thread on a core). :meth:`Link.await_work` waits for one
+    operation without raising.
 :class:`ElasticCollectives`
     The collectives of a :class:`~shoal.comm.Group` whose members follow the
     run's quorums, for both :class:`~shoal.membership.elastic.ElasticGroup` and
@@ -38,6 +40,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from shoal.comm import lifetime
 
 from shoal.comm.group import (_REDUCE_OPS, Group, Handle, _nbytes, broadcast_coalesced, check_all_to_all,
                               check_reduce_op, start_gather_into)
@@ -120,7 +124,6 @@ class Link:
                  step: Callable[[], int]) -> None:
         self.client, self.timeouts, self.factory, self.failures = client, timeouts, factory, failures
         self._step = step
-        self.abandoned: list[tuple[float, Any]] = []
         self.on_abandon: list[Callable[[], None]] = []   # subgroups drop their groups with the quorum's
 
     def build(self, prefix: str, rank: int, size: int) -> Any:
@@ -129,14 +132,12 @@ class Link:
         return self.factory(BackendSpec(store, rank, size, self.timeouts.op, self._step))
 
     def retire(self, pg: Any) -> None:
-        """Keep ``pg`` (failed or superseded) until its stuck operations have failed; never destroy it now."""
-        if pg is not None:
-            self.abandoned.append((time.monotonic(), pg))
+        """Let go of ``pg`` (failed or superseded): destroyed on the reaper's thread, never in this one.
 
-    def release(self) -> None:
-        """Drop the groups retired more than ``Timeouts.op`` ago (gloo has failed their operations: quick)."""
-        horizon = time.monotonic() - self.timeouts.op - 1.0
-        self.abandoned = [(t, pg) for t, pg in self.abandoned if t > horizon]
+        The caller drops its own reference right after (within the reaper's grace).
+        """
+        if pg is not None:
+            lifetime.REAPER.take(pg, limit=self.timeouts.op)
 
     def await_work(self, work: Any, limit: float | None, tag: str, whole: bool = False) -> bool:
         """Wait for ``work``; on any failure record it and return False, never raise.
@@ -207,6 +208,7 @@ class _ElasticHandle(Handle):
         ok = self._link.await_work(self._work, self._timeout if timeout is None else timeout, self._tag, self._whole)
         self._meter.add_wait(self._tag, time.perf_counter() - t0)
         self._done = True
+        self._work = None   # a gloo work holds its group's connections: kept, a reset one can spin gloo's loop
         if ok and self._post is not None:
             self._result = self._post(self._result)
         return self._result
