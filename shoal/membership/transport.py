@@ -182,13 +182,14 @@ class Link:
                 return False
 
     def _finish(self, work: Any, tag: str, e: RuntimeError) -> bool:
+        why = str(e)
         try:
             work.wait()                      # completed: returns at once, or raises its own error
         except RuntimeError as err:
-            e = err
-        else:
+            why = str(err)                   # not the error itself: its traceback holds this frame, and so the
+        else:                                # work and its group's connections, until a garbage collection
             return True                      # it completed just after the slice ran out
-        self.failures.record(PeerLostError(f"collective {tag!r} failed: {e}"))
+        self.failures.record(PeerLostError(f"collective {tag!r} failed: {why}"))
         return False
 
 

@@ -3,7 +3,10 @@
 Kept alive (as it was, for ``Timeouts.op``), a gloo group whose peer reset a
 connection can spin its loop thread on that socket: on the emulated cluster
 ~0.8 of a core, taken from the worker's own CPU share, its inner steps 1.5-3x
-slower for up to a minute after each kill (shoal.comm.lifetime). Destroyed
+slower for up to a minute after each kill (shoal.comm.lifetime); a waited
+handle that kept its gloo work, or a failed wait's error kept in a reference
+cycle with its frame (and so the work), kept the group's connections, and the
+spin, as long as they lived. Destroyed
 in the training thread, a group with an operation stuck on a silent peer
 would hold that thread until the group's timeout. The checks: the group is
 gone (a weak reference dies) within the reaper's grace, whatever
@@ -14,6 +17,7 @@ the thread that let go of it keeps running Python.
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import sys
 import textwrap
@@ -26,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from shoal.comm import lifetime
+from shoal.comm.meter import Meter
 from shoal.membership.coordinator import Timeouts
-from shoal.membership.transport import Link
+from shoal.membership.transport import Link, _ElasticHandle
 from shoal.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,3 +130,47 @@ def test_drain_waits_for_the_groups_handed_over() -> None:
     assert reaper.pending() == 1
     reaper.drain()
     assert reaper.pending() == 0 and ref() is None and reaper.destroyed == 1
+
+
+def _loop_threads() -> int:
+    """Gloo's device loop threads of this process (one per live group's device)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == "gloo_tcp_loop"
+        except FileNotFoundError:
+            pass
+    return n
+
+
+class _Failures:
+    """The step's failures, without a coordinator to raise an abort flag at."""
+
+    error: BaseException | None = None
+    aborted = False
+
+    def record(self, err: BaseException) -> None:
+        self.error = self.error or err
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_collectives_handle_does_not_keep_its_retired_groups_connections() -> None:
+    before = _loop_threads()
+    pg, peer = _pair(op_timeout=10.0)
+    link = Link(client=None, timeouts=Timeouts(op=10.0), factory=lambda spec: None,  # type: ignore[arg-type]
+                failures=_Failures(), step=lambda: 0)  # type: ignore[arg-type]
+    assert _loop_threads() > before
+    peer.kill()
+    peer.wait(timeout=30)
+    handle = _ElasticHandle(link, pg.allreduce([torch.ones(4)]), None, Meter(), "t", 10.0, None)
+    handle.wait()
+    assert link.failures.error is not None, "the allreduce with a dead peer did not fail"
+    link.retire(pg)
+    del pg
+    t0 = time.monotonic()      # the handle lives on, as a strategy's last one does until its next round
+    while _loop_threads() > before and time.monotonic() - t0 < 10.0:
+        time.sleep(0.05)
+    assert _loop_threads() == before, ("the failed group's loop thread outlived it (its connections held by the "
+                                       "handle's work, or by a cycle through the failed wait's error)")
+    del handle
