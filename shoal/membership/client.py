@@ -122,8 +122,12 @@ class MemberClient:
         self._latest_at = 0.0
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
+        self._stale: threading.Thread | None = None   # a heartbeat thread that outlived leave()'s wait for it
         self._link: LivenessLink | None = None   # closed by this process's death: the coordinator sees it at once
-        self._link_lock = threading.Lock()       # the training thread (join, leave) and the heartbeat's (reclaim)
+        # The training thread (join, leave) and the heartbeat's (reclaim, _outage, _resume). leave() sets the
+        # heartbeat thread's stop event under it, and that thread changes this client (store, book, down,
+        # _rejoin, ...) only under it after checking that event: each change is made before leave() or never.
+        self._link_lock = threading.Lock()
         self.book = RecordBook(self.store, run_id, 0, self.token, log)
         self._infos: dict[int, dict[str, Any]] = {}   # verified join records, by member id
         # Coordinator outages (docs/elastic.md, "When the coordinator fails"): set while it is unreachable;
@@ -144,11 +148,37 @@ class MemberClient:
         return f"{self.run_id}/{k}"
 
     def join(self) -> int:
-        """Register (a new id every call) and start heartbeating; returns the id."""
-        st = self.store
-        if (self.member_id == 0 or self._rejoin) and st.add(f"runs/known/{self.run_id}", 1) == 1:
-            st.set(f"runs/{st.add('runs/n', 1)}", self.run_id)
+        """Register (a new id every call) and start heartbeating; returns the id.
+
+        ShoalError while the heartbeat thread of the membership this call ends is still re-announcing it to
+        a coordinator it lost (see below); :meth:`wait_quorum` tries again at its next tick."""
         self.leave()
+        stale = self._stale
+        if stale is not None and stale.is_alive() and self.down.is_set():
+            # Refused, not waited for: a re-announcement can block 2 x Timeouts.quorum, past the caller's own
+            # deadline, and wait_quorum already retries at every tick until its own. That thread no longer
+            # changes this client (it was stopped), but ``down`` is its verdict: a join now would start the
+            # new membership with the coordinator taken for gone, on a store client that may be dead.
+            raise ShoalError(
+                f"cannot join anew yet: the heartbeat thread of this worker's previous membership is still "
+                f"re-announcing member {self.member_id} to the coordinator at {self.address}, which it lost (a "
+                f"re-announcement takes up to 2 x Timeouts.quorum = {2 * self.timeouts.quorum:.0f} s; it ends "
+                "without changing this client): join again once it has ended")
+        fresh = self.down.is_set()
+        if fresh:
+            # The coordinator was lost and the heartbeat thread that saw it go ended before it came back: this
+            # client's store may be the dead coordinator's (a TCPStore client never reconnects), and no thread
+            # of a membership is left to clear ``down``. Join on a fresh connection, registering the run (a
+            # restarted coordinator does not know it); the new heartbeat thread watches from here.
+            if not _reachable(self.address):   # else connect() would block Timeouts.quorum at every retry
+                raise ShoalError(f"cannot join anew: the coordinator at {self.address} does not answer (this "
+                                 "worker's heartbeat thread lost it and ended before it came back); restart it at "
+                                 "the same address with the same token")
+            self.store = connect(self.address, self.timeouts.quorum)
+            self.book = RecordBook(self.store, self.run_id, 0, self.token, log)
+        st = self.store
+        if (self.member_id == 0 or self._rejoin or fresh) and st.add(f"runs/known/{self.run_id}", 1) == 1:
+            st.set(f"runs/{st.add('runs/n', 1)}", self.run_id)
         self._last_q = None
         self.incarnation = incarnation_of(st)
         while True:
@@ -156,6 +186,7 @@ class MemberClient:
             if self._authenticate(self.member_id):
                 break    # else: a restarted coordinator gave this id back to a member that held it: take another
         self._rejoin = False   # once a new id is held: a join anew that failed before is tried again (wait_quorum)
+        self.down.clear()      # the store answered: the coordinator is there (set by an ended thread, see above)
         st.add(self.key(f"hb/{self.member_id}"), 1)
         record = {"timeouts": asdict(self.timeouts), "min_workers": self.min_workers, **self.info}
         self._record = record
@@ -279,14 +310,21 @@ class MemberClient:
         (:meth:`_resume`); a new incarnation (a restart: an empty store) learns the run back from
         the members (:mod:`shoal.membership.reclaim`). One that does not take this member back (its id
         taken, or no quorum to claim) gets it as a newcomer: the client's store is then the new one, and
-        the next quorum wait joins anew there."""
-        from shoal.membership.reclaim import reclaim   # the re-announcement protocol (its own module)
+        the next quorum wait joins anew there.
 
-        self.lost_prefix, self._lost_at = self.abort.prefix, time.monotonic()
-        # A restarted coordinator numbers its quorums anew from what the members claim: an id read from the old
-        # one may never be published by it (offer_early would wait on that record), so read it afresh later.
-        self.latest_seen, self._latest_at = -1, 0.0
-        self.down.set()
+        Once ``stop`` is set (:meth:`leave`, which may give up waiting for this thread long before a
+        re-announcement returns) it changes nothing of the client any more: the member left, and may have
+        joined anew under another id, whose store, record and ``down`` are not this thread's."""
+        from shoal.membership.reclaim import LEFT, reclaim   # the re-announcement protocol (its own module)
+
+        with self._link_lock:
+            if stop.is_set():
+                return False
+            self.lost_prefix, self._lost_at = self.abort.prefix, time.monotonic()
+            # A restarted coordinator numbers its quorums anew from what the members claim: an id read from the
+            # old one may never be published by it (offer_early would wait on that record), so read it afresh.
+            self.latest_seen, self._latest_at = -1, 0.0
+            self.down.set()
         log.warning("lost the coordinator at %s (%s): training goes on with the current quorum; a membership "
                     "change (a lost peer, a joiner) waits for it to come back (restart it at the same address "
                     "with the same token)", self.address, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
@@ -299,8 +337,10 @@ class MemberClient:
                 if now is None and self.incarnation is not None:
                     continue       # a coordinator still starting: it writes its incarnation first
                 if now is not None and now == self.incarnation:
-                    return self._resume(st, member_id)
-                verdict = reclaim(self, member_id)
+                    return self._resume(st, member_id, stop)
+                verdict = reclaim(self, member_id, stop)
+                if verdict == LEFT:
+                    return False                     # the member left meanwhile: reclaim changed nothing
                 if verdict != "ok":
                     # Joining anew, at the new coordinator: the training thread's store client went with the
                     # old one (a TCPStore client never reconnects; every call on it would fail until
@@ -310,56 +350,76 @@ class MemberClient:
                 log.debug("re-announcing to the coordinator failed: %s", e)
                 continue
             if verdict == "ok":
-                self.down.clear()
-                if stop.is_set():
-                    return False                     # this member left (or joined anew) meanwhile
+                with self._link_lock:
+                    if stop.is_set():
+                        # Left after reclaim swapped the store in (before leave(), so join() found it): ``down``
+                        # is then for join() to clear, never for this thread (it may be the new membership's).
+                        return False
+                    self.incarnation = now
+                    self.down.clear()
                 self._relink(st, member_id, now)      # the new coordinator listens on its own port
-                self.incarnation = now
                 log.warning("the coordinator at %s is back after %.1f s: member %d re-announced itself",
                             self.address, time.monotonic() - self._lost_at, member_id)
                 return True
+            with self._link_lock:
+                if stop.is_set():
+                    return False    # left meanwhile: the connection opened above closes with its last reference
+                self.dropped_prefix = self.lost_prefix
+                self._rejoin = True                  # first: leave() must not end the refused id (see there)
+                self.book, self.store = RecordBook(st, self.run_id, 0, self.token, log), st
+                # Only now: until then the training thread must not read the new store under the refused id (a
+                # newcomer may hold it there, and a quorum of that newcomer's would pass for this member's).
+                self.down.clear()
             log.warning("the coordinator at %s is back but did not take member %d back (%s): joining anew "
                         "(this worker is healed like a newcomer)", self.address, member_id, verdict)
-            self.dropped_prefix = self.lost_prefix
-            self._rejoin = True                      # first: leave() must not end the refused id (see there)
-            self.book, self.store = RecordBook(st, self.run_id, 0, self.token, log), st
-            # Only now: until then the training thread must not read the new store under the refused id (a
-            # newcomer may hold it there, and a quorum of that newcomer's would pass for this member's).
-            self.down.clear()
             return False
         return False
 
-    def _resume(self, st: Any, member_id: int) -> bool:
+    def _resume(self, st: Any, member_id: int, stop: threading.Event) -> bool:
         """The same coordinator answers again: its verdict on this member stands; keep beating (True).
 
         Not dropped: the member carries on under its id, seat and quorum. Its votes of the quorum it
         was in may have gone peer to peer meanwhile while its peers' go through the store: that quorum's
         abort flag ends it (every member discards the step in flight and moves to a new quorum, whose votes
         all go through the store). Dropped (silent past ``heartbeat_timeout`` while the coordinator ran):
-        no vote of that quorum may commit any more, and the member joins anew (at its next quorum wait)."""
+        no vote of that quorum may commit any more, and the member joins anew (at its next quorum wait).
+
+        False, changing nothing, once ``stop`` is set: the member left meanwhile (see :meth:`_outage`)."""
+        if stop.is_set():
+            return False    # and no beat: it would undo the -1 that leave() wrote for this id
         away = time.monotonic() - self._lost_at
         # A beat first: the quorum ended below is replaced after a probe of the members' heartbeats, and
         # this member must not look silent to it while its heartbeat thread reconnects.
         st.add(self.key(f"hb/{member_id}"), 1)
-        if st.check([self.key(f"dropped/{member_id}")]):
+        dropped = st.check([self.key(f"dropped/{member_id}")])
+        lost = self.lost_prefix
+        if not dropped and lost is not None:
+            st.set(lost + "abort", "the coordinator was unreachable")
+        with self._link_lock:
+            if stop.is_set():
+                return False
+            if dropped:
+                self.dropped_prefix, self._rejoin = lost, True
+            else:
+                self.lost_prefix = None
+            self.down.clear()
+        if dropped:
             log.warning("the coordinator at %s answers again after %.1f s (not restarted) but dropped member %d "
                         "meanwhile: joining anew (this worker is healed like a newcomer)", self.address, away, member_id)
-            self.dropped_prefix, self._rejoin = self.lost_prefix, True
         else:
             log.warning("the coordinator at %s answers again after %.1f s (not restarted: it was stalled or cut "
                         "off): member %d carries on", self.address, away, member_id)
-            if self.lost_prefix is not None:
-                st.set(self.lost_prefix + "abort", "the coordinator was unreachable")
-            self.lost_prefix = None
-        self.down.clear()
         return True
 
     def leave(self) -> None:
         """Stop heartbeating and tell the coordinator at once (idempotent)."""
         if self._hb is None:
             return
-        self._stop.set()
+        with self._link_lock:   # see _link_lock: the heartbeat thread changes this client before this or never
+            self._stop.set()
         self._hb.join(timeout=2 * self.timeouts.heartbeat_interval + 1)
+        # Still running: blocked in a re-announcement (up to 2 x Timeouts.quorum); join() refuses meanwhile.
+        self._stale = self._hb if self._hb.is_alive() else None
         self._hb = None
         try:
             if not self._rejoin:   # an id the coordinator did not take back is not this member's to end: at a

@@ -20,11 +20,12 @@ every check passes: a stranger can neither claim an id nor invent a quorum.
 
 Example (what the heartbeat thread does once the address answers)::
 
-    verdict = reclaim(client, client.member_id)   # "ok", or why the id was not taken back
+    verdict = reclaim(client, client.member_id, stop)   # "ok", LEFT, or why the id was not taken back
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -33,13 +34,21 @@ from shoal.membership import auth
 from shoal.membership.coordinator import _TICK_S, _s, connect, log
 from shoal.membership.records import RecordBook
 
+LEFT = "left"   # reclaim's verdict when the member left while it re-announced it: the client is unchanged
 
-def reclaim(client: Any, member_id: int) -> str:
+
+def reclaim(client: Any, member_id: int, stop: threading.Event) -> str:
     """Re-announce ``member_id`` of ``client`` (a MemberClient) to a restarted coordinator.
 
     Returns ``"ok"`` (the client's store and record book now point at the new
     store) or the coordinator's reason for not taking the id back (``"taken"``,
-    ``"denied"``, ``"no quorum"``): the caller then joins anew.
+    ``"denied"``, ``"no quorum"``): the caller then joins anew. ``stop`` is the
+    calling heartbeat thread's: set (by ``client.leave()``, which does not wait
+    for a re-announcement to end) before the client could be changed, it
+    returns :data:`LEFT` and leaves the client as it is, since the member may
+    have joined anew under another id meanwhile; the id it re-announced is
+    ended at the new coordinator, as leave() would have, and its connection
+    dropped.
     """
     if client._last_q is None:
         return "no quorum"          # never in a quorum: nothing to reclaim, a plain join does
@@ -60,8 +69,15 @@ def reclaim(client: Any, member_id: int) -> str:
     st.set(client.key(f"join/{member_id}"), book.seal(client._record))
     st.set(client.key(f"claimrec/{member_id}"), book.seal({"quorum": client._last_q}))
     st.add(client.key(f"hb/{member_id}"), 1)
-    client.book, client.store = book, st
-    return "ok"
+    with client._link_lock:   # leave() sets stop under it: the swap below comes before leave() or never
+        if not stop.is_set():
+            client.book, client.store = book, st
+            return "ok"
+    try:
+        st.set(client.key(f"hb/{member_id}"), "-1")
+    except Exception:  # noqa: BLE001 - gone again: the coordinator drops the silent id after heartbeat_timeout
+        pass
+    return LEFT
 
 
 def _challenge(client: Any, st: Any, base: str, member_id: int) -> str:

@@ -194,11 +194,12 @@ def test_the_heartbeat_thread_reads_the_newest_quorum_id_only_once_asked() -> No
 
 
 @pytest.mark.timeout(60)
-def test_an_outage_forgets_the_newest_quorum_id_read_from_the_lost_coordinator() -> None:
+def test_an_outage_forgets_the_newest_quorum_id_read_from_the_lost_coordinator(monkeypatch: pytest.MonkeyPatch) -> None:
     # A restarted coordinator numbers its quorums anew from what the members claim: an id read from the old
     # one may never be published by the new one, and offer_early would then wait on that record.
     import uuid
 
+    import shoal.membership.client as client_mod
     from shoal.membership.client import MemberClient
     from shoal.membership.coordinator import Coordinator
 
@@ -207,7 +208,9 @@ def test_an_outage_forgets_the_newest_quorum_id_read_from_the_lost_coordinator()
     try:
         c.latest_seen = 7
         stop = threading.Event()
-        stop.set()   # the heartbeat thread is stopping: _outage returns at once after its bookkeeping
+        # The address does not answer, and the member leaves at _outage's first look at it: _outage returns
+        # after its bookkeeping (a thread stopped before it came in changes nothing: test_stale_heartbeat).
+        monkeypatch.setattr(client_mod, "_reachable", lambda address: stop.set() or False)
         c._outage(c.member_id, stop, RuntimeError("connection reset by peer"))
         assert c.down.is_set() and c.latest_seen == -1
     finally:
