@@ -74,12 +74,13 @@ class Reaper:
 
     def __init__(self, grace: float = 1.0) -> None:
         self.grace = grace
-        self._queue: queue.Queue[tuple[float, float, Any]] = queue.Queue()
+        self._queue: queue.Queue[tuple[float, Any]] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pending = 0                  # groups taken and not destroyed yet
         self._limit = 0.0                  # the longest destruction the queue may still take (s)
         self.destroyed = 0                 # groups whose destructor has returned
+        self._hurry = threading.Event()    # set at exit: no more grace (every caller has let go by then)
 
     def take(self, pg: Any, limit: float) -> None:
         """Destroy ``pg`` here soon; its destructor may wait up to ``limit`` s for a stuck operation."""
@@ -89,7 +90,7 @@ class Reaper:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="shoal-group-reaper", daemon=True)
                 self._thread.start()
-        self._queue.put((time.monotonic() + self.grace, limit, pg))
+        self._queue.put((time.monotonic() + self.grace, pg))
 
     def pending(self) -> int:
         """Groups handed over and not destroyed yet."""
@@ -98,26 +99,28 @@ class Reaper:
 
     def _run(self) -> None:
         while True:
-            due, _limit, pg = self._queue.get()
-            time.sleep(max(0.0, due - time.monotonic()))
+            due, pg = self._queue.get()
+            self._hurry.wait(max(0.0, due - time.monotonic()))
             del pg                         # the destructor runs here if this was the last reference
             with self._lock:
                 self._pending -= 1
                 self.destroyed += 1
 
     def drain(self) -> None:
-        """Wait until every group handed over is destroyed, up to the grace plus the longest limit per group."""
+        """Wait until every group handed over is destroyed (no grace any more), up to the longest limit per group."""
+        self._hurry.set()
         with self._lock:
             pending, limit = self._pending, self._limit
         if not pending:
             return
-        deadline = time.monotonic() + pending * (self.grace + limit) + 1.0
-        log.info("waiting for %d process group(s) let go of to be destroyed before exiting", pending)
+        budget = pending * limit + 1.0
+        deadline = time.monotonic() + budget
+        log.debug("waiting for %d process group(s) let go of to be destroyed before exiting", pending)
         while self.pending() and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.01)
         if self.pending():
             log.warning("%d process group(s) were not destroyed within %.0f s; exiting with them alive may abort "
-                        "the process (a gloo operation stuck beyond its timeout)", self.pending(), limit)
+                        "the process (a gloo operation stuck beyond its timeout)", self.pending(), budget)
 
 
 REAPER = Reaper()
