@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.comm import lifetime
-
 from shoal.comm.group import (_REDUCE_OPS, Group, Handle, _nbytes, broadcast_coalesced, check_all_to_all,
                               check_reduce_op, start_gather_into)
 from shoal.membership.client import MemberClient
