@@ -22,7 +22,9 @@ from shoal.bench import strategies
 from shoal.testing import run_workers
 
 WORLD = 4
-BUDGET_S = 1.0   # training seconds per strategy: short, but many steps of the small model below
+# Training seconds per strategy: short, but many steps of the small model below (7 to 25 on a 2-core box).
+# The whole test is ~45 strategies x BUDGET_S: 1.0 s made it ~50 s of the suite, 0.5 s ~27 s.
+BUDGET_S = 0.5
 MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 2, "context": 64}
 
 
@@ -67,7 +69,8 @@ def test_training_seconds_account_for_the_real_time_of_every_strategy() -> None:
             print(f"rank {rank} {name:18s} real {m['real_s']:.2f} setup {m['setup_s']:.2f} eval {m['eval_s']:.2f} "
                   f"counted {m['wall_s']:.2f} uncounted {uncounted:.3f} steps {m['steps']}")
             assert m["wall_s"] <= loop_real + 1e-3, (name, rank, m)   # never more than really passed
-            # A few milliseconds of bookkeeping per run are allowed; a strategy's communication is not.
-            if uncounted > 0.05 * loop_real + 0.05:
+            # A few milliseconds of bookkeeping per run are allowed; a strategy's communication is not. The
+            # allowance is ~10 % of the run whatever BUDGET_S (0.05 s fixed at 1.0 s): 5 % + 5 % of the budget.
+            if uncounted > 0.05 * loop_real + 0.05 * BUDGET_S:
                 problems.append(f"{name} (rank {rank}): {uncounted:.2f} s of {loop_real:.2f} s not counted")
     assert not problems, "training time left off the clock:\n" + "\n".join(problems)
