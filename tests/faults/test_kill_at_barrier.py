@@ -14,7 +14,7 @@ request about the superseded quorum), which only the coordinator's
 ``heartbeat_timeout`` ended.
 
 Either way, the second step after the park must commit well within
-``heartbeat_timeout`` (16 s, below ``op``, 24 s): the lost member is judged
+``heartbeat_timeout`` (10 s, below ``op``, 12 s): the lost member is judged
 by its stopped heartbeat within a few ``probe`` windows (0.5 s), not by the
 coordinator's ``heartbeat_timeout`` nor by the constructor's ``op``
 (:mod:`shoal.membership.rendezvous`). The workers left end bitwise equal.
