@@ -68,6 +68,7 @@ class Spec:
     hold_after: int = -1            # once this epoch is done, wait until hold_peers peers are in the swarm (a late
     hold_peers: int = 2             # joiner then always finds this peer there, however slowly it starts)
     wait_for_list: int = -1         # enter this epoch's first matchmaking only once another peer closed it
+    stop_file: str = ""             # also stop once this file exists (the test's word that the other peers are done)
 
 
 def digest(tensors: list[torch.Tensor]) -> float:
@@ -238,7 +239,8 @@ def train(spec: Spec, run_id: str, coordinator: str, token: str, life: int = 0,
     t_end = time.monotonic() + spec.max_seconds
     stop_at, seen_fewer = spec.epochs, life > 0
     reuse = bool(spec.options.get("reuse_grad_buffers"))
-    while opt.local_epoch < stop_at and time.monotonic() < t_end:
+    while (opt.local_epoch < stop_at and time.monotonic() < t_end
+           and not (spec.stop_file and os.path.exists(spec.stop_file))):
         if role != "aux":
             x = torch.randn(spec.batch, 16, generator=g)
             F.mse_loss(net(x), torch.tanh(x @ w_true)).backward()

@@ -40,17 +40,25 @@ def test_a_peer_lying_about_its_epoch_is_excluded_and_never_loaded_from(tmp_path
     # Without the header rule the liar is the only member at the round's (claimed) epoch, hence the
     # source every honest peer loads its +100-shifted parameters from; without the majority rule
     # the honest peers' view of the swarm's epoch is a million.
+    # The liar trains on until the honest peers are done (their threads returned: the stop file), not for a
+    # fixed 12 s; 45 s only bounds it. Left behind after epoch 1, it tries to load the state nobody serves it,
+    # for its load_state_timeout (2 s, not 10: the stop file is read between its steps). 13 s -> ~5 s.
     common = {"target": 96, "epochs": 4, "max_seconds": 40, "start_peers": 3}
     coord = Coordinator(port=0, initial_workers=3, token=TOKEN).start()
     run_id = uuid.uuid4().hex[:8]
-    spec = json.dumps({"common": common, "ranks": {"2": {"batch": 16, "role": "epochlie", "max_seconds": 12,
-                                                         "epochs": 1000, "linger": 0.0}}})
+    done = tmp_path / "honest-done"
+    spec = json.dumps({"common": common, "ranks": {"2": {"batch": 16, "role": "epochlie", "max_seconds": 45,
+                                                         "epochs": 1000, "linger": 0.0, "stop_file": str(done),
+                                                         "load_timeout": 2.0}}})
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             procs = pool.submit(run, str(tmp_path), 3, ["--spec", spec, "--token", TOKEN], script="collab_worker.py",
                                 hard_limit=90, restarts=0, ranks=[2], coordinator=coord, run_id=run_id)
-            threads = run_threads([Spec(rank=0, batch=16, **common), Spec(rank=1, batch=24, **common)], TOKEN,
-                                  hard_limit=90, coordinator=coord, run_id=run_id)
+            try:
+                threads = run_threads([Spec(rank=0, batch=16, **common), Spec(rank=1, batch=24, **common)], TOKEN,
+                                      hard_limit=90, coordinator=coord, run_id=run_id)
+            finally:
+                done.touch()
             out = procs.result()
     finally:
         coord.stop()
