@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", required=True)
     ap.add_argument("--op", type=float, default=5.0)
+    ap.add_argument("--quorum", type=float, default=0.0, help="Timeouts.quorum (default: --op + 10)")
     ap.add_argument("--min-workers", type=int, default=2)
     ap.add_argument("--want-size", type=int, default=0,
                     help="after --steps, go on until a step ran with this many workers (a restart rejoined)")
@@ -61,7 +62,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, life = int(os.environ["RANK"]), int(os.environ.get("SHOAL_RESTART", "0"))
     timeouts = Timeouts(op=a.op, heartbeat_interval=0.1, probe=0.5, heartbeat_timeout=3.0,
-                        quorum=a.op + 10, join=a.op + 40)
+                        quorum=a.quorum or a.op + 10, join=a.op + 40)
     group = ElasticGroup(timeouts=timeouts, min_workers=a.min_workers,
                          backend_factory=FaultPlan.from_env().backend_factory())
     group.heal_chunk = 1024   # small models: heals still take many messages (the 4 MiB default would take one)

@@ -239,11 +239,16 @@ def test_a_restarted_coordinator_admits_only_claims_that_verify() -> None:
         coord.stop()
 
 
+QUORUM_S = 6.0
+
+
 @pytest.mark.timeout(300)
 def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp_path: Path) -> None:
     # The coordinator dies for good, then a worker is lost: the survivors cannot form a quorum without it,
-    # wait Timeouts.quorum (op + 10 s in the worker) and stop with an error that says what to do.
-    with _Run(tmp_path, ["--steps", "100000", "--op", "3", "--min-workers", "2", "--pace", "0.05"]) as run:
+    # wait Timeouts.quorum and stop with an error that says what to do. Quorum 6 s (op + 10 = 13 s before;
+    # the first quorum waits Timeouts.join, op + 40): the test took ~16 s, most of it this wait.
+    with _Run(tmp_path, ["--steps", "100000", "--op", "3", "--quorum", str(QUORUM_S), "--min-workers", "2",
+                         "--pace", "0.05"]) as run:
         run.start_three_and_wait_until_they_train()
         run.lose_the_coordinator_then_worker_2()
         t0 = time.monotonic()
@@ -253,7 +258,7 @@ def test_a_membership_change_waits_for_a_dead_coordinator_then_fails_clearly(tmp
     assert all(c != 0 for c in codes), logs
     for log in logs:
         assert "is unreachable and this worker" in log and "Restart the coordinator" in log, log
-    assert waited >= 13.0 - 1.0, waited      # it waited Timeouts.quorum (13 s) for the coordinator first
+    assert waited >= QUORUM_S - 1.0, waited   # it waited Timeouts.quorum for the coordinator first (op is 3 s)
 
 
 @pytest.mark.timeout(300)
