@@ -18,15 +18,15 @@ then, not during finalization. A holder is not used after that; nothing of
 the script runs after its ``atexit`` handlers.
 
 A group let go of while the script runs (an elastic quorum's group after a
-failure, or superseded) goes to :data:`REAPER`, which destroys it on its own
-thread a moment later. Not sooner than that: its operations may still be stuck
+failure, or superseded) goes to :data:`REAPER`, which destroys it on a thread
+of its own a moment later. Not sooner than that: its operations may still be stuck
 on a silent peer, and its destructor waits for them (until the group's own
 timeout), which must not hold the training thread (torch releases the GIL in
 a process group's destructor). Not later either: a gloo group whose peer
 reset a connection can keep its loop thread spinning on that socket for as
 long as the group lives (measured on the emulated cluster: ~0.8 of a core,
 taken from the worker's own share of the CPU, its steps 1.5-3x slower).
-The exit handler waits for the groups still queued there.
+The exit handler waits for the groups still handed over.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import queue
+import os
+import sys
 import threading
 import time
 import weakref
@@ -58,62 +59,73 @@ def hold(holder: Holder) -> None:
 
 
 class Reaper:
-    """Destroys the process groups handed to it on its own thread, ``grace`` seconds after each arrives.
+    """Destroys the process groups handed to it, each on a thread of its own, ``grace`` seconds after it arrives.
 
     The grace lets whoever handed a group over drop its own references first
     (the frame that called :meth:`take`, a field set to None just after), so
-    that the last reference, and with it the destructor, is this thread's.
-    A group still referenced elsewhere then lives on, and is destroyed where its
-    last reference goes. :meth:`drain` (at exit) waits for the queue to empty.
+    that the last reference, and with it the destructor, is the reaper's. A
+    group still referenced elsewhere after the grace is waited for (up to its
+    ``limit``) and then let go of: it is destroyed where its last reference
+    goes, and not counted in :attr:`destroyed`. One thread per group, so that a
+    destructor waiting for a stuck operation never holds up the next group (a
+    failed group whose connection was reset spins gloo's loop until it goes).
+    :meth:`drain` (at exit) waits for every group still handed over.
 
     Example (what :class:`~shoal.membership.transport.Link` does with a failed quorum's group)::
 
-        REAPER.take(pg, limit=timeouts.op)   # gone within ~grace s; its stuck operations fail by then + limit
+        REAPER.take(pg, limit=timeouts.op)   # destroyed after ~grace s; its destructor may wait up to limit s
         pg = None
     """
 
     def __init__(self, grace: float = 1.0) -> None:
         self.grace = grace
-        self._queue: queue.Queue[tuple[float, Any]] = queue.Queue()
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)   # a forked child has none of the parent's threads
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._pending = 0                  # groups taken and not destroyed yet
-        self._limit = 0.0                  # the longest destruction the queue may still take (s)
-        self.destroyed = 0                 # groups whose destructor has returned
+        self._pending = 0                  # groups taken and not let go of yet
+        self._limit = 0.0                  # the longest destruction still to come (s)
+        self.destroyed = 0                 # groups whose last reference was the reaper's, destructor returned
         self._hurry = threading.Event()    # set at exit: no more grace (every caller has let go by then)
 
     def take(self, pg: Any, limit: float) -> None:
-        """Destroy ``pg`` here soon; its destructor may wait up to ``limit`` s for a stuck operation."""
+        """Destroy ``pg`` soon, off this thread; its destructor may wait up to ``limit`` s for a stuck operation."""
         with self._lock:
             self._pending += 1
             self._limit = max(self._limit, limit)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="shoal-group-reaper", daemon=True)
-                self._thread.start()
-        self._queue.put((time.monotonic() + self.grace, pg))
+        box = [pg]
+        del pg
+        threading.Thread(target=self._destroy, args=(box, limit), name="shoal-group-reaper", daemon=True).start()
 
     def pending(self) -> int:
-        """Groups handed over and not destroyed yet."""
+        """Groups handed over and not let go of yet."""
         with self._lock:
             return self._pending
 
-    def _run(self) -> None:
-        while True:
-            due, pg = self._queue.get()
-            self._hurry.wait(max(0.0, due - time.monotonic()))
-            del pg                         # the destructor runs here if this was the last reference
-            with self._lock:
-                self._pending -= 1
-                self.destroyed += 1
+    def _destroy(self, box: list[Any], limit: float) -> None:
+        pg = box.pop()
+        self._hurry.wait(self.grace)
+        deadline = time.monotonic() + limit
+        while sys.getrefcount(pg) > 2 and time.monotonic() < deadline:   # 2: ``pg`` and the call's argument
+            time.sleep(0.05)
+        last = sys.getrefcount(pg) <= 2
+        if not last:
+            log.debug("a process group let go of is still held elsewhere after %.0f s: it goes with that reference",
+                      limit)
+        del pg                             # the destructor runs here if this was the last reference
+        with self._lock:
+            self._pending -= 1
+            self.destroyed += last
 
     def drain(self) -> None:
-        """Wait until every group handed over is destroyed (no grace any more), up to the longest limit per group."""
+        """Wait until every group handed over is let go of (no grace any more), up to the longest limit."""
         self._hurry.set()
         with self._lock:
             pending, limit = self._pending, self._limit
         if not pending:
             return
-        budget = pending * limit + 1.0
+        budget = limit + 1.0               # the groups' threads run side by side
         deadline = time.monotonic() + budget
         log.debug("waiting for %d process group(s) let go of to be destroyed before exiting", pending)
         while self.pending() and time.monotonic() < deadline:

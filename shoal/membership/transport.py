@@ -5,13 +5,13 @@ Owned here:
 :class:`Link`
     What a quorum group shares with its subgroups: the member's client, the
     backend factory that builds a quorum's gloo group (:class:`BackendSpec`,
-    :func:`gloo_backend`), the step's :class:`~shoal.membership.vote.Failures`,
-    and the groups abandoned after a failure. A failed gloo group is never
+    :func:`gloo_backend`) and the step's :class:`~shoal.membership.vote.Failures`;
+    it lets go of the groups abandoned after a failure. A failed gloo group is never
     waited on and never destroyed in the training thread (its destructor would
     wait for its stuck operations, up to ``Timeouts.op``): it goes to
-    :data:`shoal.comm.lifetime.REAPER`, which destroys it on its own thread a
-    second later (kept longer, a group whose peer reset a connection can spin
-    gloo's loop thread on a core). :meth:`Link.await_work` waits for one
+    :data:`shoal.comm.lifetime.REAPER`, which destroys it on a thread of its
+    own a second later (kept longer, a group whose peer reset a connection can
+    spin gloo's loop thread on a core). :meth:`Link.await_work` waits for one
     operation without raising.
 :class:`ElasticCollectives`
     The collectives of a :class:`~shoal.comm.Group` whose members follow the
@@ -202,10 +202,11 @@ class _ElasticHandle(Handle):
         self._whole = whole
 
     def wait(self, timeout: float | None = None) -> Any:
-        if self._done:
+        work = self._work   # read once: another thread's wait may drop it (below)
+        if self._done or work is None:
             return self._result
         t0 = time.perf_counter()
-        ok = self._link.await_work(self._work, self._timeout if timeout is None else timeout, self._tag, self._whole)
+        ok = self._link.await_work(work, self._timeout if timeout is None else timeout, self._tag, self._whole)
         self._meter.add_wait(self._tag, time.perf_counter() - t0)
         self._done = True
         self._work = None   # a gloo work holds its group's connections: kept, a reset one can spin gloo's loop
@@ -219,7 +220,8 @@ class _ElasticHandle(Handle):
         return fut
 
     def is_completed(self) -> bool:
-        return self._done or self._link.failures.error is not None or bool(self._work.is_completed())
+        work = self._work
+        return self._done or work is None or self._link.failures.error is not None or bool(work.is_completed())
 
 
 class ElasticCollectives(abc.ABC):

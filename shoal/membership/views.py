@@ -28,7 +28,7 @@ The step interface (``begin_step``, ``commit``, ``register_state``,
 lists the *subgroup* ranks healed in this step. The collectives and their
 failure handling are those of :mod:`shoal.membership.transport`, over the
 subgroup's own process group and the parent's :class:`~shoal.membership.transport.Link`
-(its failures, backend factory and abandoned groups), which the view shares.
+(its failures and backend factory; it lets go of abandoned groups), which the view shares.
 
 Example::
 

@@ -56,7 +56,8 @@ def _attempt(out: Path) -> dict[int, dict[str, float]]:
             for p in procs:
                 p.kill()
                 p.wait()
-    return {r: json.loads((out / f"{r}.json").read_text()) for r in range(2)}
+    # A survivor whose allreduces both finished (the kill came after them) writes nothing: not this scenario.
+    return {r: json.loads((out / f"{r}.json").read_text()) for r in range(2) if (out / f"{r}.json").exists()}
 
 
 @pytest.mark.timeout(400)

@@ -174,3 +174,49 @@ def test_a_failed_collectives_handle_does_not_keep_its_retired_groups_connection
     assert _loop_threads() == before, ("the failed group's loop thread outlived it (its connections held by the "
                                        "handle's work, or by a cycle through the failed wait's error)")
     del handle
+
+
+@pytest.mark.timeout(90)
+def test_a_destructor_waiting_for_a_stuck_operation_does_not_hold_up_the_next_group() -> None:
+    stuck, peer_a = _pair(op_timeout=6.0)
+    idle, peer_b = _pair(op_timeout=6.0)
+    try:
+        work = stuck.allreduce([torch.ones(4)])     # its peer never joins: the destructor waits up to 6 s
+        ref, link = weakref.ref(idle), _link(op=6.0)
+        link.retire(stuck)
+        link.retire(idle)
+        del stuck, idle
+        took = _gone_within(ref, 10.0)
+        assert took is not None and took <= lifetime.REAPER.grace + 2.0, \
+            f"the group retired second went after {took} s: it waited for the stuck one's destructor"
+        with pytest.raises(RuntimeError):
+            work.wait()
+        del link
+    finally:
+        peer_a.communicate("", timeout=30)
+        peer_b.communicate("", timeout=30)
+
+
+def test_a_group_still_held_elsewhere_is_waited_for_then_let_go_of_and_not_counted() -> None:
+    reaper = lifetime.Reaper(grace=0.1)
+
+    class Group:
+        pass
+
+    kept = Group()
+    reaper.take(kept, limit=0.5)              # the caller keeps its reference past the grace and the limit
+    t0 = time.monotonic()
+    while reaper.pending() and time.monotonic() - t0 < 5.0:
+        time.sleep(0.02)
+    assert reaper.pending() == 0 and reaper.destroyed == 0, "a group held elsewhere was counted as destroyed"
+
+    late = Group()
+    ref = weakref.ref(late)
+    reaper.take(late, limit=5.0)
+    time.sleep(0.4)                           # past the grace: the reaper waits for this reference to go
+    assert ref() is not None and reaper.pending() == 1
+    del late
+    t0 = time.monotonic()
+    while reaper.pending() and time.monotonic() - t0 < 5.0:
+        time.sleep(0.02)
+    assert ref() is None and reaper.destroyed == 1
