@@ -24,8 +24,9 @@ on a silent peer, and its destructor waits for them (until the group's own
 timeout), which must not hold the training thread (torch releases the GIL in
 a process group's destructor). Not later either: a gloo group whose peer
 reset a connection can keep its loop thread spinning on that socket for as
-long as the group lives (measured on the emulated cluster: ~0.8 of a core,
-taken from the worker's own share of the CPU, its steps 1.5-3x slower).
+long as the group lives (measured on the emulated cluster: up to ~0.8 of a
+core, ~0.3 on the chaos bench, taken from the worker's own share of the CPU,
+its steps 1.5-3x slower).
 The exit handler waits for the groups still handed over.
 """
 
