@@ -86,7 +86,7 @@ class Reaper:
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._pending = 0                  # groups taken and not let go of yet
-        self._limit = 0.0                  # the longest destruction still to come (s)
+        self._limit = 0.0                  # the longest limit handed over (s): bounds drain's wait
         self.destroyed = 0                 # groups whose last reference was the reaper's, destructor returned
         self._hurry = threading.Event()    # set at exit: no more grace (every caller has let go by then)
 

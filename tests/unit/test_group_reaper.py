@@ -117,13 +117,20 @@ def test_a_retired_group_with_a_stuck_allreduce_does_not_hold_the_thread_that_le
         peer.communicate("", timeout=30)
 
 
+class _Group:
+    """A stand-in for a process group: something the reaper holds the last reference to, or not."""
+
+
+def _settle(reaper: lifetime.Reaper, limit: float = 5.0) -> None:
+    """Wait (up to ``limit`` s) until ``reaper`` has let go of every group handed to it."""
+    t0 = time.monotonic()
+    while reaper.pending() and time.monotonic() - t0 < limit:
+        time.sleep(0.02)
+
+
 def test_drain_waits_for_the_groups_handed_over() -> None:
     reaper = lifetime.Reaper(grace=0.3)
-
-    class Group:
-        pass
-
-    g = Group()
+    g = _Group()
     ref = weakref.ref(g)
     reaper.take(g, limit=1.0)
     del g
@@ -199,24 +206,16 @@ def test_a_destructor_waiting_for_a_stuck_operation_does_not_hold_up_the_next_gr
 
 def test_a_group_still_held_elsewhere_is_waited_for_then_let_go_of_and_not_counted() -> None:
     reaper = lifetime.Reaper(grace=0.1)
-
-    class Group:
-        pass
-
-    kept = Group()
+    kept = _Group()
     reaper.take(kept, limit=0.5)              # the caller keeps its reference past the grace and the limit
-    t0 = time.monotonic()
-    while reaper.pending() and time.monotonic() - t0 < 5.0:
-        time.sleep(0.02)
+    _settle(reaper)
     assert reaper.pending() == 0 and reaper.destroyed == 0, "a group held elsewhere was counted as destroyed"
 
-    late = Group()
+    late = _Group()
     ref = weakref.ref(late)
     reaper.take(late, limit=5.0)
     time.sleep(0.4)                           # past the grace: the reaper waits for this reference to go
     assert ref() is not None and reaper.pending() == 1
     del late
-    t0 = time.monotonic()
-    while reaper.pending() and time.monotonic() - t0 < 5.0:
-        time.sleep(0.02)
+    _settle(reaper)
     assert ref() is None and reaper.destroyed == 1
