@@ -283,7 +283,7 @@ def worker(a: argparse.Namespace) -> None:
             contributed, cu = True, group.catchup.stats
             log.write(json.dumps({"event": "contributing", "t": time.time(), "heal_bytes": group.stats.heal_bytes,
                                   "download_bytes": cu.download_bytes, "by_source": cu.by_source,
-                                  "slots": cu.slots, "download_s": cu.download_s, "held_s": cu.download_held_s,
+                                  "slots": cu.slots, "pauses": cu.pauses, "download_s": cu.download_s, "held_s": cu.download_held_s,
                                   "between_rounds": cu.entered_between_rounds,
                                   "prefetched_bytes": cu.prefetched_bytes,
                                   "seeded_bytes": cu.seeded_bytes,

@@ -419,6 +419,7 @@ def joins(logs: Logs, normal: float) -> list[dict[str, Any]]:
                     "steps_before_contributing": sum(1 for e in lg if "dt" in e and not e.get("contributes", True)),
                     "state_bytes": got.get("heal_bytes", 0), "downloaded_bytes": got.get("download_bytes", 0),
                     "by_source": got.get("by_source", {}), "slots": got.get("slots", 0),
+                    "pauses": got.get("pauses", 0),   # its slots a failed step closed early (a kill meanwhile)
                     # the download's seconds, of which held while the joiner was in a round (averaging
                     # strategies), and whether it loaded between two rounds (its first round then weighs k/H)
                     "download_s": got.get("download_s"), "held_s": got.get("held_s"),

@@ -126,6 +126,7 @@ class CatchUpStats:
     dissolved_for_join: int = 0   # quorums this worker dissolved between rounds to admit newcomers (offer_early)
     admissions: int = 0           # times admitted as a downloader (again after a download that failed)
     slots: int = 0                # paced download (SHOAL_HEAL_PACE): the commits that opened a slot
+    pauses: int = 0               # ... the failed steps that closed one early (pace.StepPace.pause)
 
 
 class CatchUp:
@@ -746,6 +747,15 @@ class CatchUp:
         """An averaging strategy's joiner (DiLoCo): it downloads once its admitting step committed, in the
         idle inner steps, unpaced; a step-synchronous one downloads while training, paced if asked."""
         return any(getattr(r, "after_commit", False) for r in self.replayers)
+
+    def step_failed(self) -> None:
+        """This step failed (its first recorded failure, or a discard verdict): a paced download pauses until the
+        retried step commits (:meth:`~shoal.membership.pace.StepPace.pause`), so the survivors' recovery and
+        retried step do not share the link with it. Any thread; nothing to do without a paced download."""
+        pace = self.pace
+        if pace is not None:
+            pace.pause(time.monotonic())
+            self.stats.pauses = pace.pauses
 
     def _unpace(self) -> None:
         """``leave()``: the rest of the download goes flat out (no pace, no holding during rounds)."""

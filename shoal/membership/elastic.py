@@ -139,6 +139,7 @@ class ElasticGroup(ElasticCollectives):
         self.discards = DiscardStreak()   # why each step since the last commit was discarded
         self.register_state("elastic/discards", self.discards.state, self.discards.load)
         self.catchup = CatchUp(self)      # the background heal (SHOAL_HEAL=background): shoal.membership.catchup
+        failures.on_failure.append(self.catchup.step_failed)   # a paced download pauses while the step re-runs
         self.watcher = PeerWatcher(self.client, lambda: self.quorum, self.timeouts.probe)   # watch_peers() starts it
         # Joining waits for the first begin_step: a newcomer announced while building its model would stall others.
 
@@ -252,6 +253,7 @@ class ElasticGroup(ElasticCollectives):
                 fn()
             return True
         self.stats.discards += 1
+        self.catchup.step_failed()   # also where no failure was recorded here (another member's abort flag)
         restore(hooks.states, self._snapshots)
         self._leave(q)
         self.discards.count(self.error, self.link.failures.aborted, self.timeouts.max_consecutive_discards)

@@ -31,6 +31,14 @@ step's forward pass leaves the link idlest. So:
   a member of it dropped fails the step: no commit): the quorum's gloo connect
   and the step that admits a joiner have the link to themselves, so a
   download in progress does not add to another join's admission;
+* a step that fails (a member of its quorum lost) closes the open slot at
+  its first recorded failure (:meth:`StepPace.pause`), and none opens until
+  the retried step commits: the survivors' recovery and retried step have
+  the link to themselves too, so a download adds nothing to what a kill
+  costs (4 hosts x 20 mbit, ``lm``: the one kill that cost more than 2 s
+  beyond the step in flight, 2.17 s, struck while a joiner downloaded; its
+  survivors' gloo connect took 1.1 s, against 0.4 s median, and the retried
+  step ran 0.8 s longer than the median step; docs/BENCHMARKS.md);
 * the download takes about ``S * j / (fraction * step * link rate * min(k, j))``
   steps (the state's size ``S``): bounded, and on a fast link one or two steps.
 
@@ -123,6 +131,7 @@ class StepPace:
         self._open_until = float("-inf")
         self._free = False
         self.slots = 0                   # slots opened (commits seen while downloading)
+        self.pauses = 0                  # slots closed early by a failed step (pause)
         self._cv = threading.Condition()
 
     def admitted(self, now: float) -> None:
@@ -152,6 +161,18 @@ class StepPace:
             self.slots += 1
             self._cv.notify_all()
             return slot
+
+    def pause(self, now: float) -> None:
+        """The step in flight failed at ``now`` (a member lost): close the open slot; none opens until the
+        retried step commits. The recovery (the failed collectives' votes, the survivors' new quorum and its
+        gloo connect) and the retried step then have the link to themselves, as an admission has; a chunk
+        already asked for (one a source, :data:`PACED_CHUNK`) still comes. The retried step's commit measures
+        from here (one recovery and one step): a failure's gap does not enter the step's median as a step."""
+        with self._cv:
+            self._open_until = min(self._open_until, now)
+            if self._last is not None:
+                self._last = now
+            self.pauses += 1
 
     def release(self) -> None:
         """No pace from now on (the worker leaves and waits for its download, or the download was given up)."""

@@ -65,6 +65,8 @@ class Failures:
         self._lock = threading.Lock()
         self._abort_store = client.store.clone()  # type: ignore[attr-defined]
         self._abort_of = client.store   # the store it was cloned from (a restarted coordinator: a new one)
+        self.on_failure: list[Callable[[], None]] = []   # called at each step's first failure, on the recording
+        # thread (e.g. the paced heal's pause: shoal.membership.pace); quick, and never raising
 
     @property
     def aborted(self) -> bool:
@@ -80,6 +82,8 @@ class Failures:
         if not first:
             return
         self.trace("error", what=str(err)[:200])
+        for fn in self.on_failure:
+            fn()
         prefix = self._prefix()
         if prefix is None:
             return

@@ -117,6 +117,9 @@ def test_source_killed_mid_transfer_joiner_finishes_from_the_others(pace: str, t
     alive = [m for m in cu["by_source"] if m not in cu["failed_sources"]]
     assert len(alive) == 2 and all(cu["by_source"][m] > 0 for m in alive), why
     assert (cu["slots"] >= 1) == bool(pace), why   # paced: the stripes of the lost source came in slots too
+    # Paced: the step the kill failed closed the joiner's slot (its first failure, recorded on the group, reached
+    # the catch-up): the survivors' recovery and retried step had the link to themselves.
+    assert (cu["pauses"] >= 1) == bool(pace), why
 
 
 @pytest.mark.timeout(120)
