@@ -124,6 +124,18 @@ class ElasticSampler:
       network, where the extra samples cost little; a step's sample count is
       :attr:`last_global` after :meth:`next_batch`.
 
+    A joiner catching up reads a contributor's share by default, to train on
+    and throw away: its step then has the shape of every other (a compiled
+    model or a CUDA graph sees one batch size). ``joiner_batch=n`` gives it
+    at most ``n`` samples instead (the first of that slice): its forward and
+    backward still run, so it takes part in every gradient all-reduce, but it
+    computes ``n`` samples a step, not a full share, for as long as its
+    download lasts. Where workers share a machine's processors (several
+    workers a host, or an emulated cluster) that compute is the other
+    workers', and after a kill, when the survivors take over the dead
+    worker's share, it is theirs to lose. Give at least 2 with BatchNorm in
+    training mode (a batch of one has no variance).
+
     Args:
         num_samples: length of the dataset.
         group: the elastic group.
@@ -131,6 +143,7 @@ class ElasticSampler:
         seed: permutation seed (the same on every worker).
         shuffle: False reads the dataset in order.
         global_batch: samples per step over all contributors (instead of ``batch_size``).
+        joiner_batch: at most this many samples a step for a joiner catching up (None: a contributor's share).
 
     Example::
 
@@ -138,10 +151,13 @@ class ElasticSampler:
         idx = data.next_batch()           # list of 32 indices for this worker
         data = ElasticSampler(len(ds), group, global_batch=128)
         idx = data.next_batch()           # 32 of 4 workers, 43 of 3 survivors
+        data = ElasticSampler(len(ds), group, global_batch=128, joiner_batch=2)
+        idx = data.next_batch()           # 2 indices while this worker catches up, then its share
     """
 
     def __init__(self, num_samples: int, group: Group | ElasticGroup, batch_size: int | None = None, seed: int = 0,
-                 shuffle: bool = True, key: str = "sampler", *, global_batch: int | None = None) -> None:
+                 shuffle: bool = True, key: str = "sampler", *, global_batch: int | None = None,
+                 joiner_batch: int | None = None) -> None:
         if (batch_size is None) == (global_batch is None):
             raise ConfigError("ElasticSampler takes exactly one of batch_size (samples per worker per step) and "
                               f"global_batch (samples per step over all workers), got batch_size={batch_size!r}, "
@@ -150,8 +166,9 @@ class ElasticSampler:
         for name, v in (("num_samples", num_samples), sized):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        _check_joiner_batch(joiner_batch)
         self.num_samples, self.batch_size, self.seed, self.shuffle = num_samples, batch_size, seed, shuffle
-        self.global_batch = global_batch
+        self.global_batch, self.joiner_batch = global_batch, joiner_batch
         self.group = group
         self.cursor = 0          # position in the run's index stream of the next step
         self.last_global = 0     # samples the current step's contributors read (after next_batch)
@@ -183,7 +200,8 @@ class ElasticSampler:
             per = self.batch_size
         self._pending = self.last_global = contributors * per
         start = self.cursor + order * per   # a joiner catching up (order == contributors): read again next step
-        return [self._index(p) for p in range(start, start + per)]
+        n = _joiner_share(per, self.joiner_batch) if order == contributors else per
+        return [self._index(p) for p in range(start, start + n)]
 
     def _index(self, pos: int) -> int:
         epoch, off = divmod(pos, self.num_samples)
@@ -211,10 +229,22 @@ def _per_contributor(global_batch: int, contributors: int) -> int:
     return -(-global_batch // contributors)   # ceil: equal shares, so the gradient mean stays exact
 
 
-def global_share(group: Group | Any, global_batch: int) -> int:
+def _check_joiner_batch(joiner_batch: int | None) -> None:
+    if joiner_batch is not None and (isinstance(joiner_batch, bool) or not isinstance(joiner_batch, int)
+                                     or joiner_batch < 1):
+        raise ConfigError(f"joiner_batch must be an integer >= 1 or None (a contributor's share), got {joiner_batch!r}")
+
+
+def _joiner_share(per: int, joiner_batch: int | None) -> int:
+    """The samples a joiner catching up reads: a contributor's share, or at most ``joiner_batch``."""
+    return per if joiner_batch is None else min(per, joiner_batch)
+
+
+def global_share(group: Group | Any, global_batch: int, joiner_batch: int | None = None) -> int:
     """Samples this worker takes in the current step so that the step's contributors together take
     ``global_batch``: ``ceil(global_batch / contributors)``, the same on every member (a joiner catching up,
-    whose gradients count zero, gets the same number, to train on and throw away).
+    whose gradients count zero, gets the same number, to train on and throw away, or at most
+    ``joiner_batch``: see :class:`ElasticSampler`).
 
     It starts the step first (:func:`~shoal.steps.open_step`: adopts the latest quorum, as the first
     forward of shoal's DDP would; in a step already begun it stays in it), since the share depends on who
@@ -227,8 +257,11 @@ def global_share(group: Group | Any, global_batch: int) -> int:
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch must be an integer >= 1, got {global_batch!r}")
+    _check_joiner_batch(joiner_batch)
     open_step(group)
-    return _per_contributor(global_batch, _contributor_order(group)[1])
+    order, contributors = _contributor_order(group)
+    per = _per_contributor(global_batch, contributors)
+    return _joiner_share(per, joiner_batch) if order == contributors else per
 
 
 def shard(num_samples: int, group: Group | Any) -> range:

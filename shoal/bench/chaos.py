@@ -32,6 +32,9 @@ fault-free half's samples and the final losses differ by the faults alone. DDP r
 stream through an :class:`~shoal.elastic.ElasticSampler` (each step logs its ``samples`` and the stream's
 ``cursor``; the goodput counts the samples); ``--global-batch N`` has each step's contributors share N of
 them (the survivors of a kill take over its share), so both halves read the same samples in the same order.
+``--joiner-batch N``: a joiner catching up computes N samples a step to throw away, not a full share
+(ElasticSampler(joiner_batch=N)); every emulated host shares this machine's cores, so a joiner's discarded
+share is the contributors' compute (after a kill, when they take over the dead worker's share, too).
 A local-step strategy's worker reads its own batch of each local step, whichever life takes that step.
 ``--data-seed`` shifts every stream, so fault-free runs of other data orders show how far the final loss
 moves without a fault. A local-step strategy's chaos half commits fewer samples than its fault-free half (a
@@ -242,8 +245,9 @@ def worker(a: argparse.Namespace) -> None:
     # DDP reads the run's one stream: per step, per_worker samples each, or (--global-batch) the contributors
     # share N (the survivors of a kill take over its share). The cursor is healed into restarts.
     sampler = None if after_round is not None else (
-        ElasticSampler(STREAM, group, global_batch=a.global_batch, shuffle=False) if a.global_batch
-        else ElasticSampler(STREAM, group, batch_size=per_worker(a.task), shuffle=False))
+        ElasticSampler(STREAM, group, global_batch=a.global_batch, shuffle=False, joiner_batch=a.joiner_batch or None)
+        if a.global_batch else ElasticSampler(STREAM, group, batch_size=per_worker(a.task), shuffle=False,
+                                              joiner_batch=a.joiner_batch or None))
     log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
     contributed, early_steps = False, 0
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):
@@ -351,7 +355,8 @@ def _chaos_loop(a: argparse.Namespace, chaos: bool, out: str, env: dict[str, str
             "--strategy", a.strategy,
             "--steps", str(a.steps), "--period", str(a.period), "--width", str(a.width),
             "--layers", str(a.layers), "--op", str(a.op), "--probe", str(a.probe), "--fragments", str(a.fragments),
-            "--global-batch", str(a.global_batch), "--data-seed", str(a.data_seed),
+            "--global-batch", str(a.global_batch), "--joiner-batch", str(a.joiner_batch),
+            "--data-seed", str(a.data_seed),
             "--curve", str(0 if chaos else a.curve)]
     procs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
 
@@ -620,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="ddp: samples per step over all workers, shared by the step's contributors "
                          "(ElasticSampler(global_batch=N): the survivors of a kill take its share); 0: 8 windows "
                          "per worker (lm), so the global batch shrinks while a worker is missing")
+    ap.add_argument("--joiner-batch", type=int, default=0,
+                    help="ddp: samples a joiner catching up computes a step, to throw away (ElasticSampler("
+                         "joiner_batch=N)); 0: a contributor's share. On the emulated cluster every worker shares "
+                         "this machine's cores, so a joiner's discarded share is the contributors' compute")
     ap.add_argument("--curve", type=int, default=4,
                     help="local-step strategies: the fault-free half keeps its workers' models at its last N "
                          "round boundaries, to read its loss at the chaos half's committed samples "
@@ -631,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.global_batch and (a.strategy != "ddp" or a.global_batch < 1):
         ap.error(f"--global-batch {a.global_batch}: for --strategy ddp only (a step-synchronous strategy, whose "
                  "steps all workers share), as an integer >= 1")
+    if a.joiner_batch and (a.strategy != "ddp" or a.joiner_batch < 0):
+        ap.error(f"--joiner-batch {a.joiner_batch}: for --strategy ddp only, as an integer >= 0")
     if a.curve < 0:
         ap.error(f"--curve {a.curve}: the number of round boundaries to keep, >= 0")
     if a.worker:

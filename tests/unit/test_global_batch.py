@@ -115,6 +115,22 @@ def test_global_batch_keeps_the_stream_across_a_kill_a_discard_and_a_join() -> N
     assert read == list(range(32 + 33 + 33 + 32))
 
 
+@pytest.mark.parametrize("kw,per", [({"global_batch": 32}, 11), ({"batch_size": 8}, 8)])
+def test_a_joiner_reads_at_most_joiner_batch_samples_and_the_stream_is_unchanged(kw: dict[str, int],
+                                                                               per: int) -> None:
+    """joiner_batch=2: rank 3 catching up computes 2 samples (the first of its slice), not a full share; the
+    contributors' slices, the step's global count and the committed stream are those without it."""
+    steps = [(4, frozenset({3}), True), (4, frozenset({3}), False), (4, frozenset(), True)]
+    read, slices = _run(steps, joiner_batch=2, **kw)
+    full_read, full = _run(steps, **kw)
+    assert [len(s) for s in slices[0]] == [per, per, per, 2] and slices[0][3] == full[0][3][:2]
+    assert [s[:3] for s in slices] == [s[:3] for s in full] and read == full_read
+    assert slices[2] == full[2]   # caught up: a contributor's share again
+    assert global_share(Member(3, 4, frozenset({3})), 32, joiner_batch=2) == 2
+    assert global_share(Member(3, 4, frozenset({3})), 32, joiner_batch=20) == 11   # never more than a share
+    assert global_share(Member(0, 4, frozenset({3})), 32, joiner_batch=2) == 11
+
+
 def test_sampler_arguments_are_checked() -> None:
     m = Member(0, 2)
     with pytest.raises(ConfigError, match="exactly one of batch_size"):
@@ -125,5 +141,10 @@ def test_sampler_arguments_are_checked() -> None:
         ElasticSampler(10, m, global_batch=0)
     with pytest.raises(ConfigError, match="global_batch must be"):
         global_share(m, True)   # type: ignore[arg-type]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="joiner_batch must be"):
+            ElasticSampler(10, m, global_batch=8, joiner_batch=bad)   # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="joiner_batch must be"):
+            global_share(m, 8, joiner_batch=bad)   # type: ignore[arg-type]
     with pytest.raises(ShoalError, match="no member of this step's quorum contributes"):
         global_share(Member(0, 2, frozenset({0, 1})), 8)
