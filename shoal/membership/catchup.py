@@ -116,6 +116,7 @@ class CatchUpStats:
     #                               life's, kept on this host (seed.py), instead of starting empty
     resumed_steps: int = 0        # inner steps of its last life since this host's copy that it went on from
     #                               (seed.resume_progress: its model and own optimizer; 0: none)
+    kept_fragments: int = 0       # fragments whose progress a load kept (their global copy had not changed)
     first_weight: float = 0.0     # its weight in the first round it contributed to (its share of a period)
     by_source: dict[int, int] = field(default_factory=dict)   # bytes received from each source member
     failed_sources: list[int] = field(default_factory=list)
@@ -654,7 +655,8 @@ class CatchUp:
         self.pre = None
         self._rebase(None)
         self.stats.resumed_steps = 0   # (those of its last life it went on from are dropped with them)
-        log.warning("dropping the %d inner steps trained before the admission: %s", trained, why)
+        log.warning("dropping the %d inner steps trained before the admission as this round's (%s); its next load "
+                    "keeps those of the fragments no round changed since", trained, why)
         self.group.trace("early-entry-dropped", trained=trained, why=why)
 
     def _enter_admitted(self, t: int, trained: int) -> None:
@@ -675,6 +677,7 @@ class CatchUp:
             self.hid, g._fresh = -1, True   # needy again in the next quorum
             return
         self._rebase(trained)
+        self._forget_base()   # loaded for good: what it trained from is this step's state
         p = self.pending[g.client.member_id]
         p.ready = p.full_at = t + 1   # the exchange at this begin_step decides (between rounds)
         p.keys, p.read = keys, True
@@ -829,16 +832,23 @@ class CatchUp:
         # Only what the replay brings up to date; the rest (a sampler's cursor, the discard streak) is the
         # joiner's own until the top-up (it counts zero meanwhile, so its own is harmless there).
         covered = self._covered()
+        for r in self.replayers:   # (DiLoCo: its parameters, for caught_up to keep a fragment still current)
+            if hasattr(r, "before_load"):
+                r.before_load()
         load_blob({k: states[k] for k in covered}, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1,
                   "(background heal)", g._depart if leave is None else leave)
         for rec in self.records:
             for r, update in zip(self.replayers, rec):
                 r.replay(update)
-        for r in self.replayers:
-            r.caught_up()
-        if self.seed is not None and restore_own(self.seed, self.replayers, g.client.key(OWN_TAG)):
+        kept = [bool(r.caught_up()) for r in self.replayers]   # True: it kept progress from before (DiLoCo)
+        if any(kept):
+            self.stats.kept_fragments = sum(getattr(r, "kept_fragments", 0) for r in self.replayers)
+            g.trace("progress-kept", fragments=self.stats.kept_fragments)
+        elif self.seed is not None and restore_own(self.seed, self.replayers, g.client.key(OWN_TAG)):
             self.stats.own_restored += 1   # its inner optimizer resumes its last life's, not empty
             g.trace("own-restored")
+        if count:   # loaded for good: no later load of this life compares with this one
+            self._forget_base()
         self.stats.replayed, self.records = len(self.records), []
         with self._seed_lock:   # the host's copy is stale now: the end of the next inner step writes it
             self._seed_due = True
@@ -890,8 +900,15 @@ class CatchUp:
 
     def state_replaced(self) -> None:
         """A blocking heal loaded the run's state over this member's: its host's copy is stale, and no progress
-        is written until the next copy is (a progress must go on from the copy beside it)."""
+        is written until the next copy is (a progress must go on from the copy beside it); nothing from before
+        it is kept by a later load."""
         self._seed_due = True
+        self._forget_base()
+
+    def _forget_base(self) -> None:
+        for r in self.replayers:
+            if hasattr(r, "forget_base"):
+                r.forget_base()
 
     def _save_progress(self) -> None:
         """Every ``seed.every`` inner steps since the copy: this member's model and own optimizer, for its next

@@ -37,8 +37,10 @@ class Replayer(Protocol):
     def own(self, states: dict[str, StateEntry]) -> set[str]:
         """State keys each member holds for itself: never transferred (:meth:`caught_up` resets them)."""
 
-    def caught_up(self) -> None:
-        """After the snapshot is loaded and every recorded update replayed."""
+    def caught_up(self) -> bool | None:
+        """After the snapshot is loaded and every recorded update replayed. True if it kept some of this
+        member's own progress from before the load (DiLoCo's fragments whose global copy had not changed:
+        its inner optimizer then goes on as it is, :meth:`restore_own` is not called)."""
 
     def keep_own(self) -> Any:
         """What of :meth:`own` this worker slot's next life on this host may start from (``SHOAL_STATE_CACHE``,

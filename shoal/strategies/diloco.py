@@ -246,6 +246,7 @@ class DiLoCo(Strategy):
         self.config = config
         self.codec: Codec = codec if codec is not None else Identity()
         self.step = 0
+        self.trained_steps = 0   # inner steps this process ran (never loaded: a heal moves step, not this)
         # Outer steps this process's parameters have taken in (merged, or reset to the global copy after a
         # skipped one, or healed from the peers'): 0 means its model is still its own replica.
         self.merged_rounds = 0
@@ -329,6 +330,7 @@ class DiLoCo(Strategy):
         if not self.fragments or self.rounds is None:
             raise ShoalError(f"{type(self).__name__} is not set up: use shoal.wrap(model, optimizer, strategy)")
         self.step += 1
+        self.trained_steps += 1
         if self._unadmitted:   # trained from the survivors' state before its admission
             if admission_due(self):   # they wait at their round's barrier: it admits this worker and takes its steps
                 self._unadmitted = False

@@ -18,7 +18,10 @@ optimizer starts afresh (each worker's own in DiLoCo; what it accumulated on
 its own model while downloading is dropped) or, where its host kept its last
 life's (``SHOAL_STATE_CACHE``, :mod:`shoal.membership.seed`), resumes that
 one, and the small rest (the codec's counters, the module's buffers) comes
-with the top-up.
+with the top-up. Except where the joiner had loaded before (its host's copy)
+and trained from that: a fragment whose global copy the load finds bitwise
+unchanged since keeps its parameters and their span, and then the inner
+optimizer goes on (:meth:`OuterReplay.caught_up`).
 
 A worker that asked to join before the survivors' next round may begin its
 download before that round: the survivors offer it their snapshot from
@@ -98,15 +101,50 @@ class OuterReplay:
         # there (enter_between_rounds); with them a launch does, and a joiner loads at a round's begin as before.
         self.enters_between_rounds = strategy.config.overlap_steps == 0
         self.entered: int | None = None   # the inner step at whose end it loaded (its progress counts from there)
+        n = len(strategy.fragments)
+        # Per fragment, the inner steps its parameters carried from before that load (kept progress, below):
+        # its pseudo-gradient spans those too.
+        self.extra = [0] * n
+        # While a joiner: the global copies its model went on from (clones, taken at its last load), the
+        # trained_steps count then, and what each fragment carried from before it; and, during a load, its
+        # parameters from before it (before_load). A later load keeps a fragment's parameters where its
+        # global copy is still those bytes (caught_up).
+        self.base: list[torch.Tensor] | None = None
+        self.base_count = 0
+        self.base_ahead = [0] * n
+        self._held: list[list[torch.Tensor]] | None = None
+        self.kept_fragments = 0   # fragments whose progress a load kept (counted over this life)
+
+    def _spans(self) -> list[int]:
+        """Per fragment, the inner steps its pseudo-gradient spans now (a joiner: since it loaded, plus what the
+        fragment carried from before)."""
+        assert self.entered is not None   # internal: only asked of a joiner that has loaded
+        since = self.strategy.step - self.entered
+        return [since + e for e in self.extra]
 
     def weight(self) -> float:
-        """This joiner's share of a member's weight in the round now: the inner steps it trained since it
-        loaded over the period (1.0 from a fragment's second round on: its pseudo-gradient then spans a period)."""
+        """This joiner's share of a member's weight in the round now: the inner steps the round's fragment's
+        pseudo-gradient spans (trained since it loaded, and what a load kept of that fragment's progress) over
+        the period (1.0 from a fragment's second round on: its pseudo-gradient then spans a period). Below 1.0
+        until every fragment spans a period (a weight of 1.0 makes it a full member, whose every round weighs 1)."""
         if self.entered is None:
             return 1.0
+        period = self.strategy.config.inner_steps
+        spans = self._spans()
+        k = self._round_fragment()
+        w = spans[k] if k is not None else min(spans)
         # Capped at 1: after a round given up the others' pseudo-gradients span two periods and the joiner's
         # one and a bit, so it weighs a little more than its share there (rare; the cap keeps it simple).
-        return min(1.0, (self.strategy.step - self.entered) / self.strategy.config.inner_steps)
+        return min(1.0, (w if w < period else min(spans)) / period)
+
+    def _round_fragment(self) -> int | None:
+        """The fragment whose round this step runs (``fragment:<k>``, ``merge:<k>``), or None (another round)."""
+        rounds = getattr(self.strategy, "rounds", None)
+        kind = str(getattr(rounds, "current", ""))
+        if kind.startswith(("fragment:", "merge:")):
+            k = int(kind.split(":", 1)[1])
+            return k if 0 <= k < len(self.extra) else None
+        return None
 
     def trained(self) -> int:
         """The inner steps trained since it loaded (0 before)."""
@@ -114,8 +152,11 @@ class OuterReplay:
 
     def rebase(self, trained: int | None) -> None:
         """At an admission that loaded the survivors' schedule (their step counter): its progress counts from
-        ``trained`` inner steps before that step, what it trained before its admission (None: not loaded)."""
+        ``trained`` inner steps before that step, what it trained before its admission (None: not loaded; the
+        global copies it went on from stay, for its next load to compare: :meth:`caught_up`)."""
         self.entered = None if trained is None else self.strategy.step - trained
+        if trained is None:
+            self.extra = [0] * len(self.extra)
 
     def covers(self, states: dict[str, StateEntry]) -> set[str]:
         return {f"{self.key}/strategy"}
@@ -152,11 +193,45 @@ class OuterReplay:
             f.delta.copy_(held)
 
     @torch.no_grad()
-    def caught_up(self) -> None:
-        for f in self.strategy.fragments:
+    def before_load(self) -> None:
+        """Before a load overwrites the model (the heal's load resets it to the loaded global copies): hold its
+        parameters, if an earlier load's global copies are known to compare with (:meth:`caught_up`)."""
+        self._held = None if self.base is None or not self.enters_between_rounds else [
+            [p.detach().clone() for p in f.params] for f in self.strategy.fragments]
+
+    @torch.no_grad()
+    def caught_up(self) -> bool:
+        """After a load: the model restarts from the loaded global copies, except a fragment whose global copy is
+        bitwise the one its parameters went on from at this joiner's last load (no round of it committed since:
+        its inner steps since then are still progress from that copy, as a member's would be); that fragment
+        keeps its parameters and their span. The inner optimizer starts afresh unless a fragment was kept (then
+        it is the one those steps trained with). True if a fragment was kept.
+
+        Streaming DiLoCo's restarts gain most: its fragments' rounds come a period apart each, so a host's copy
+        a round or two old still holds most fragments' global copies, and the steps trained from it (its last
+        life's, resumed from the progress file, and its own since) on those fragments count."""
+        fragments, held, base = self.strategy.fragments, self._held, self.base
+        since = self.strategy.trained_steps - self.base_count
+        kept = [held is not None and base is not None and torch.equal(base[i], f.snapshot)
+                for i, f in enumerate(fragments)]
+        for i, f in enumerate(fragments):
             self.strategy._reset_to_global(f)
-        self.optimizer.state.clear()   # trained on the joiner's own model while it downloaded: start afresh
+            if kept[i]:
+                assert held is not None   # internal: kept only where held
+                torch._foreach_copy_([p.detach() for p in f.params], held[i])
+        if not any(kept):
+            self.optimizer.state.clear()   # trained on the joiner's own model while it downloaded: start afresh
+        self.extra = [since + a if k else 0 for k, a in zip(kept, self.base_ahead)]
         self.entered = self.strategy.step   # (or from its last life's, restore_own, where this host kept it)
+        self.kept_fragments += sum(kept)
+        self._held = None
+        self.base = [f.snapshot.clone() for f in fragments]   # what the next load compares with
+        self.base_count, self.base_ahead = self.strategy.trained_steps, list(self.extra)
+        return any(kept)
+
+    def forget_base(self) -> None:
+        """Loaded for good (or healed blocking): no later load of this life compares with this one's copies."""
+        self.base, self._held = None, None
 
     def keep_own(self) -> dict[str, Any] | None:
         """The inner optimizer's per-parameter state (None before its first step), for this worker slot's next
@@ -168,19 +243,31 @@ class OuterReplay:
 
     def keep_progress(self) -> dict[str, Any] | None:
         """This member's progress since its last round, for this worker slot's next life on this host: its model's
-        parameters and its inner optimizer's state (the live tensors; :func:`~shoal.membership.seed.keep_progress`
-        copies them to the host). None where a restart could not go on from them exactly: several fragments
-        (streaming DiLoCo synchronises them at different steps, so no one copy is what they went on from) or
+        parameters, its inner optimizer's state (the live tensors; :func:`~shoal.membership.seed.keep_progress`
+        copies them to the host) and, per fragment, the inner steps its parameters went on for since they last
+        took in its global copy (``spans``: streaming DiLoCo's fragments synchronise at different steps, so each
+        has its own; every fragment's global copy in the latest copy is the one it went on from). None with
         overlapped reductions (a joiner then loads only at a round's begin)."""
         if not self.keeps_progress:
             return None
         return {"type": type(self.optimizer).__name__, "params": [p.detach() for p in self._params()],
-                "state": self.optimizer.state_dict()["state"]}
+                "state": self.optimizer.state_dict()["state"], "spans": self.spans_now()}
+
+    def spans_now(self) -> list[int]:
+        """Per fragment, the inner steps since its parameters last took in its global copy: since its last round
+        by the schedule (a given-up round is not seen: fewer, never more), and for a joiner at most its span
+        since it loaded."""
+        period = self.strategy.config.inner_steps
+        step = self.strategy.step
+        sched = [(step - f.offset) % period for f in self.strategy.fragments]
+        if self.entered is None:
+            return sched
+        return [min(a, b) for a, b in zip(sched, self._spans())]
 
     @property
     def keeps_progress(self) -> bool:
         """Whether a restart could go on from this member's progress exactly (see :meth:`keep_progress`)."""
-        return len(self.strategy.fragments) == 1 and self.enters_between_rounds
+        return self.enters_between_rounds
 
     def _params(self) -> list[torch.Tensor]:
         """The inner optimizer's parameters, in its state's order (the module's trained parameters)."""
@@ -197,6 +284,11 @@ class OuterReplay:
         for i, (v, p) in enumerate(zip(got, params)):
             if not isinstance(v, torch.Tensor) or v.shape != p.shape or v.dtype != p.dtype:
                 return f"its parameter {i} is not a {p.dtype} tensor of shape {tuple(p.shape)}"
+        spans = kept.get("spans")
+        n = len(self.strategy.fragments)
+        if not (isinstance(spans, list) and len(spans) == n and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in spans)):
+            return f"it holds no span for each of the {n} fragments"
         return self._own_fits(kept)
 
     @torch.no_grad()
@@ -208,9 +300,13 @@ class OuterReplay:
             p.copy_(v)
         why = self.restore_own(kept)
         if why is not None:
+            self.base = None   # (the copy was just loaded: nothing to keep from before it)
             self.caught_up()
             return why
         self.entered = self.strategy.step - steps
+        # The fragment whose round made the copy went on for ``steps`` since; the others for longer.
+        self.extra = [max(0, x - steps) for x in kept["spans"]]
+        self.base_ahead = list(kept["spans"])   # a later load that keeps a fragment counts these with its own
         return None
 
     def _own_fits(self, kept: Any) -> str | None:

@@ -228,3 +228,52 @@ def test_merged_rounds_counts_merges_only_and_travels_with_a_checkpoint(world: N
     again.load_state_dict({k: v for k, v in state.items() if k != "merged_rounds"})   # an older checkpoint
     assert again.merged_rounds == 0
     again.close()
+
+
+def test_a_later_load_keeps_the_progress_of_the_fragments_no_round_changed(world: None) -> None:
+    """Streaming DiLoCo, 2 fragments, H 4 (fragment 0's rounds after steps 2, 6, ...; fragment 1's after 4, 8, ...).
+    A restart loads its host's copy (taken after step 3) and trains from it; the survivors commit fragment 1's
+    round after step 4. Its next load (the snapshot and that round, replayed) keeps fragment 0's parameters
+    (its global copy is still the copy's: the steps trained on it are progress from there) and takes fragment
+    1's new global copy; its inner optimizer goes on; fragment 0's round then weighs the steps kept."""
+    g = _group()
+    strategy = _make(2, 0)
+    net = _net(0)
+    model, opt = shoal.wrap(net, torch.optim.Adam(net.parameters(), lr=1e-2), strategy, process_group=g)
+    replay = g.replays[0]
+    _train(model, opt, 3)
+    copy = outer_state(strategy)             # the host's copy, written after fragment 0's round
+    records: list[Any] = []
+    g.on_commit(lambda: records.append(replay.record()))
+    _train(model, opt, 2, seed=6)             # fragment 1's round after step 4
+    assert [r[0] for r in records if r is not None] == [1]
+
+    g2 = _group()
+    joiner = _make(2, 0)
+    net2 = _net(1)
+    inner2 = torch.optim.Adam(net2.parameters(), lr=1e-2)
+    model2, opt2 = shoal.wrap(net2, inner2, joiner, process_group=g2)
+    jr = g2.replays[0]
+    joiner._heal_outer(copy)                  # its early load, from the host's copy
+    assert jr.caught_up() is False and jr.base is not None
+    _train(model2, opt2, 1, seed=7)          # it trains from that copy (no round of its own: step 1)
+    trained = [[p.detach().clone() for p in f.params] for f in joiner.fragments]
+    jr.before_load()
+    joiner._heal_outer(copy)                  # the final load: the snapshot at its admission ...
+    for r in records:
+        jr.replay(r)                          # ... and the round committed since
+    assert jr.caught_up() is True and jr.kept_fragments == 1
+    for a, b in zip(_outer(strategy), _outer(joiner)):   # the global copies and outer state: the survivor's
+        assert torch.equal(a, b)
+    f0, f1 = joiner.fragments
+    assert all(torch.equal(p.detach(), t) for p, t in zip(f0.params, trained[0]))   # kept
+    assert all(torch.equal(p.detach(), v.view_as(p)) for p, v in zip(f1.params, f1.global_views))   # reset
+    assert not all(torch.equal(p.detach(), t) for p, t in zip(f1.params, trained[1]))
+    assert len(inner2.state) > 0              # the optimizer its kept steps trained with goes on
+    assert jr.extra == [1, 0] and jr.entered == joiner.step
+    joiner.rounds.current = "fragment:0"
+    assert jr.weight() == pytest.approx(1 / 4)   # fragment 0's round: the one step kept
+    jr.forget_base()
+    jr.before_load()                          # loaded for good: a later load compares with nothing
+    joiner._heal_outer(copy)
+    assert jr.caught_up() is False and len(inner2.state) == 0

@@ -36,8 +36,11 @@ def _member(seed: int = 0, steps: int = 3, fragments: int = 1, overlap: int = 0,
             ) -> tuple[torch.nn.Module, torch.optim.Optimizer, OuterReplay]:
     """A small model whose AdamW stepped ``steps`` times, and the DiLoCo replayer of a strategy at step ``at``."""
     net, opt, _ = _inner(seed, steps)
-    strategy = SimpleNamespace(config=SimpleNamespace(overlap_steps=overlap, inner_steps=8), fragments=[object()] * fragments,
-                               step=at, _reset_to_global=lambda f: None)
+    # Fragment k's rounds after the steps s with s % 8 == its offset (as StreamingDiLoCo spreads them).
+    frags = [SimpleNamespace(offset=(k + 1) * 8 // fragments % 8, snapshot=torch.zeros(1), params=[])
+             for k in range(fragments)]
+    strategy = SimpleNamespace(config=SimpleNamespace(overlap_steps=overlap, inner_steps=8), fragments=frags,
+                               step=at, trained_steps=0, _reset_to_global=lambda f: None)
     return net, opt, OuterReplay(strategy, "k", opt)
 
 
@@ -68,6 +71,31 @@ def test_a_next_life_that_loaded_the_same_copy_goes_on_from_the_progress(tmp_pat
     assert replay.trained() == 2 and replay.weight() == pytest.approx(2 / 8)   # 2 inner steps of a period of 8
 
 
+def test_streaming_progress_keeps_each_fragments_span_and_the_round_weighs_its_own(tmp_path: Any) -> None:
+    """Streaming DiLoCo, 4 fragments of a period of 8 (rounds after steps 2, 4, 6, 8 mod 8): written at step 13,
+    fragment k went on for (13 - offset_k) % 8 steps since its round; the copy came with fragment 1's round
+    (after step 12), 1 step before. A next life resumes them all: each fragment's round weighs its own span."""
+    seed = StateSeed(str(tmp_path / "slot-0.state"))
+    _, old_opt, replay = _member(steps=5, fragments=4, at=13)
+    assert replay.spans_now() == [3, 1, 7, 5]
+    seed.save(clone_tree(_tree()), gen=1)
+    seed.save_progress(1, keep_progress([replay], RUN_TAG, 1))
+    assert seed.flush(30) and seed.read_progress()["kept"][0]["spans"] == [3, 1, 7, 5]
+    net, opt, replay = _member(seed=1, steps=0, fragments=4, at=12)   # loaded the copy: the step it was taken at
+    replay.entered = 12
+    assert resume_progress(seed, [replay], RUN_TAG, _blob(_tree())) == 1
+    assert replay.extra == [2, 0, 6, 4] and replay.trained() == 1
+    replay.strategy.step = 13   # one more inner step: the spans are [4, 2, 8, 6]
+    replay.strategy.rounds = SimpleNamespace(current="fragment:0")
+    assert replay.weight() == pytest.approx(4 / 8)   # fragment 0's round weighs its own span
+    replay.strategy.rounds = SimpleNamespace(current="fragment:2")
+    # Fragment 2's spans a whole period, yet a weight of 1 would make it a full member while fragment 1 spans
+    # 2 steps: until every fragment spans a period it weighs the shortest span.
+    assert replay.weight() == pytest.approx(2 / 8)
+    replay.strategy.step = 19
+    assert replay.weight() == 1.0
+
+
 def test_progress_is_written_only_after_its_copy_and_never_beside_a_newer_one(tmp_path: Any) -> None:
     seed = StateSeed(str(tmp_path / "slot-0.state"))
     _, _, replay = _member()
@@ -87,7 +115,7 @@ def test_progress_is_written_only_after_its_copy_and_never_beside_a_newer_one(tm
     assert seed.read_progress()["copy"] == copy_digest(_blob(_tree(change=0)))
 
 
-@pytest.mark.parametrize("case", ["other copy", "other run", "other shapes", "other optimizer", "streaming",
+@pytest.mark.parametrize("case", ["other copy", "other run", "other shapes", "other optimizer", "other fragments",
                                   "overlapped", "none", "unreadable"])
 def test_a_progress_that_does_not_go_on_from_the_loaded_copy_or_does_not_fit_is_not_resumed(
         case: str, tmp_path: Any) -> None:
@@ -105,7 +133,7 @@ def test_a_progress_that_does_not_go_on_from_the_loaded_copy_or_does_not_fit_is_
     elif case == "other optimizer":
         opt = torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9)
         replay = OuterReplay(replay.strategy, "k", opt)
-    elif case == "streaming":
+    elif case == "other fragments":   # one fragment's spans, for a streaming DiLoCo of two
         _, opt, replay = _member(seed=1, steps=0, fragments=2)
     elif case == "overlapped":
         _, opt, replay = _member(seed=1, steps=0, overlap=1)
@@ -122,7 +150,6 @@ def test_a_progress_that_does_not_go_on_from_the_loaded_copy_or_does_not_fit_is_
 
 
 def test_keep_progress_keeps_nothing_where_a_restart_could_not_go_on_exactly() -> None:
-    assert keep_progress([_member(fragments=2)[2]], RUN_TAG, 1) is None   # streaming DiLoCo
     assert keep_progress([_member(overlap=1)[2]], RUN_TAG, 1) is None     # overlapped reductions
     assert keep_progress([object()], RUN_TAG, 1) is None                  # a replayer that keeps no progress
 

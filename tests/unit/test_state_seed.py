@@ -156,6 +156,13 @@ def test_the_environment_names_one_file(tmp_path: Any, monkeypatch: pytest.Monke
 RUN_TAG = "run-a/own-state"
 
 
+def _diloco() -> Any:
+    """What OuterReplay reads of a one-fragment DiLoCo without overlapped reductions."""
+    return SimpleNamespace(config=SimpleNamespace(overlap_steps=0, inner_steps=8), step=0, trained_steps=0,
+                           fragments=[SimpleNamespace(offset=0, snapshot=torch.zeros(1), params=[])],
+                           _reset_to_global=lambda f: None)
+
+
 def _inner(seed: int = 0, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer, OuterReplay]:
     """A small model with an AdamW that stepped ``steps`` times, and the DiLoCo replayer that keeps its state."""
     torch.manual_seed(seed)
@@ -165,7 +172,7 @@ def _inner(seed: int = 0, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.
         net(torch.randn(4, 6)).square().sum().backward()
         opt.step()
         opt.zero_grad()
-    return net, opt, OuterReplay(SimpleNamespace(config=SimpleNamespace(overlap_steps=0)), "k", opt)
+    return net, opt, OuterReplay(_diloco(), "k", opt)
 
 
 def _same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
@@ -208,14 +215,14 @@ def test_an_own_state_that_is_not_this_runs_or_does_not_fit_is_not_loaded(case: 
         sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         net(torch.randn(4, 6)).sum().backward()
         sgd.step()
-        old_replay = OuterReplay(SimpleNamespace(config=SimpleNamespace(overlap_steps=0)), "k", sgd)
+        old_replay = OuterReplay(_diloco(), "k", sgd)
     if case == "other shapes":
         torch.manual_seed(0)
         wide = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 2))
         opt = torch.optim.AdamW(wide.parameters(), lr=1e-2)
         wide(torch.randn(4, 6)).sum().backward()
         opt.step()
-        old_replay = OuterReplay(SimpleNamespace(config=SimpleNamespace(overlap_steps=0)), "k", opt)
+        old_replay = OuterReplay(_diloco(), "k", opt)
     if case != "none":
         seed.save(clone_tree(_tree()), keep_own([old_replay], "run-b/own-state" if case == "other run" else RUN_TAG))
         assert seed.flush(30)

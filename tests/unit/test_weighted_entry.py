@@ -75,7 +75,9 @@ def test_the_mean_divides_by_the_contributors_less_the_shortfall(newcomers: tupl
 
 
 def _replay(step: int, inner: int) -> tuple[OuterReplay, Any]:
-    strategy = SimpleNamespace(step=step, config=SimpleNamespace(inner_steps=inner, overlap_steps=0), fragments=[])
+    strategy = SimpleNamespace(step=step, config=SimpleNamespace(inner_steps=inner, overlap_steps=0), trained_steps=0,
+                               fragments=[SimpleNamespace(offset=0, snapshot=torch.zeros(1), params=[])],
+                               _reset_to_global=lambda f: None)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     return OuterReplay(strategy, "k", opt), strategy
 
@@ -94,6 +96,7 @@ def test_a_joiners_weight_is_its_inner_steps_since_it_loaded_over_the_period() -
 def test_only_a_strategy_without_overlapped_reductions_enters_between_rounds() -> None:
     plain, _ = _replay(step=0, inner=8)
     assert plain.enters_between_rounds
-    strategy = SimpleNamespace(step=0, config=SimpleNamespace(inner_steps=8, overlap_steps=1), fragments=[])
+    strategy = SimpleNamespace(step=0, config=SimpleNamespace(inner_steps=8, overlap_steps=1), trained_steps=0,
+                               fragments=[SimpleNamespace(offset=0, snapshot=torch.zeros(1), params=[])])
     overlapped = OuterReplay(strategy, "k", torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
     assert not overlapped.enters_between_rounds   # a launch between rounds reads who contributes
