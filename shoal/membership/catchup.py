@@ -321,18 +321,22 @@ class CatchUp:
         """
         g = self.group
         me = g.client.member_id
-        table = torch.zeros(g.size, dtype=torch.float64, device=g.device)
+        # Row 0: each joiner's weight in this step's means; row 1: 1.0 once it is a full member (every part of
+        # its progress spans a period; streaming DiLoCo's kept fragment may weigh 1 in its round before that).
+        table = torch.zeros(2, g.size, dtype=torch.float64, device=g.device)
         if me in self.pending and self.loaded:
-            table[g.rank] = self._weight()
+            table[0, g.rank] = self._weight()
+            table[1, g.rank] = float(self._full())
         g.all_reduce(table, op="max", tag=_CONTROL_TAG).wait()
         if g.error is not None:
             return
-        weights, unread = table.tolist(), False
+        (weights, fulls), unread = table.tolist(), False
         for m, p in self.pending.items():
-            w = min(1.0, float(weights[g.quorum.rank_of(m)]))
+            r = g.quorum.rank_of(m)
+            w, full = min(1.0, float(weights[r])), fulls[r] >= 1.0
             if w > 0.0:
                 p.ready, p.weight = t if p.ready is None or p.ready > t else p.ready, w   # the first: t
-                if w < 1.0:   # not yet (a step with no inner steps since the last one, e.g. an admission's
+                if not full:   # not yet (a step with no inner steps since the last one, e.g. an admission's
                     p.full_at = None   # empty round, keeps its weight); the joiner's own _catch_up set t + 1
                 elif p.full_at is None or p.full_at > t:
                     p.full_at = t    # its top-up's step; it stays a downloader until then (see Pending)
@@ -352,6 +356,16 @@ class CatchUp:
     def _weight(self) -> float:
         """This joiner's weight now: the smallest its replayers give (1.0 for a replayer without one)."""
         return min((float(r.weight()) for r in self.replayers if hasattr(r, "weight")), default=1.0)
+
+    def _full(self) -> bool:
+        """Whether this joiner is a full member now: every replayer says so (one without ``full``: weight 1)."""
+        return all(bool(r.full()) if hasattr(r, "full") else float(getattr(r, "weight", lambda: 1.0)()) >= 1.0
+                   for r in self.replayers)
+
+    def longest(self) -> int:
+        """The inner steps the longest-going part of a joiner's progress spans (what it trained since it loaded,
+        and the steps a load kept; :meth:`trained` for a replayer without such parts)."""
+        return max([int(r.longest()) for r in self.replayers if hasattr(r, "longest")], default=self.trained())
 
     def enter_between_rounds(self) -> bool:
         """A joiner of an averaging strategy, between two rounds: if its download has finished, load the
@@ -630,7 +644,8 @@ class CatchUp:
             self._replay(blob, count=False)
             pre.blob = blob
             self.stats.early_reloads += 1
-            self.stats.resumed_steps = 0   # (its last life's steps went on from that copy: dropped with it)
+            self.stats.resumed_steps = 0   # (its last life's steps went on from that copy: dropped with it, but
+            # where a fragment's global copy is unchanged: kept, CatchUpStats.kept_fragments)
             with self._seed_lock:
                 self._seed_blob = blob
             log.info("this host's copy was stale: training from the state offered for quorum %d from now on",
@@ -834,9 +849,13 @@ class CatchUp:
         covered = self._covered()
         for r in self.replayers:   # (DiLoCo: its parameters, for caught_up to keep a fragment still current)
             if hasattr(r, "before_load"):
-                r.before_load()
-        load_blob({k: states[k] for k in covered}, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1,
-                  "(background heal)", g._depart if leave is None else leave)
+                r.before_load(final=count)
+        try:
+            load_blob({k: states[k] for k in covered}, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1,
+                      "(background heal)", g._depart if leave is None else leave)
+        except BaseException:
+            self._forget_base()   # (what before_load held goes; a model half loaded keeps nothing from before)
+            raise
         for rec in self.records:
             for r, update in zip(self.replayers, rec):
                 r.replay(update)
@@ -903,7 +922,9 @@ class CatchUp:
         is written until the next copy is (a progress must go on from the copy beside it); nothing from before
         it is kept by a later load."""
         self._seed_due = True
-        self._forget_base()
+        for r in self.replayers:
+            if hasattr(r, "replaced"):
+                r.replaced()
 
     def _forget_base(self) -> None:
         for r in self.replayers:

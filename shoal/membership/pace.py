@@ -131,7 +131,8 @@ class StepPace:
         self._open_until = float("-inf")
         self._free = False
         self.slots = 0                   # slots opened (commits seen while downloading)
-        self.pauses = 0                  # slots closed early by a failed step (pause)
+        self.pauses = 0                  # failed steps that paused the download (pause)
+        self._paused = False             # paused since the last commit
         self._cv = threading.Condition()
 
     def admitted(self, now: float) -> None:
@@ -149,6 +150,7 @@ class StepPace:
         ``open_slot=False``: the step is measured but no slot opens (the next step forms a new quorum,
         whose admission should not share the link with a download); 0.0."""
         with self._cv:
+            self._paused = False
             if self._last is not None and now > self._last:
                 self._intervals.append(now - self._last)
             self._last = now
@@ -167,8 +169,13 @@ class StepPace:
         retried step commits. The recovery (the failed collectives' votes, the survivors' new quorum and its
         gloo connect) and the retried step then have the link to themselves, as an admission has; a chunk
         already asked for (one a source, :data:`PACED_CHUNK`) still comes. The retried step's commit measures
-        from here (one recovery and one step): a failure's gap does not enter the step's median as a step."""
+        from here (one recovery and one step): a failure's gap does not enter the step's median as a step.
+        Once per failed step: a second call before the next commit (the discard verdict of the failure already
+        recorded) changes nothing."""
         with self._cv:
+            if self._paused:   # the same failure told twice (its first record, then its discard verdict)
+                return
+            self._paused = True
             self._open_until = min(self._open_until, now)
             if self._last is not None:
                 self._last = now

@@ -329,7 +329,8 @@ def restore_own(seed: StateSeed, replayers: Sequence[Any], run: str) -> bool:
 def keep_progress(replayers: Sequence[Any], run: str, steps: int) -> Any:
     """What the replayers keep of a member's progress ``steps`` inner steps after the copy last saved (its model
     and own optimizer, :meth:`~shoal.strategies.diloco_heal.OuterReplay.keep_progress`), tagged with the run, for
-    :meth:`StateSeed.save_progress`; None where none keeps any (streaming DiLoCo, overlapped reductions).
+    :meth:`StateSeed.save_progress`; None where none keeps any (overlapped reductions). Streaming DiLoCo's
+    holds each fragment's span too.
     Copied to the host here, without a host sync (``"ready"``: the copy's event, for the writer)."""
     kept = [r.keep_progress() if hasattr(r, "keep_progress") else None for r in replayers]
     if all(k is None for k in kept):

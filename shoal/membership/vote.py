@@ -36,6 +36,7 @@ Example (what :meth:`ElasticGroup.commit` does with them)::
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 import time
 from collections import Counter
@@ -46,6 +47,8 @@ import torch
 from shoal.membership.client import MemberClient
 from shoal.membership.coordinator import Quorum, Timeouts, Trace
 from shoal.errors import PeerLostError
+
+log = logging.getLogger("shoal.elastic")
 
 
 class Failures:
@@ -82,19 +85,21 @@ class Failures:
         if not first:
             return
         self.trace("error", what=str(err)[:200])
-        for fn in self.on_failure:
-            fn()
         prefix = self._prefix()
-        if prefix is None:
-            return
-        try:
-            with self._lock:
-                if self._abort_of is not self.client.store:
-                    self._abort_of = self.client.store
-                    self._abort_store = self._abort_of.clone()  # type: ignore[attr-defined]
-                self._abort_store.set(prefix + "abort", type(err).__name__)
-        except Exception:  # noqa: BLE001 - coordinator unreachable: peers time out instead
-            pass
+        if prefix is not None:
+            try:
+                with self._lock:
+                    if self._abort_of is not self.client.store:
+                        self._abort_of = self.client.store
+                        self._abort_store = self._abort_of.clone()  # type: ignore[attr-defined]
+                    self._abort_store.set(prefix + "abort", type(err).__name__)
+            except Exception:  # noqa: BLE001 - coordinator unreachable: peers time out instead
+                pass
+        for fn in self.on_failure:   # after the flag: telling the others comes first
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - a listener's error must not hide the step's failure
+                log.warning("a step-failure listener raised %s: %s", type(e).__name__, e)
 
 
 class Ballot:

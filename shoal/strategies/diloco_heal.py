@@ -46,7 +46,8 @@ weight at the round's begin from one all-reduce of the joiners' weights
 everywhere. From a fragment's second round on its pseudo-gradient spans a
 period and it weighs 1. A joiner whose download ends at a round's begin
 loads there and brings nothing to that round (weight 0: it has trained no
-step from the global copies yet); its weight counts from there.
+step from the global copies yet), unless that round's fragment is one the
+load kept (below: it weighs the steps kept); its weight counts from there.
 
 Streaming DiLoCo with ``overlap_steps > 0``: a reduction launched while a
 joiner catches up runs on the communication thread with the joiner's part
@@ -113,6 +114,8 @@ class OuterReplay:
         self.base_count = 0
         self.base_ahead = [0] * n
         self._held: list[list[torch.Tensor]] | None = None
+        self._final = False       # this load is for good: no base to keep after it
+        self.reset_at: int | None = None   # the step a blocking heal reset the model at (spans_now counts from it)
         self.kept_fragments = 0   # fragments whose progress a load kept (counted over this life)
 
     def _spans(self) -> list[int]:
@@ -125,17 +128,23 @@ class OuterReplay:
     def weight(self) -> float:
         """This joiner's share of a member's weight in the round now: the inner steps the round's fragment's
         pseudo-gradient spans (trained since it loaded, and what a load kept of that fragment's progress) over
-        the period (1.0 from a fragment's second round on: its pseudo-gradient then spans a period). Below 1.0
-        until every fragment spans a period (a weight of 1.0 makes it a full member, whose every round weighs 1)."""
+        the period (1.0 from a fragment's second round on: its pseudo-gradient then spans a period)."""
         if self.entered is None:
             return 1.0
-        period = self.strategy.config.inner_steps
         spans = self._spans()
         k = self._round_fragment()
-        w = spans[k] if k is not None else min(spans)
         # Capped at 1: after a round given up the others' pseudo-gradients span two periods and the joiner's
         # one and a bit, so it weighs a little more than its share there (rare; the cap keeps it simple).
-        return min(1.0, (w if w < period else min(spans)) / period)
+        return min(1.0, (spans[k] if k is not None else min(spans)) / self.strategy.config.inner_steps)
+
+    def full(self) -> bool:
+        """Whether every fragment's pseudo-gradient spans a period now: from here on every round weighs it 1 (a
+        kept fragment may weigh 1 in its own round before that)."""
+        return self.entered is None or min(self._spans()) >= self.strategy.config.inner_steps
+
+    def longest(self) -> int:
+        """The inner steps the longest-going fragment's pseudo-gradient spans now (0 before it loaded)."""
+        return 0 if self.entered is None else max(self._spans())
 
     def _round_fragment(self) -> int | None:
         """The fragment whose round this step runs (``fragment:<k>``, ``merge:<k>``), or None (another round)."""
@@ -193,9 +202,11 @@ class OuterReplay:
             f.delta.copy_(held)
 
     @torch.no_grad()
-    def before_load(self) -> None:
+    def before_load(self, final: bool = True) -> None:
         """Before a load overwrites the model (the heal's load resets it to the loaded global copies): hold its
-        parameters, if an earlier load's global copies are known to compare with (:meth:`caught_up`)."""
+        parameters, if an earlier load's global copies are known to compare with (:meth:`caught_up`).
+        ``final``: loaded for good (no later load of this life compares with it: no copy of it is kept)."""
+        self._final = final
         self._held = None if self.base is None or not self.enters_between_rounds else [
             [p.detach().clone() for p in f.params] for f in self.strategy.fragments]
 
@@ -225,13 +236,20 @@ class OuterReplay:
         self.entered = self.strategy.step   # (or from its last life's, restore_own, where this host kept it)
         self.kept_fragments += sum(kept)
         self._held = None
-        self.base = [f.snapshot.clone() for f in fragments]   # what the next load compares with
-        self.base_count, self.base_ahead = self.strategy.trained_steps, list(self.extra)
+        # What the next load compares with (none after a load for good: forget_base follows).
+        self.base = None if self._final else [f.snapshot.clone() for f in fragments]
+        self.base_count, self.base_ahead, self._final = self.strategy.trained_steps, list(self.extra), False
         return any(kept)
 
     def forget_base(self) -> None:
-        """Loaded for good (or healed blocking): no later load of this life compares with this one's copies."""
+        """Loaded for good (or a load failed): no later load of this life compares with this one's copies."""
         self.base, self._held = None, None
+
+    def replaced(self) -> None:
+        """A blocking heal loaded the run's state and reset the model to its global copies: nothing from before
+        is kept, and every fragment's span counts from now (:meth:`spans_now`)."""
+        self.forget_base()
+        self.reset_at = self.strategy.step
 
     def keep_own(self) -> dict[str, Any] | None:
         """The inner optimizer's per-parameter state (None before its first step), for this worker slot's next
@@ -260,6 +278,8 @@ class OuterReplay:
         period = self.strategy.config.inner_steps
         step = self.strategy.step
         sched = [(step - f.offset) % period for f in self.strategy.fragments]
+        if self.reset_at is not None:   # healed blocking since: no fragment went on from before that
+            sched = [min(x, max(0, step - self.reset_at)) for x in sched]
         if self.entered is None:
             return sched
         return [min(a, b) for a, b in zip(sched, self._spans())]
@@ -286,6 +306,8 @@ class OuterReplay:
                 return f"its parameter {i} is not a {p.dtype} tensor of shape {tuple(p.shape)}"
         spans = kept.get("spans")
         n = len(self.strategy.fragments)
+        if spans is None and n == 1:   # written before spans were kept: one fragment, its span the steps since
+            return self._own_fits(kept)
         if not (isinstance(spans, list) and len(spans) == n and all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in spans)):
             return f"it holds no span for each of the {n} fragments"
@@ -305,8 +327,9 @@ class OuterReplay:
             return why
         self.entered = self.strategy.step - steps
         # The fragment whose round made the copy went on for ``steps`` since; the others for longer.
-        self.extra = [max(0, x - steps) for x in kept["spans"]]
-        self.base_ahead = list(kept["spans"])   # a later load that keeps a fragment counts these with its own
+        spans = kept.get("spans") or [steps]
+        self.extra = [max(0, x - steps) for x in spans]
+        self.base_ahead = list(spans)   # a later load that keeps a fragment counts these with its own
         return None
 
     def _own_fits(self, kept: Any) -> str | None:
@@ -372,7 +395,8 @@ def admission_due(strategy: Any) -> bool:
     if catchup.admission_due():
         return True
     pre = catchup.pre
-    return pre is not None and not pre.from_seed and catchup.trained() >= strategy.config.inner_steps
+    # (the longest span: a fragment a reload kept goes on with the steps it had)
+    return pre is not None and not pre.from_seed and catchup.longest() >= strategy.config.inner_steps
 
 
 def save_seed(strategy: Any) -> None:

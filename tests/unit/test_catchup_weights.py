@@ -167,3 +167,31 @@ def test_weights_agreed_across_a_quorum_change_and_the_top_up_waits_for_weight_1
     before = [x for _, _, x in _begin(fresh, 14)]   # a retry of step 14 still exchanges (full_at == t)
     after = [x for _, _, x in _begin(fresh, 15)]
     assert after == before
+
+
+class ScriptedFragments(Scripted):
+    """Streaming DiLoCo's joiner: its round's weight, and whether every fragment spans a period (``full``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_full = False
+
+    def full(self) -> bool:
+        return self.is_full
+
+
+def test_a_round_weighing_1_before_the_joiner_is_full_counts_it_whole_but_tops_up_nothing() -> None:
+    # A fragment its load kept spans a period at its own round: that round weighs it 1 (shortfall 0 on every
+    # member), yet another fragment spans less, so it is not a full member: no top-up, the exchange goes on.
+    store, replay = Store(), ScriptedFragments()
+    joiner_buffers, holder_buffers = torch.zeros(3), torch.arange(3.0)
+    members = _members(World(3), [1, 2, JOINER], store, joiner_buffers, holder_buffers, replay)
+    _load_between_rounds(members[2][1], store, 11)
+    replay.w = 1.0
+    assert {(s, n) for s, n, _ in _begin(members, 11)} == {(0.0, ())}
+    assert torch.equal(joiner_buffers, torch.zeros(3)) and members[2][1].hid == HID   # not topped up
+    replay.w = 0.5   # the next fragment's round: it spans half a period
+    assert {(s, n) for s, n, _ in _begin(members, 12)} == {(0.5, ())}
+    replay.w, replay.is_full = 1.0, True   # every fragment spans a period now
+    assert {(s, n) for s, n, _ in _begin(members, 13)} == {(0.0, ())}
+    assert torch.equal(joiner_buffers, holder_buffers) and members[2][1].hid == -1

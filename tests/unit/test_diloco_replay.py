@@ -256,6 +256,10 @@ def test_a_later_load_keeps_the_progress_of_the_fragments_no_round_changed(world
     jr = g2.replays[0]
     joiner._heal_outer(copy)                  # its early load, from the host's copy
     assert jr.caught_up() is False and jr.base is not None
+    # ... and its last life's progress since that copy (1 step; fragment 0 had gone on for 2, fragment 1 for 3)
+    kept = {"type": "Adam", "params": [p.detach().clone() for p in net2.parameters()], "state": {}, "spans": [2, 3]}
+    assert jr.progress_fits(kept) is None and jr.restore_progress(kept, 1) is None
+    assert jr.extra == [1, 2] and jr.base_ahead == [2, 3]
     _train(model2, opt2, 1, seed=7)          # it trains from that copy (no round of its own: step 1)
     trained = [[p.detach().clone() for p in f.params] for f in joiner.fragments]
     jr.before_load()
@@ -270,9 +274,9 @@ def test_a_later_load_keeps_the_progress_of_the_fragments_no_round_changed(world
     assert all(torch.equal(p.detach(), v.view_as(p)) for p, v in zip(f1.params, f1.global_views))   # reset
     assert not all(torch.equal(p.detach(), t) for p, t in zip(f1.params, trained[1]))
     assert len(inner2.state) > 0              # the optimizer its kept steps trained with goes on
-    assert jr.extra == [1, 0] and jr.entered == joiner.step
+    assert jr.extra == [3, 0] and jr.entered == joiner.step   # fragment 0: its last life's 2 and its own 1
     joiner.rounds.current = "fragment:0"
-    assert jr.weight() == pytest.approx(1 / 4)   # fragment 0's round: the one step kept
+    assert jr.weight() == pytest.approx(3 / 4) and not jr.full() and jr.longest() == 3
     jr.forget_base()
     jr.before_load()                          # loaded for good: a later load compares with nothing
     joiner._heal_outer(copy)

@@ -261,7 +261,8 @@ def test_a_restart_training_before_its_admission_stops_at_a_whole_period(survivo
 
     from shoal.strategies.diloco_heal import admission_due
 
+    # (longest: the longest-going fragment's span, a kept fragment's steps included: CatchUp.longest)
     catchup = SimpleNamespace(admission_due=lambda: survivors_wait, pre=SimpleNamespace(from_seed=not checked),
-                              trained=lambda: trained)
+                              longest=lambda: trained)
     strategy = SimpleNamespace(group=SimpleNamespace(catchup=catchup), config=SimpleNamespace(inner_steps=4))
     assert admission_due(strategy) == due

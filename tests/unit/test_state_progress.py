@@ -88,12 +88,34 @@ def test_streaming_progress_keeps_each_fragments_span_and_the_round_weighs_its_o
     replay.strategy.step = 13   # one more inner step: the spans are [4, 2, 8, 6]
     replay.strategy.rounds = SimpleNamespace(current="fragment:0")
     assert replay.weight() == pytest.approx(4 / 8)   # fragment 0's round weighs its own span
+    assert not replay.full() and replay.longest() == 8
     replay.strategy.rounds = SimpleNamespace(current="fragment:2")
-    # Fragment 2's spans a whole period, yet a weight of 1 would make it a full member while fragment 1 spans
-    # 2 steps: until every fragment spans a period it weighs the shortest span.
-    assert replay.weight() == pytest.approx(2 / 8)
+    # Fragment 2's pseudo-gradient spans a whole period: its round weighs 1, as a member's; yet the joiner is
+    # not a full member while fragment 1's spans 2 steps (the weight exchange sends both).
+    assert replay.weight() == 1.0 and not replay.full()
     replay.strategy.step = 19
-    assert replay.weight() == 1.0
+    assert replay.full() and replay.weight() == 1.0
+
+
+def test_a_progress_written_before_spans_were_kept_resumes_one_fragment(tmp_path: Any) -> None:
+    seed = StateSeed(str(tmp_path / "slot-0.state"))
+    _, _, replay = _member(steps=5)
+    part = keep_progress([replay], RUN_TAG, 2)
+    del part["kept"][0]["spans"]   # an earlier version's file
+    seed.save(clone_tree(_tree()), gen=1)
+    seed.save_progress(1, part)
+    assert seed.flush(30)
+    _, _, replay = _member(seed=1, steps=0, at=10)
+    replay.entered = 10
+    assert resume_progress(seed, [replay], RUN_TAG, _blob(_tree())) == 2 and replay.extra == [0]
+
+
+def test_spans_count_from_a_blocking_heal() -> None:
+    _, _, replay = _member(fragments=4, at=13)
+    assert replay.spans_now() == [3, 1, 7, 5]
+    replay.replaced()   # a blocking heal at step 13 reset every fragment to its global copy
+    replay.strategy.step = 15
+    assert replay.spans_now() == [2, 2, 1, 2]   # (fragment 2's round came after step 14)
 
 
 def test_progress_is_written_only_after_its_copy_and_never_beside_a_newer_one(tmp_path: Any) -> None:
