@@ -127,7 +127,7 @@ class CatchUpStats:
     dissolved_for_join: int = 0   # quorums this worker dissolved between rounds to admit newcomers (offer_early)
     admissions: int = 0           # times admitted as a downloader (again after a download that failed)
     slots: int = 0                # paced download (SHOAL_HEAL_PACE): the commits that opened a slot
-    pauses: int = 0               # ... the failed steps that closed one early (pace.StepPace.pause)
+    pauses: int = 0               # ... the failed steps that paused it (pace.StepPace.pause)
 
 
 class CatchUp:

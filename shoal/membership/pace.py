@@ -38,7 +38,9 @@ step's forward pass leaves the link idlest. So:
   costs (4 hosts x 20 mbit, ``lm``: the one kill that cost more than 2 s
   beyond the step in flight, 2.17 s, struck while a joiner downloaded; its
   survivors' gloo connect took 1.1 s, against 0.4 s median, and the retried
-  step ran 0.8 s longer than the median step; docs/BENCHMARKS.md);
+  step ran 0.8 s longer than the median step; with this pause and joiners
+  computing one sample a step, ``ElasticSampler(joiner_batch=1)``, every
+  kill of the next run stayed within it: docs/BENCHMARKS.md);
 * the download takes about ``S * j / (fraction * step * link rate * min(k, j))``
   steps (the state's size ``S``): bounded, and on a fast link one or two steps.
 

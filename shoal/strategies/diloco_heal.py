@@ -218,9 +218,9 @@ class OuterReplay:
         keeps its parameters and their span. The inner optimizer starts afresh unless a fragment was kept (then
         it is the one those steps trained with). True if a fragment was kept.
 
-        Streaming DiLoCo's restarts gain most: its fragments' rounds come a period apart each, so a host's copy
-        a round or two old still holds most fragments' global copies, and the steps trained from it (its last
-        life's, resumed from the progress file, and its own since) on those fragments count."""
+        Streaming DiLoCo's restarts are the case for it: its fragments' rounds come a period apart each, so a
+        host's copy a round or two old still holds most fragments' global copies, and the steps trained from it
+        (its last life's, resumed from the progress file, and its own since) on those fragments count."""
         fragments, held, base = self.strategy.fragments, self._held, self.base
         since = self.strategy.trained_steps - self.base_count
         kept = [held is not None and base is not None and torch.equal(base[i], f.snapshot)

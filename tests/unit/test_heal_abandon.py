@@ -63,6 +63,18 @@ class _Replayer:
     after_commit = False   # step-synchronous (DDP): the download is paced while the others train
 
 
+def _two_sources(raw: Any) -> list[Any]:
+    """Members 1 and 2 serve heal ``HID`` (the state at step 5's begin) to this joiner; their records in ``raw``."""
+    tree = _tree()
+    servers = []
+    for m in (1, 2):
+        server, src = _serve(tree, hid=HID, joiners=frozenset({ME}))
+        raw.set(f"{RUN}/heal/{HID}/src/{m}", RecordBook(raw, RUN, m, None).seal(
+            {"addr": src.address, "size": src.size, "sha": src.sha, "step": 5}))
+        servers.append(server)
+    return servers
+
+
 def _fetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "shoal-heal-fetch" and t.is_alive()]
 
@@ -72,13 +84,7 @@ def _fetch_threads() -> list[threading.Thread]:
 def test_a_paced_download_given_up_on_asks_for_nothing_more_and_its_thread_ends(how: str) -> None:
     before = set(_fetch_threads())
     raw = dist.HashStore()
-    tree = _tree()
-    servers = []
-    for m in (1, 2):
-        server, src = _serve(tree, hid=HID, joiners=frozenset({ME}))
-        raw.set(f"{RUN}/heal/{HID}/src/{m}", RecordBook(raw, RUN, m, None).seal(
-            {"addr": src.address, "size": src.size, "sha": src.sha, "step": 5}))   # the state at step 5's begin
-        servers.append(server)
+    servers = _two_sources(raw)
     group = _Group(_Store(raw))
     c = CatchUp(group)
     c.pace_fraction = 0.5                  # SHOAL_HEAL_PACE=0.5

@@ -18,13 +18,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from test_abort_watch import _Interleaving
-from test_heal_abandon import HID, ME, _Group, _Replayer, _Store
-from test_stateserve import RUN, _serve, _tree
+from test_heal_abandon import HID, _Group, _Replayer, _Store, _two_sources
 
 from shoal.membership.catchup import CatchUp
 from shoal.membership.client import AbortWatch
 from shoal.membership.pace import StepPace
-from shoal.membership.records import RecordBook
 from shoal.membership.vote import Failures
 
 
@@ -85,13 +83,7 @@ def test_failures_call_their_listeners_once_at_each_steps_first_failure() -> Non
 @pytest.mark.timeout(60)
 def test_a_failed_step_stops_the_joiners_requests_until_the_retried_step_commits() -> None:
     raw = dist.HashStore()
-    tree = _tree()
-    servers = []
-    for m in (1, 2):
-        server, src = _serve(tree, hid=HID, joiners=frozenset({ME}))
-        raw.set(f"{RUN}/heal/{HID}/src/{m}", RecordBook(raw, RUN, m, None).seal(
-            {"addr": src.address, "size": src.size, "sha": src.sha, "step": 5}))
-        servers.append(server)
+    servers = _two_sources(raw)
     group = _Group(_Store(raw))
     group.heal_chunk = 1024                # the 8 KB state in 8 ranges: more than the two parked
     c = CatchUp(group)
