@@ -90,7 +90,7 @@ class Pending:
     keys: tuple[str, ...] = ()    # the state keys its replay does not cover (topped up at ``ready``)
     read: bool = False            # its signed "ready" record was read
     weight: float = 1.0           # its share of a member's weight in this step's means (entering between rounds)
-    full_at: int | None = None    # the step from which it weighs 1: its top-up's step (``ready``, or later for a
+    full_at: int | None = None    # the step from which it is a full member: its top-up's step (``ready``, or later for a
     #                               joiner entering between rounds: until then it stays a downloader in every
     #                               quorum's plan, so its weight is agreed in each)
 
@@ -280,6 +280,8 @@ class CatchUp:
     def at_begin(self) -> None:
         """Every begin_step, after the quorum is adopted and before the rollback snapshot: joiners still
         catching up are this step's newcomers too (they bring no progress of their own)."""
+        if self.pace is not None:
+            self.pace.step_begun()   # a failure of this step pauses the download again (StepPace.pause)
         if not self.pending:
             return
         g = self.group
@@ -288,7 +290,7 @@ class CatchUp:
         if me in self.pending and not self.loaded and self.fetch is not None and self.fetch.done.is_set():
             self._catch_up(self.pending[me], t, self.fetch)
         if self._between_rounds() and any(p.full_at is None or p.full_at >= t for p in self.pending.values()):
-            self._exchange(t)   # until every joiner of this quorum weighs 1 (full_at: agreed, the same everywhere)
+            self._exchange(t)   # until every joiner of this quorum is a full member (full_at: agreed everywhere)
         if me not in self.pending:
             self._write_topups(t)
         elif self.loaded and self.hid >= 0 and g.error is None:
@@ -313,10 +315,10 @@ class CatchUp:
         inner steps may land after a peer's begin_step), so each joiner puts
         its own weight in its slot (the share of a period it trained since it
         loaded, 0 while downloading) and every member reads the same table. It
-        runs at every begin_step until every joiner of the quorum weighs 1, on
+        runs at every begin_step until every joiner of the quorum is a full member, on
         every member alike (the pending set comes from the quorum's plan, and
         ``full_at`` from these exchanges). A joiner is topped up, and stops
-        being a downloader in later quorums' plans, only once it weighs 1: until
+        being a downloader in later quorums' plans, only once it is a full member: until
         then each quorum it is in agrees on its weight here.
         """
         g = self.group
@@ -448,7 +450,7 @@ class CatchUp:
             time.sleep(0.01)
 
     def _write_topups(self, t: int) -> None:
-        """The lowest-ranked member holding the run's state writes what joiners that weigh 1 from now on still
+        """The lowest-ranked member holding the run's state writes what joiners that are full members from now on still
         lack (not for one whose keys it could not read: that step has failed, see :meth:`_exchange`). A write
         the coordinator does not take fails the step (every member then discards it; the next one writes
         again), as the joiner would otherwise wait for it and the others count it in."""
@@ -853,13 +855,13 @@ class CatchUp:
         try:
             load_blob({k: states[k] for k in covered}, torch.frombuffer(bytearray(blob), dtype=torch.uint8), -1,
                       "(background heal)", g._depart if leave is None else leave)
+            for rec in self.records:
+                for r, update in zip(self.replayers, rec):
+                    r.replay(update)
+            kept = [bool(r.caught_up()) for r in self.replayers]   # True: it kept progress from before (DiLoCo)
         except BaseException:
             self._forget_base()   # (what before_load held goes; a model half loaded keeps nothing from before)
             raise
-        for rec in self.records:
-            for r, update in zip(self.replayers, rec):
-                r.replay(update)
-        kept = [bool(r.caught_up()) for r in self.replayers]   # True: it kept progress from before (DiLoCo)
         if any(kept):
             self.stats.kept_fragments = sum(getattr(r, "kept_fragments", 0) for r in self.replayers)
             g.trace("progress-kept", fragments=self.stats.kept_fragments)

@@ -134,7 +134,7 @@ class StepPace:
         self._free = False
         self.slots = 0                   # slots opened (commits seen while downloading)
         self.pauses = 0                  # failed steps that paused the download (pause)
-        self._paused = False             # paused since the last commit
+        self._paused = False             # paused since this step began
         self._cv = threading.Condition()
 
     def admitted(self, now: float) -> None:
@@ -172,8 +172,8 @@ class StepPace:
         gloo connect) and the retried step then have the link to themselves, as an admission has; a chunk
         already asked for (one a source, :data:`PACED_CHUNK`) still comes. The retried step's commit measures
         from here (one recovery and one step): a failure's gap does not enter the step's median as a step.
-        Once per failed step: a second call before the next commit (the discard verdict of the failure already
-        recorded) changes nothing."""
+        Once per failed step: a second call before the next step begins (:meth:`step_begun`; the discard verdict
+        of the failure already recorded) changes nothing."""
         with self._cv:
             if self._paused:   # the same failure told twice (its first record, then its discard verdict)
                 return
@@ -182,6 +182,11 @@ class StepPace:
             if self._last is not None:
                 self._last = now
             self.pauses += 1
+
+    def step_begun(self) -> None:
+        """A step began (the retried one, or the next): a failure of it pauses the download again."""
+        with self._cv:
+            self._paused = False
 
     def release(self) -> None:
         """No pace from now on (the worker leaves and waits for its download, or the download was given up)."""

@@ -115,7 +115,8 @@ class OuterReplay:
         self.base_ahead = [0] * n
         self._held: list[list[torch.Tensor]] | None = None
         self._final = False       # this load is for good: no base to keep after it
-        self.reset_at: int | None = None   # the step a blocking heal reset the model at (spans_now counts from it)
+        # The step from which every fragment's span counts at most (spans_now): the run's start, or a blocking heal.
+        self.reset_at = 0
         self.kept_fragments = 0   # fragments whose progress a load kept (counted over this life)
 
     def _spans(self) -> list[int]:
@@ -278,8 +279,8 @@ class OuterReplay:
         period = self.strategy.config.inner_steps
         step = self.strategy.step
         sched = [(step - f.offset) % period for f in self.strategy.fragments]
-        if self.reset_at is not None:   # healed blocking since: no fragment went on from before that
-            sched = [min(x, max(0, step - self.reset_at)) for x in sched]
+        # Not before the run's start (a fragment's first round may not have come yet) or a blocking heal.
+        sched = [min(x, max(0, step - self.reset_at)) for x in sched]
         if self.entered is None:
             return sched
         return [min(a, b) for a, b in zip(sched, self._spans())]

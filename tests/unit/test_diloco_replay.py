@@ -277,7 +277,7 @@ def test_a_later_load_keeps_the_progress_of_the_fragments_no_round_changed(world
     assert jr.extra == [3, 0] and jr.entered == joiner.step   # fragment 0: its last life's 2 and its own 1
     joiner.rounds.current = "fragment:0"
     assert jr.weight() == pytest.approx(3 / 4) and not jr.full() and jr.longest() == 3
-    jr.forget_base()
-    jr.before_load()                          # loaded for good: a later load compares with nothing
+    assert jr.base is None                    # that load was for good (before_load's default): no copy kept ...
+    jr.before_load()                          # ... so a later load compares with nothing
     joiner._heal_outer(copy)
     assert jr.caught_up() is False and len(inner2.state) == 0

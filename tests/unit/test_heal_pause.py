@@ -46,8 +46,13 @@ def test_one_failure_told_twice_pauses_once() -> None:
     pace.pause(now=12.5)             # ... then its discard verdict
     assert pace.pauses == 1
     assert pace.committed(now=22.0) == pytest.approx(0.5 * 10.0)   # measured from the failure (12.0)
+    pace.step_begun()
     pace.pause(now=23.0)             # the next failed step
     assert pace.pauses == 2
+    pace.step_begun()                # its retry fails too, before any commit: a pause of its own
+    pace.pause(now=26.0)
+    assert pace.pauses == 3
+    assert pace.committed(now=36.0) == pytest.approx(0.5 * 10.0)   # measured from the last failure (26.0)
 
 
 def test_a_pause_before_any_commit_keeps_the_admission_closed() -> None:
@@ -78,6 +83,20 @@ def test_failures_call_their_listeners_once_at_each_steps_first_failure() -> Non
     failures.error = None           # the next step (begin_step clears it)
     failures.record(RuntimeError("that one fails too"))
     assert calls == ["paused", "paused"]
+
+
+def test_the_abort_flag_goes_up_before_the_listeners_and_a_raising_listener_hides_nothing() -> None:
+    real = dist.HashStore()
+    client = SimpleNamespace(store=_Interleaving(real, "-", lambda: None), abort=AbortWatch())
+    failures = Failures(client, lambda: "run/q1/", lambda *a, **k: None)  # type: ignore[arg-type]
+    seen: list[bool] = []
+
+    def broken() -> None:
+        seen.append(bool(real.check(["run/q1/abort"])))   # the others were told first
+        raise RuntimeError("a listener's own bug")
+    failures.on_failure.extend([broken, lambda: seen.append(True)])
+    failures.record(RuntimeError("a peer closed its socket"))
+    assert seen == [True, True] and failures.error is not None and real.check(["run/q1/abort"])
 
 
 @pytest.mark.timeout(60)

@@ -110,6 +110,11 @@ def test_a_progress_written_before_spans_were_kept_resumes_one_fragment(tmp_path
     assert resume_progress(seed, [replay], RUN_TAG, _blob(_tree())) == 2 and replay.extra == [0]
 
 
+def test_spans_count_no_further_back_than_the_runs_start() -> None:
+    _, _, replay = _member(fragments=4, at=1)   # step 1 of a fresh run: no fragment's first round came yet
+    assert replay.spans_now() == [1, 1, 1, 1]
+
+
 def test_spans_count_from_a_blocking_heal() -> None:
     _, _, replay = _member(fragments=4, at=13)
     assert replay.spans_now() == [3, 1, 7, 5]
