@@ -50,7 +50,7 @@ $(STAMP): pyproject.toml
 # fixed waits and ~35 s of new tests came in. Again at 898f3b4 (1154 tests, two more): 1111 passed, 43 skipped,
 # pytest 10 min 6 s (10 min 42 s with the venv): the suite sits at the 10-minute line.
 # 2026-11-29, later (fresh clone of d232729, 1167 tests): 1124 passed, 43 skipped, pytest 10 min 8 s (10 min 46 s
-# with the venv); still at the line.
+# with the venv); still at the line. Again at df7b50c (1169 tests): 1126 passed, 43 skipped, pytest 10 min 8 s.
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
