@@ -244,10 +244,9 @@ def worker(a: argparse.Namespace) -> None:
     after_round = {"localsgd": 1, "diloco": 0, "streaming": 0}.get(a.strategy)
     # DDP reads the run's one stream: per step, per_worker samples each, or (--global-batch) the contributors
     # share N (the survivors of a kill take over its share). The cursor is healed into restarts.
-    sampler = None if after_round is not None else (
-        ElasticSampler(STREAM, group, global_batch=a.global_batch, shuffle=False, joiner_batch=a.joiner_batch or None)
-        if a.global_batch else ElasticSampler(STREAM, group, batch_size=per_worker(a.task), shuffle=False,
-                                              joiner_batch=a.joiner_batch or None))
+    size = {"global_batch": a.global_batch} if a.global_batch else {"batch_size": per_worker(a.task)}
+    sampler = None if after_round is not None else ElasticSampler(
+        STREAM, group, shuffle=False, joiner_batch=a.joiner_batch or None, **size)
     log.write(json.dumps({"event": "joining", "t": time.time()}) + "\n")   # its first step asks to be admitted
     contributed, early_steps = False, 0
     while step_of() < a.steps or (after_round is not None and step_of() % a.period != after_round):

@@ -361,8 +361,13 @@ class CatchUp:
 
     def _full(self) -> bool:
         """Whether this joiner is a full member now: every replayer says so (one without ``full``: weight 1)."""
-        return all(bool(r.full()) if hasattr(r, "full") else float(getattr(r, "weight", lambda: 1.0)()) >= 1.0
-                   for r in self.replayers)
+        for r in self.replayers:
+            if hasattr(r, "full"):
+                if not r.full():
+                    return False
+            elif hasattr(r, "weight") and float(r.weight()) < 1.0:
+                return False
+        return True
 
     def longest(self) -> int:
         """The inner steps the longest-going part of a joiner's progress spans (what it trained since it loaded,
@@ -868,8 +873,6 @@ class CatchUp:
         elif self.seed is not None and restore_own(self.seed, self.replayers, g.client.key(OWN_TAG)):
             self.stats.own_restored += 1   # its inner optimizer resumes its last life's, not empty
             g.trace("own-restored")
-        if count:   # loaded for good: no later load of this life compares with this one
-            self._forget_base()
         self.stats.replayed, self.records = len(self.records), []
         with self._seed_lock:   # the host's copy is stale now: the end of the next inner step writes it
             self._seed_due = True

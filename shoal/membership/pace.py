@@ -152,7 +152,6 @@ class StepPace:
         ``open_slot=False``: the step is measured but no slot opens (the next step forms a new quorum,
         whose admission should not share the link with a download); 0.0."""
         with self._cv:
-            self._paused = False
             if self._last is not None and now > self._last:
                 self._intervals.append(now - self._last)
             self._last = now

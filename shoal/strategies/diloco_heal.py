@@ -227,10 +227,11 @@ class OuterReplay:
         kept = [held is not None and base is not None and torch.equal(base[i], f.snapshot)
                 for i, f in enumerate(fragments)]
         for i, f in enumerate(fragments):
-            self.strategy._reset_to_global(f)
             if kept[i]:
                 assert held is not None   # internal: kept only where held
                 torch._foreach_copy_([p.detach() for p in f.params], held[i])
+            else:
+                self.strategy._reset_to_global(f)
         if not any(kept):
             self.optimizer.state.clear()   # trained on the joiner's own model while it downloaded: start afresh
         self.extra = [since + a if k else 0 for k, a in zip(kept, self.base_ahead)]
